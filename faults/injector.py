@@ -1,0 +1,131 @@
+"""The fault injector of one rank: decides, deterministically, whether a fault point fires.
+
+Determinism: a decision is a keyed hash of (run seed, spec index, global rank, point, the
+occurrence number of that point on the calling thread), so the same seed and specs replay the
+same firing pattern whatever the interleaving of threads (each thread's own sequence of visits
+is deterministic). ``count`` limits are per rank.
+
+Cost when off: components ask :meth:`FaultInjector.armed` once at construction and skip the
+point entirely when nothing targets it on this rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from faults.points import FaultPoint
+from faults.spec import KIND_POINT, FaultKind, FaultSpec
+
+if TYPE_CHECKING:
+    from hicache_runtime.topology import RankInfo
+    from hicache_runtime.tracing import Tracer
+
+_STORAGE_POINTS = {FaultPoint.STORAGE_EXISTS, FaultPoint.STORAGE_GET, FaultPoint.STORAGE_SET}
+
+
+@dataclass(frozen=True)
+class FiredFault:
+    """One firing, as listed in traces and bundle manifests."""
+
+    spec: str
+    kind: str
+    point: str
+    rank: int
+    step: int
+    rid: str | None
+    thread: str
+
+    def as_dict(self) -> dict[str, object]:
+        return dict(self.__dict__)
+
+
+def points_of(spec: FaultSpec) -> set[FaultPoint]:
+    """The fault points a spec can act at."""
+    fixed = KIND_POINT[spec.kind]
+    if fixed is not None:
+        return {fixed}
+    if spec.kind in (FaultKind.CRASH, FaultKind.HANG):
+        assert spec.point is not None
+        return {spec.point}
+    if spec.kind is FaultKind.STORAGE_SHORTFALL:
+        return {FaultPoint.STORAGE_EXISTS if spec.shortfall_mode == "short"
+                else FaultPoint.STORAGE_GET}
+    if spec.kind is FaultKind.STORAGE_LATENCY:
+        return set(_STORAGE_POINTS)
+    if spec.kind is FaultKind.STORAGE_ERROR:
+        return {FaultPoint.STORAGE_GET, FaultPoint.STORAGE_SET}
+    return set()
+
+
+class FaultInjector:
+    """Fault decisions for one rank. Thread-safe."""
+
+    def __init__(self, specs: tuple[FaultSpec, ...] | list[FaultSpec], seed: int,
+                 rank: RankInfo, tracer: Tracer | None = None) -> None:
+        self.seed = seed
+        self.rank = rank
+        self.tracer = tracer
+        self._specs = [(i, s) for i, s in enumerate(specs)
+                       if s.matches_rank(rank.rank, rank.tp_rank, rank.pp_rank)]
+        self._by_point: dict[FaultPoint, list[tuple[int, FaultSpec]]] = defaultdict(list)
+        for i, s in self._specs:
+            for p in points_of(s):
+                self._by_point[p].append((i, s))
+        self._fired_count: dict[int, int] = defaultdict(int)
+        self._visits: dict[tuple[int, str, str], int] = defaultdict(int)
+        self._lock = threading.Lock()
+        self.fired: list[FiredFault] = []
+
+    def armed(self, point: FaultPoint) -> bool:
+        """Whether any spec can fire at ``point`` on this rank (checked once, at start-up)."""
+        return point in self._by_point
+
+    def of_kind(self, kind: FaultKind) -> list[FaultSpec]:
+        return [s for _, s in self._specs if s.kind is kind]
+
+    def fire(self, point: FaultPoint, *, step: int, rid: str | None = None,
+             kinds: set[FaultKind] | None = None) -> list[FaultSpec]:
+        """The specs that fire at this visit of ``point`` (usually zero or one)."""
+        candidates = self._by_point.get(point)
+        if not candidates:
+            return []
+        thread = threading.current_thread().name
+        out: list[FaultSpec] = []
+        with self._lock:
+            for idx, spec in candidates:
+                if kinds is not None and spec.kind not in kinds:
+                    continue
+                if not spec.matches_step(step) or not spec.matches_request(rid):
+                    continue
+                if spec.count is not None and self._fired_count[idx] >= spec.count:
+                    continue
+                key = (idx, point.value, thread)
+                visit = self._visits[key]
+                self._visits[key] = visit + 1
+                if spec.p < 1.0 and self._draw(idx, point, thread, visit) >= spec.p:
+                    continue
+                self._fired_count[idx] += 1
+                out.append(spec)
+                self.fired.append(FiredFault(spec.compact(), spec.kind.value, point.value,
+                                             self.rank.rank, step, rid, thread))
+        if self.tracer is not None:
+            for spec in out:
+                self.tracer.emit("fault.fired", kind=spec.kind.value, point=point.value,
+                                 spec=spec.compact(), rid=rid)
+        return out
+
+    def draw(self, label: str, visit: int) -> float:
+        """A seeded uniform number in [0, 1) for value choices inside a fault (e.g. jitter)."""
+        return _uniform(f"{self.seed}/{self.rank.rank}/{label}/{visit}")
+
+    def _draw(self, idx: int, point: FaultPoint, thread: str, visit: int) -> float:
+        return _uniform(f"{self.seed}/{idx}/{self.rank.rank}/{point.value}/{thread}/{visit}")
+
+
+def _uniform(text: str) -> float:
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0**64

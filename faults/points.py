@@ -1,0 +1,39 @@
+"""The named fault points of the runtime.
+
+A fault point is a place in the runtime where an armed fault may act. Points cost nothing when no
+fault targets them: components ask the injector once, at construction, whether a point is armed,
+and skip the call entirely otherwise.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class FaultPoint(str, Enum):
+    """Where a fault acts. One line per member says where the runtime calls it."""
+
+    SCHEDULER_STEP = "scheduler.step"
+    """Top of every scheduler loop iteration (stage lag, crash, hang, rank kill)."""
+    COPY_COMPLETE = "copy.complete"
+    """A copy-engine job (L1<->L2) is about to signal completion (DMA lag)."""
+    HOST_ALLOC = "host.alloc"
+    """The host (L2) pool is asked for pages (allocation failure)."""
+    STORAGE_EXISTS = "storage.exists"
+    """An L3 existence query (short prefix or holes)."""
+    STORAGE_GET = "storage.get"
+    """An L3 page read (latency, error, corruption, holes)."""
+    STORAGE_SET = "storage.set"
+    """An L3 page write (latency, error)."""
+    PREFETCH_BATCH = "prefetch.batch"
+    """The prefetch IO thread is about to read one batch of pages (mid-prefetch abort)."""
+    CACHE_EVENTS = "cache.events"
+    """Start of ``check_hicache_events`` on the scheduler thread (crash, hang)."""
+    FORWARD = "model.forward"
+    """Before a batch runs through the model (crash, hang)."""
+
+
+#: Points a ``crash`` or ``hang`` fault may name with ``point=``.
+CRASHABLE_POINTS = frozenset(
+    {FaultPoint.SCHEDULER_STEP, FaultPoint.CACHE_EVENTS, FaultPoint.FORWARD}
+)

@@ -1,0 +1,277 @@
+"""Runtime configuration: one pydantic model, validated once at the boundary.
+
+``load_config`` is the only way the CLI, campaigns and tests build a config from loose values; it
+turns every validation failure into a :class:`ConfigError` that names the offending field, so the
+CLI can print one line and exit 2. Inside the runtime, configs are frozen and trusted.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from faults.spec import FaultSpec
+from hicache_runtime.errors import ConfigError
+from hicache_runtime.legacy import LegacySwitch
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class WritePolicy(str, Enum):
+    """When L1 pages are copied to L2 (SGLang ``--hicache-write-policy``)."""
+
+    WRITE_THROUGH = "write_through"
+    """Back up every node on insert."""
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"
+    """Back up a node once its hit count reaches ``write_through_threshold``."""
+    WRITE_BACK = "write_back"
+    """Back up only when a node is evicted from L1."""
+
+
+class PrefetchPolicy(str, Enum):
+    """When a waiting request stops waiting for its L3 prefetch."""
+
+    BEST_EFFORT = "best_effort"
+    """Take whatever has arrived when the request is scheduled."""
+    WAIT_COMPLETE = "wait_complete"
+    """Wait until every hit page has arrived."""
+    TIMEOUT = "timeout"
+    """Wait until complete or until a length-dependent deadline (PP0 decides)."""
+
+
+class ModelConfig(BaseModel):
+    """The small decoder-only transformer. Weights are a pure function of ``weight_seed``."""
+
+    model_config = _FROZEN
+    vocab_size: int = Field(256, ge=2)
+    num_layers: int = Field(4, ge=1)
+    hidden_size: int = Field(64, ge=2)
+    num_heads: int = Field(4, ge=1)
+    head_dim: int = Field(16, ge=2)
+    ffn_size: int = Field(128, ge=1)
+    dtype: Literal["float64", "float32", "bfloat16", "float16"] = "float64"
+    weight_seed: int = 1234
+    rope_theta: float = Field(10000.0, gt=0)
+
+    @model_validator(mode="after")
+    def _even_head_dim(self) -> ModelConfig:
+        if self.head_dim % 2:
+            raise ValueError(_at("model.head_dim", "must be even (rotary embedding pairs)"))
+        return self
+
+
+class TopologyConfig(BaseModel):
+    """Tensor- and pipeline-parallel sizes; one rank process per (tp, pp) pair."""
+
+    model_config = _FROZEN
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+
+class CacheConfig(BaseModel):
+    """L1 (device) and L2 (host) tiers and their policies."""
+
+    model_config = _FROZEN
+    enable_prefix_cache: bool = True
+    """False gives the cache-disabled reference run: every request computes from scratch."""
+    enable_hicache: bool = True
+    """False keeps L1 only (a plain radix cache)."""
+    page_size: int = Field(8, ge=1)
+    device_tokens: int = Field(2048, gt=0)
+    host_tokens: int | None = Field(None, gt=0)
+    host_ratio: float = Field(2.0, gt=0)
+    host_bytes: int | None = Field(None, gt=0)
+    """Fixed host pool in bytes (``--hicache-size``); converted to tokens per stage."""
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
+    write_through_threshold: int = Field(2, ge=1)
+    load_back_threshold: int = Field(10, ge=0)
+    """Skip load-back of fewer tokens than this; recompute them instead."""
+
+    @model_validator(mode="after")
+    def _pages_divide(self) -> CacheConfig:
+        if self.device_tokens % self.page_size:
+            raise ValueError(
+                _at("cache.device_tokens", f"{self.device_tokens} is not a multiple of "
+                    f"page_size {self.page_size}")
+            )
+        if self.host_tokens is not None and self.host_tokens % self.page_size:
+            raise ValueError(
+                _at("cache.host_tokens", f"{self.host_tokens} is not a multiple of "
+                    f"page_size {self.page_size}")
+            )
+        if self.device_tokens < 4 * self.page_size:
+            raise ValueError(_at("cache.device_tokens", "must hold at least 4 pages"))
+        return self
+
+
+class StorageConfig(BaseModel):
+    """L3 storage and the prefetch/backup pipeline."""
+
+    model_config = _FROZEN
+    backend: Literal["none", "file", "redis"] = "none"
+    path: Path | None = None
+    url: str | None = None
+    prefetch_policy: PrefetchPolicy = PrefetchPolicy.BEST_EFFORT
+    prefetch_threshold: int = Field(16, ge=1)
+    """Tokens; prefetches shorter than this are revoked (clamped to at least one page)."""
+    prefetch_timeout_base_s: float = Field(1.0, gt=0)
+    prefetch_timeout_per_ki_token_s: float = Field(0.25, ge=0)
+    io_batch_pages: int = Field(8, ge=1)
+    """Pages per L3 batch (SGLang uses 128; small pools want small batches)."""
+    prefetch_capacity_fraction: float = Field(0.5, gt=0, le=1)
+    """Prefetches may reserve at most this fraction of the host pool (rate limit)."""
+    single_writer: bool = False
+    """MLA-style: only TP rank 0 writes to L3; the others skip but still ack."""
+    sidecar_pools: tuple[Literal["all_pages", "trailing_pages"], ...] = ()
+    reconnect_backoff_s: float = Field(0.5, gt=0)
+
+
+class SchedulerConfig(BaseModel):
+    """Batch formation limits."""
+
+    model_config = _FROZEN
+    max_running_requests: int = Field(16, ge=1)
+    max_prefill_tokens: int = Field(1024, ge=1)
+    chunked_prefill_size: int = Field(256, ge=1)
+    schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
+    decode_reserve_ratio: float = Field(0.5, ge=0, le=1)
+    """Fraction of running requests' remaining decode tokens kept free when admitting prefills."""
+
+
+class WorkloadConfig(BaseModel):
+    """The seeded request stream."""
+
+    model_config = _FROZEN
+    kind: Literal["multi_turn", "shared_prefix", "long_context", "mixed"] = "mixed"
+    requests: int = Field(32, ge=1)
+    max_new_tokens: int = Field(8, ge=1)
+    system_prompt_tokens: int = Field(96, ge=0)
+    turn_tokens: int = Field(24, ge=1)
+    long_context_tokens: int = Field(384, ge=1)
+    arrival_gap_steps: int = Field(1, ge=0)
+    abort_fraction: float = Field(0.0, ge=0, le=1)
+    """Fraction of requests a client aborts at a seeded step after arrival."""
+
+
+class ObservabilityConfig(BaseModel):
+    """Tracing, bundles, watchdogs."""
+
+    model_config = _FROZEN
+    tracing: bool = True
+    """The always-on event ring. Off only for overhead benchmarks."""
+    ring_size: int = Field(65536, ge=16)
+    trace_path: Path | None = None
+    bundle_dir: Path | None = None
+    watchdog_timeout_s: float = Field(60.0, gt=0)
+    protocol_timeout_s: float = Field(30.0, gt=0)
+    consensus_check: bool = False
+    check_integrity_every: int = Field(0, ge=0)
+    """Run the pool/tree integrity check every N steps (0: only when idle and at drain)."""
+
+
+class RuntimeConfig(BaseModel):
+    """Everything a run needs. Build it with :func:`load_config`."""
+
+    model_config = _FROZEN
+    seed: int = 0
+    model: ModelConfig = ModelConfig()
+    topology: TopologyConfig = TopologyConfig()
+    cache: CacheConfig = CacheConfig()
+    storage: StorageConfig = StorageConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    workload: WorkloadConfig = WorkloadConfig()
+    observability: ObservabilityConfig = ObservabilityConfig()
+    legacy: frozenset[LegacySwitch] = frozenset()
+    faults: tuple[FaultSpec, ...] = ()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RuntimeConfig:
+        m, t, s, c = self.model, self.topology, self.scheduler, self.cache
+        if m.num_heads % t.tp:
+            raise ValueError(_at("topology.tp", f"{t.tp} does not divide num_heads {m.num_heads}"))
+        if m.ffn_size % t.tp:
+            raise ValueError(_at("topology.tp", f"{t.tp} does not divide ffn_size {m.ffn_size}"))
+        if m.num_layers < t.pp:
+            raise ValueError(_at("topology.pp", f"{t.pp} stages but only {m.num_layers} layers"))
+        if s.chunked_prefill_size % c.page_size:
+            raise ValueError(
+                _at("scheduler.chunked_prefill_size", f"{s.chunked_prefill_size} is not a "
+                    f"multiple of page_size {c.page_size}")
+            )
+        if self.storage.backend == "redis" and not self.storage.url:
+            raise ValueError(_at("storage.url", "the redis backend needs redis://host:port/db"))
+        if self.storage.backend != "none" and not c.enable_hicache:
+            raise ValueError(_at("storage.backend", "L3 needs the host tier (enable_hicache)"))
+        return self
+
+    def with_overrides(self, **changes: Any) -> RuntimeConfig:
+        """A copy with dotted-path overrides, validated (``{"cache.page_size": 16}``)."""
+        data = self.model_dump(mode="python")
+        for dotted, value in changes.items():
+            _set_dotted(data, dotted, value)
+        return load_config(data)
+
+    def reference(self) -> RuntimeConfig:
+        """The cache-disabled twin: same model, topology, workload and seed; no faults."""
+        return self.with_overrides(
+            **{"cache.enable_prefix_cache": False, "storage.backend": "none", "faults": (),
+               "legacy": frozenset()}
+        )
+
+
+# --- loading --------------------------------------------------------------------------------
+
+_AT_RE = re.compile(r"^@([\w.]+): (.*)$", re.S)
+
+
+def load_config(data: dict[str, Any] | None = None, **top: Any) -> RuntimeConfig:
+    """Validate loose values into a :class:`RuntimeConfig`.
+
+    ``data`` may nest sections (``{"cache": {"page_size": 16}}``) or use dotted keys
+    (``{"cache.page_size": 16}``). Raises :class:`ConfigError` naming the first bad field.
+    """
+    merged: dict[str, Any] = {}
+    for key, value in {**(data or {}), **top}.items():
+        _set_dotted(merged, key, value)
+    try:
+        return RuntimeConfig.model_validate(merged)
+    except ValidationError as exc:
+        raise _config_error(exc) from None
+
+
+def _config_error(exc: ValidationError) -> ConfigError:
+    err = exc.errors()[0]
+    field = ".".join(str(p) for p in err["loc"])
+    msg = str(err["msg"])
+    msg = msg.removeprefix("Value error, ")
+    m = _AT_RE.match(msg)
+    if m:
+        field, msg = m.group(1), m.group(2)
+    if "input" in err and err["type"] not in ("value_error", "assertion_error"):
+        msg = f"{msg} (got {err['input']!r})"
+    return ConfigError(field or "config", msg)
+
+
+def _at(field: str, message: str) -> str:
+    """Encode a cross-field error so ``load_config`` can name the field."""
+    return f"@{field}: {message}"
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[parts[-1]] = value

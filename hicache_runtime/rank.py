@@ -1,0 +1,145 @@
+"""Wiring of one rank: builds the tracer, injector, model, pools, cache and scheduler.
+
+Everything a rank owns hangs off one :class:`RankRuntime`; there is no module-level state, so
+several ranks (or a run and its cache-disabled reference) can live in one process in tests.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from faults.injector import FaultInjector
+from faults.points import FaultPoint
+from faults.spec import FaultKind
+from hicache_runtime.cache import NoPrefixCache, PrefixCache
+from hicache_runtime.config import RuntimeConfig
+from hicache_runtime.copy_engine import CopyEngine, CpuCopyEngine, CudaCopyEngine
+from hicache_runtime.hicache import HiCache
+from hicache_runtime.legacy import LegacySwitch
+from hicache_runtime.model import TensorParallelComm, TinyTransformer
+from hicache_runtime.pools import DeviceKVPool, HostKVPool, KVShape
+from hicache_runtime.radix_tree import RadixTree
+from hicache_runtime.scheduler import Scheduler
+from hicache_runtime.sync import RankSync, SingleRankSync
+from hicache_runtime.topology import RankInfo
+from hicache_runtime.tracing import Tracer
+
+
+@dataclass
+class RankRuntime:
+    """Every per-rank object of a run."""
+
+    cfg: RuntimeConfig
+    rank: RankInfo
+    device: torch.device
+    tracer: Tracer
+    faults: FaultInjector | None
+    sync: RankSync
+    model: TinyTransformer
+    device_pool: DeviceKVPool
+    host_pool: HostKVPool | None
+    cache: PrefixCache
+    scheduler: Scheduler
+
+    def close(self) -> None:
+        self.cache.shutdown()
+        self.sync.close()
+        self.tracer.close()
+
+
+def pick_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
+def build_rank(cfg: RuntimeConfig, rank: RankInfo | None = None, *,
+               sync: RankSync | None = None, tp: TensorParallelComm | None = None,
+               trace_path: Path | None = None) -> RankRuntime:
+    """Build one rank. ``sync``/``tp`` default to the single-rank implementations."""
+    rank = rank or RankInfo()
+    device = pick_device()
+    obs = cfg.observability
+    tracer = Tracer(rank, ring_size=obs.ring_size, enabled=obs.tracing,
+                    jsonl_path=trace_path or obs.trace_path)
+    faults = FaultInjector(cfg.faults, cfg.seed, rank, tracer) if cfg.faults else None
+    sync = sync or SingleRankSync(rank, tracer)
+    model = TinyTransformer(cfg.model, rank, device, tp)
+    shape = model.kv_shape()
+    device_pool = DeviceKVPool(shape, cfg.cache.device_tokens, cfg.cache.page_size, device)
+    host_pool: HostKVPool | None = None
+    cache: PrefixCache
+    if not cfg.cache.enable_prefix_cache:
+        cache = NoPrefixCache(device_pool)
+    else:
+        engine: CopyEngine | None = None
+        if cfg.cache.enable_hicache:
+            host_pool = _host_pool(cfg, shape, sync, faults, tracer)
+            engine = _copy_engine(cfg, device, tracer, faults)
+        tree = RadixTree(cfg.cache.page_size, _lru_clock(cfg, faults))
+        cache = HiCache(cfg.cache, device_pool, host_pool, engine, sync, tracer, tree,
+                        cfg.legacy)
+    scheduler = Scheduler(cfg.scheduler, cache, tracer)
+    return RankRuntime(cfg, rank, device, tracer, faults, sync, model, device_pool, host_pool,
+                       cache, scheduler)
+
+
+def host_tokens_for(cfg: RuntimeConfig, shape: KVShape) -> int:
+    """This stage's own host capacity in tokens (before any cross-stage agreement)."""
+    c = cfg.cache
+    if c.host_tokens is not None:
+        tokens = c.host_tokens
+    elif c.host_bytes is not None:
+        tokens = c.host_bytes // shape.bytes_per_token
+    else:
+        tokens = int(c.device_tokens * c.host_ratio)
+    return max(c.page_size, tokens - tokens % c.page_size)
+
+
+def _host_pool(cfg: RuntimeConfig, shape: KVShape, sync: RankSync,
+               faults: FaultInjector | None, tracer: Tracer) -> HostKVPool:
+    tokens = host_tokens_for(cfg, shape)
+    if cfg.cache.host_bytes is not None and LegacySwitch.LOCAL_HOST_CAPACITY not in cfg.legacy:
+        # Stages own different layers, so bytes per token differ: agree on the MIN (#29258).
+        agreed = sync.host_capacity(tokens)
+        if agreed != tokens:
+            tracer.emit("sync.host_capacity", local=tokens, agreed=agreed)
+        tokens = agreed
+    alloc_fault = None
+    if faults is not None and faults.armed(FaultPoint.HOST_ALLOC):
+        def alloc_fault(n: int) -> bool:
+            return bool(faults.fire(FaultPoint.HOST_ALLOC, step=tracer.step))
+    return HostKVPool(shape, tokens, cfg.cache.page_size, pin=torch.cuda.is_available(),
+                      alloc_fault=alloc_fault)
+
+
+def _copy_engine(cfg: RuntimeConfig, device: torch.device, tracer: Tracer,
+                 faults: FaultInjector | None) -> CopyEngine:
+    lag = None
+    if faults is not None and faults.armed(FaultPoint.COPY_COMPLETE):
+        def lag() -> float:
+            fired = faults.fire(FaultPoint.COPY_COMPLETE, step=tracer.step)
+            return max((s.lag_s for s in fired), default=0.0)
+    if device.type == "cuda":
+        return CudaCopyEngine(cfg.cache.page_size, device, tracer, lag)
+    return CpuCopyEngine(cfg.cache.page_size, tracer, lag)
+
+
+def _lru_clock(cfg: RuntimeConfig, faults: FaultInjector | None):  # noqa: ANN202
+    """Logical clock (fixed) or wall clock (``wallclock-lru``), optionally skewed."""
+    if LegacySwitch.WALLCLOCK_LRU not in cfg.legacy:
+        return None
+    skews = faults.of_kind(FaultKind.CLOCK_SKEW) if faults is not None else []
+    if not skews:
+        return time.monotonic
+    jitter_s = max(s.lag_s for s in skews)
+    visits = iter(range(1 << 62))
+
+    def skewed() -> float:
+        assert faults is not None
+        return time.monotonic() + jitter_s * faults.draw("clock-skew", next(visits))
+
+    return skewed

@@ -1,0 +1,196 @@
+"""One run, end to end: the cached run, its cache-disabled reference, the verdict, the bundle.
+
+``run_single`` executes a single-rank run in this process. The outcome is:
+
+* ``crash`` — the rank raised (the bundle holds the traceback and all-thread stacks);
+* ``hang`` — the step watchdog saw no progress for ``watchdog_timeout_s`` (stacks are taken while
+  the scheduler is still stuck, then it is interrupted);
+* ``wrong-output`` — the run finished but some request's tokens differ from the reference;
+* ``healthy`` — otherwise.
+
+Every non-healthy outcome leaves a bundle whose manifest validates against ``bundle.Manifest``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from hicache_runtime.bundle import FiredFaultRecord, Manifest, RankEntry, RunOutcome, \
+    new_bundle_dir, now_iso, versions, write_manifest
+from hicache_runtime.config import RuntimeConfig
+from hicache_runtime.engine import Engine, EngineResult, dump_rank
+from hicache_runtime.errors import StepStalled
+from hicache_runtime.rank import RankRuntime, build_rank
+from hicache_runtime.request import Req, ReqStatus
+from hicache_runtime.watchdog import StepWatchdog, install_interrupt_handler, \
+    interrupt_main_thread
+from hicache_runtime.workload import Workload
+
+DEFAULT_BUNDLE_ROOT = Path("hicache-bundles")
+ProgressFn = Callable[[int, int, int], None]
+
+
+class CachedTokens(BaseModel):
+    """Prompt tokens served from each tier instead of being recomputed."""
+
+    device: int = 0
+    host: int = 0
+    storage: int = 0
+
+
+class Mismatch(BaseModel):
+    """A request whose output differs from the cache-disabled reference."""
+
+    rid: str
+    index: int
+    """First differing token position (or -1 when the request is missing on one side)."""
+    expected: list[int]
+    got: list[int]
+    note: str = ""
+
+
+class RunSummary(BaseModel):
+    """What ``hicache run --json`` prints."""
+
+    outcome: RunOutcome
+    requests: int
+    completed: int
+    aborted: int
+    output_match: bool | None
+    cached_tokens: CachedTokens
+    steps: int
+    wall_s: float
+    reference_wall_s: float | None = None
+    topology: dict[str, int]
+    legacy: list[str] = []
+    faults: list[str] = []
+    faults_fired: int = 0
+    bundle: str | None = None
+    error: str | None = None
+    mismatches: list[Mismatch] = []
+    cache_stats: dict[str, Any] = {}
+
+
+def run_single(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn | None = None,
+               bundle_root: Path | None = None) -> RunSummary:
+    """Run one rank in this process, then (if healthy) its reference; judge and summarise."""
+    bundle_root = bundle_root or cfg.observability.bundle_dir or DEFAULT_BUNDLE_ROOT
+    rt = build_rank(cfg)
+    workload = Workload(cfg.workload, cfg.model.vocab_size, cfg.seed)
+    engine = Engine(rt, workload, on_step=progress)
+    hang: dict[str, Any] = {}
+    can_interrupt = install_interrupt_handler()
+
+    def on_stall(idle_s: float) -> None:
+        reason = f"no scheduler progress for {idle_s:.1f}s (step {engine.step})"
+        hang["bundle"] = _write_bundle(bundle_root, cfg, rt, RunOutcome.HANG, reason,
+                                       engine.step, None)
+        hang["reason"] = reason
+        if can_interrupt:
+            interrupt_main_thread()
+
+    watchdog = StepWatchdog(cfg.observability.watchdog_timeout_s, on_stall).start()
+    engine.heartbeat = watchdog.beat
+    start = time.monotonic()
+    result: EngineResult | None = None
+    outcome, error, bundle = RunOutcome.HEALTHY, None, None
+    try:
+        result = engine.run()
+    except StepStalled as exc:
+        outcome, error, bundle = RunOutcome.HANG, hang.get("reason", str(exc)), hang.get("bundle")
+    except Exception as exc:
+        outcome, error = RunOutcome.CRASH, f"{type(exc).__name__}: {exc}".splitlines()[0]
+        bundle = _write_bundle(bundle_root, cfg, rt, outcome, error, engine.step, exc)
+    finally:
+        watchdog.stop()
+    wall = time.monotonic() - start
+    summary = _summary(cfg, rt, result, outcome, error, bundle, engine.step, wall)
+    if outcome is RunOutcome.HEALTHY and compare and result is not None:
+        ref = run_reference(cfg)
+        summary.reference_wall_s = ref.wall_s
+        summary.mismatches = compare_outputs(result.reqs, ref.reqs)
+        summary.output_match = not summary.mismatches
+        if summary.mismatches:
+            summary.outcome = RunOutcome.WRONG_OUTPUT
+            summary.error = f"{len(summary.mismatches)} request(s) differ from the reference"
+            summary.bundle = str(_write_bundle(
+                bundle_root, cfg, rt, RunOutcome.WRONG_OUTPUT, summary.error, engine.step, None,
+                mismatches=[m.model_dump() for m in summary.mismatches]))
+    rt.close()
+    return summary
+
+
+def run_reference(cfg: RuntimeConfig) -> EngineResult:
+    """The cache-disabled twin of ``cfg`` (no faults, no legacy switches)."""
+    ref_cfg = cfg.reference()
+    rt = build_rank(ref_cfg)
+    try:
+        return Engine(rt, Workload(ref_cfg.workload, ref_cfg.model.vocab_size, ref_cfg.seed)).run()
+    finally:
+        rt.close()
+
+
+def compare_outputs(got: dict[str, Req], ref: dict[str, Req]) -> list[Mismatch]:
+    """Requests whose tokens differ. An aborted request is compared on the tokens it has."""
+    out: list[Mismatch] = []
+    for rid in sorted(set(got) | set(ref)):
+        a, b = got.get(rid), ref.get(rid)
+        if a is None or b is None:
+            out.append(Mismatch(rid=rid, index=-1, expected=[] if b is None else b.output_ids,
+                                got=[] if a is None else a.output_ids, note="missing"))
+            continue
+        if a.input_ids != b.input_ids:
+            out.append(Mismatch(rid=rid, index=-1, expected=b.output_ids, got=a.output_ids,
+                                note="prompt differs (an earlier turn diverged)"))
+            continue
+        n = min(len(a.output_ids), len(b.output_ids))
+        partial = ReqStatus.ABORTED in (a.status, b.status)
+        if not partial:
+            n = max(len(a.output_ids), len(b.output_ids))
+        for i in range(n):
+            x = a.output_ids[i] if i < len(a.output_ids) else None
+            y = b.output_ids[i] if i < len(b.output_ids) else None
+            if x != y:
+                out.append(Mismatch(rid=rid, index=i, expected=b.output_ids, got=a.output_ids))
+                break
+    return out
+
+
+def _summary(cfg: RuntimeConfig, rt: RankRuntime, result: EngineResult | None,
+             outcome: RunOutcome, error: str | None, bundle: Path | None, steps: int,
+             wall: float) -> RunSummary:
+    stats = dict(getattr(rt.cache, "stats", {}))
+    fired = len(rt.faults.fired) if rt.faults is not None else 0
+    return RunSummary(
+        outcome=outcome, requests=cfg.workload.requests,
+        completed=result.completed if result else 0,
+        aborted=result.aborted if result else 0,
+        output_match=None,
+        cached_tokens=CachedTokens(**result.cached_tokens()) if result else CachedTokens(),
+        steps=steps, wall_s=round(wall, 3),
+        topology={"tp": cfg.topology.tp, "pp": cfg.topology.pp},
+        legacy=sorted(s.value for s in cfg.legacy), faults=[f.compact() for f in cfg.faults],
+        faults_fired=fired, bundle=str(bundle) if bundle else None, error=error,
+        cache_stats=stats)
+
+
+def _write_bundle(root: Path, cfg: RuntimeConfig, rt: RankRuntime, outcome: RunOutcome,
+                  reason: str, step: int, exc: BaseException | None,
+                  mismatches: list[dict[str, Any]] | None = None) -> Path:
+    bundle = new_bundle_dir(root, outcome)
+    entry: RankEntry = dump_rank(bundle, rt, outcome, step, exc)
+    fired = [FiredFaultRecord(**f.as_dict()) for f in rt.faults.fired] if rt.faults else []
+    write_manifest(bundle, Manifest(
+        created_at=now_iso(), outcome=outcome, reason=reason,
+        topology={"tp": cfg.topology.tp, "pp": cfg.topology.pp,
+                  "world_size": cfg.topology.world_size},
+        seed=cfg.seed, config=cfg.model_dump(mode="json"),
+        faults=[f.compact() for f in cfg.faults], faults_fired=fired,
+        legacy=sorted(s.value for s in cfg.legacy), versions=versions(), ranks=[entry],
+        mismatches=mismatches or []))
+    return bundle

@@ -1,0 +1,206 @@
+"""Event tracing: an always-on per-rank ring of structured events, JSONL, and Perfetto export.
+
+Every state transition in the runtime (request, tree, tier transfer, vote, fault, collective) is
+one event: monotonic time, rank coordinates, thread, scheduler step, kind and attributes. The ring
+is a bounded deque, cheap enough to leave on in production-like runs (``bench/tracing_overhead``
+measures it); the full stream goes to JSONL only when ``--trace PATH`` asks for it. Crash bundles
+carry the ring.
+
+Event kinds are dotted strings; :class:`Ev` lists the ones the runtime emits so the doctor and
+tests refer to them by name.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+from hicache_runtime.topology import RankInfo
+
+
+class Ev:
+    """Event kinds. Attributes are documented where each is emitted."""
+
+    REQ_ARRIVE = "req.arrive"
+    REQ_ADMIT = "req.admit"
+    REQ_FINISH = "req.finish"
+    REQ_ABORT = "req.abort"
+    REQ_RETRACT = "req.retract"
+    REQ_REJECT = "req.reject"
+    BATCH = "sched.batch"
+    STEP = "sched.step"
+    MATCH = "tree.match"
+    INSERT = "tree.insert"
+    SPLIT = "tree.split"
+    EVICT = "tree.evict"
+    EVICT_HOST = "tree.evict_host"
+    LOCK = "tree.lock"
+    WRITE_SUBMIT = "l2.write.submit"
+    WRITE_SKIP = "l2.write.skip"
+    WRITE_ACK = "l2.write.ack"
+    WRITE_DRAIN = "l2.write.drain"
+    LOAD_SUBMIT = "l2.load.submit"
+    LOAD_SKIP = "l2.load.skip"
+    LOAD_ACK = "l2.load.ack"
+    LOAD_DRAIN = "l2.load.drain"
+    COPY = "copy.job"
+    LAYER_WAIT = "copy.layer_wait"
+    BACKUP_SUBMIT = "l3.backup.submit"
+    BACKUP_ACK = "l3.backup.ack"
+    PREFETCH_SUBMIT = "l3.prefetch.submit"
+    PREFETCH_HIT = "l3.prefetch.hit"
+    PREFETCH_ACK = "l3.prefetch.ack"
+    PREFETCH_SETTLE = "l3.prefetch.settle"
+    PREFETCH_REVOKE = "l3.prefetch.revoke"
+    PREFETCH_TERMINATE = "l3.prefetch.terminate"
+    STORAGE = "l3.storage"
+    VOTE = "sync.vote"
+    COLLECTIVE_ENTER = "comm.enter"
+    COLLECTIVE_EXIT = "comm.exit"
+    FAULT = "fault.fired"
+    INTEGRITY = "check.integrity"
+    WATCHDOG = "watchdog.stall"
+    CONSENSUS = "consensus.check"
+
+
+EventRecord = tuple[int, str, str, int, dict[str, Any]]
+"""(monotonic ns, kind, thread name, step, attributes): the ring's storage form."""
+
+
+class Tracer:
+    """Records events for one rank. Thread-safe; ``emit`` never blocks on I/O except with a sink.
+
+    ``step`` is the scheduler step, set by the scheduler thread and read by every thread when it
+    emits, so background-thread events line up with the step during which they happened.
+    """
+
+    def __init__(
+        self,
+        rank: RankInfo,
+        *,
+        ring_size: int = 65536,
+        enabled: bool = True,
+        jsonl_path: Path | None = None,
+    ) -> None:
+        self.rank = rank
+        self.enabled = enabled
+        self.step = 0
+        self._ring: deque[EventRecord] = deque(maxlen=ring_size)
+        self._sink: IO[str] | None = None
+        self._sink_lock = threading.Lock()
+        self.total = 0
+        if jsonl_path is not None and enabled:
+            jsonl_path.parent.mkdir(parents=True, exist_ok=True)
+            self._sink = jsonl_path.open("w", encoding="utf-8")
+
+    def emit(self, kind: str, **attrs: Any) -> None:
+        """Record one event. Attributes must be JSON-friendly scalars or short lists."""
+        if not self.enabled:
+            return
+        rec = (time.monotonic_ns(), kind, threading.current_thread().name, self.step, attrs)
+        self._ring.append(rec)
+        self.total += 1
+        if self._sink is not None:
+            line = json.dumps(self._as_dict(rec), default=str)
+            with self._sink_lock:
+                self._sink.write(line + "\n")
+
+    @contextmanager
+    def span(self, kind: str, **attrs: Any) -> Iterator[dict[str, Any]]:
+        """Emit ``kind`` at exit with ``dur_ns``; the yielded dict can add attributes."""
+        start = time.monotonic_ns()
+        try:
+            yield attrs
+        finally:
+            if self.enabled:
+                self.emit(kind, t0_ns=start, dur_ns=time.monotonic_ns() - start, **attrs)
+
+    def events(self) -> list[dict[str, Any]]:
+        """A snapshot of the ring, oldest first, as JSON-ready dicts."""
+        return [self._as_dict(rec) for rec in list(self._ring)]
+
+    def write_jsonl(self, path: Path) -> int:
+        """Write the ring to ``path`` (one event per line); returns the count."""
+        events = self.events()
+        with path.open("w", encoding="utf-8") as fh:
+            for ev in events:
+                fh.write(json.dumps(ev, default=str) + "\n")
+        return len(events)
+
+    def close(self) -> None:
+        with self._sink_lock:
+            if self._sink is not None:
+                self._sink.close()
+                self._sink = None
+
+    def _as_dict(self, rec: EventRecord) -> dict[str, Any]:
+        t, kind, thread, step, attrs = rec
+        r = self.rank
+        return {
+            "t_ns": t, "rank": r.rank, "tp": r.tp_rank, "pp": r.pp_rank, "thread": thread,
+            "step": step, "kind": kind, "attrs": attrs,
+        }
+
+
+# --- reading and exporting ------------------------------------------------------------------
+
+
+def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    """Yield events from a JSONL trace, skipping (not failing on) malformed lines."""
+    with path.open("r", encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                ev = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(ev, dict) and "kind" in ev and "t_ns" in ev:
+                yield ev
+
+
+def to_perfetto(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Chrome/Perfetto trace JSON: one process per rank, one track per thread.
+
+    Events with ``dur_ns`` become complete ("X") slices starting at ``t0_ns``; the rest are
+    instant ("i") events. Times are microseconds from the earliest event.
+    """
+    evs = sorted(events, key=lambda e: e["attrs"].get("t0_ns", e["t_ns"]))
+    if not evs:
+        return {"traceEvents": [], "displayTimeUnit": "ms"}
+    t_base = min(e["attrs"].get("t0_ns", e["t_ns"]) for e in evs)
+    tids: dict[tuple[int, str], int] = {}
+    out: list[dict[str, Any]] = []
+    for ev in evs:
+        pid = int(ev.get("rank", 0))
+        key = (pid, str(ev.get("thread", "?")))
+        if key not in tids:
+            tids[key] = len(tids) + 1
+            out.append(_meta("thread_name", pid, tids[key], key[1]))
+            if not any(k[0] == pid for k in list(tids)[:-1]):
+                label = f"rank {pid} (TP{ev.get('tp', 0)} PP{ev.get('pp', 0)})"
+                out.append(_meta("process_name", pid, 0, label))
+        attrs = {k: v for k, v in ev["attrs"].items() if k not in ("t0_ns", "dur_ns")}
+        attrs["step"] = ev.get("step")
+        rec: dict[str, Any] = {
+            "name": ev["kind"], "cat": ev["kind"].split(".")[0], "pid": pid, "tid": tids[key],
+            "args": attrs,
+        }
+        if "dur_ns" in ev["attrs"]:
+            rec.update(ph="X", ts=(ev["attrs"]["t0_ns"] - t_base) / 1000.0,
+                       dur=ev["attrs"]["dur_ns"] / 1000.0)
+        else:
+            rec.update(ph="i", s="t", ts=(ev["t_ns"] - t_base) / 1000.0)
+        out.append(rec)
+    return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
+def _meta(name: str, pid: int, tid: int, value: str) -> dict[str, Any]:
+    return {"name": name, "ph": "M", "pid": pid, "tid": tid, "args": {"name": value}}
