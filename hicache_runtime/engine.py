@@ -21,8 +21,15 @@ from typing import Any
 
 from faults.points import FaultPoint
 from faults.spec import FaultKind
-from hicache_runtime.bundle import RankEntry, RankFiles, RankState, RunOutcome, rank_dir, \
-    write_json, write_text
+from hicache_runtime.bundle import (
+    RankEntry,
+    RankFiles,
+    RankState,
+    RunOutcome,
+    rank_dir,
+    write_json,
+    write_text,
+)
 from hicache_runtime.errors import InjectedFault
 from hicache_runtime.rank import RankRuntime
 from hicache_runtime.request import Req, ReqStatus

@@ -140,7 +140,8 @@ class HiCache(PrefixCache):
         Host residency stays contiguous from the root: a node whose parent has no host copy is
         not backed up. The allocation outcome is agreed across ranks before anything is
         committed, unless the classic local decision is restored."""
-        assert self.host is not None and self.controller is not None
+        assert self.host is not None
+        assert self.controller is not None
         if node.host_value is not None or node.value is None:
             return 0
         parent = node.parent
@@ -277,7 +278,8 @@ class HiCache(PrefixCache):
         for n in chain:
             if not self.write_backup(n, write_back=True):
                 for d in done:  # undo: nothing was copied yet
-                    assert self.host is not None and d.host_value is not None
+                    assert self.host is not None
+                    assert d.host_value is not None
                     self.host.free(d.host_value)
                     d.host_value = None
                 return []
@@ -287,7 +289,8 @@ class HiCache(PrefixCache):
     def _flush_write_back(self, copy: list[TreeNode], drop: list[TreeNode]) -> None:
         """Copy write-back victims (and their newly backed-up ancestors) to L2 synchronously,
         then drop the victims' L1 copies."""
-        assert self.controller is not None and self.host is not None
+        assert self.controller is not None
+        assert self.host is not None
         device_slots = torch.cat([n.value for n in copy])  # type: ignore[misc]
         host_slots = torch.cat([n.host_value for n in copy])  # type: ignore[misc]
         self.controller.engine.write(self.device, self.host, device_slots, host_slots) \

@@ -61,5 +61,7 @@ def parse_legacy(names: list[str]) -> frozenset[LegacySwitch]:
                 out.add(LegacySwitch(part))
             except ValueError:
                 known = ", ".join(s.value for s in LegacySwitch)
-                raise ConfigError("legacy", f"unknown switch {part!r}", hint=f"known: {known}") from None
+                raise ConfigError(
+                    "legacy", f"unknown switch {part!r}", hint=f"known: {known}"
+                ) from None
     return frozenset(out)

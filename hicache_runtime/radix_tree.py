@@ -217,7 +217,8 @@ class RadixTree:
             id=next(self._ids), key=child.key[:n], parent=child.parent,
             value=None if child.value is None else child.value[:n],
             host_value=None if child.host_value is None else child.host_value[:n],
-            hash_value=None if child.hash_value is None else child.hash_value[: n // self.page_size],
+            hash_value=(None if child.hash_value is None
+                        else child.hash_value[: n // self.page_size]),
             lock_ref=child.lock_ref, host_ref=child.host_ref, hit_count=child.hit_count,
             last_access=child.last_access,
         )

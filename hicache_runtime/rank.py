@@ -128,7 +128,7 @@ def _copy_engine(cfg: RuntimeConfig, device: torch.device, tracer: Tracer,
     return CpuCopyEngine(cfg.cache.page_size, tracer, lag)
 
 
-def _lru_clock(cfg: RuntimeConfig, faults: FaultInjector | None):  # noqa: ANN202
+def _lru_clock(cfg: RuntimeConfig, faults: FaultInjector | None):
     """Logical clock (fixed) or wall clock (``wallclock-lru``), optionally skewed."""
     if LegacySwitch.WALLCLOCK_LRU not in cfg.legacy:
         return None

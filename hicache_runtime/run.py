@@ -20,15 +20,22 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from hicache_runtime.bundle import FiredFaultRecord, Manifest, RankEntry, RunOutcome, \
-    new_bundle_dir, now_iso, versions, write_manifest
+from hicache_runtime.bundle import (
+    FiredFaultRecord,
+    Manifest,
+    RankEntry,
+    RunOutcome,
+    new_bundle_dir,
+    now_iso,
+    versions,
+    write_manifest,
+)
 from hicache_runtime.config import RuntimeConfig
 from hicache_runtime.engine import Engine, EngineResult, dump_rank
 from hicache_runtime.errors import StepStalled
 from hicache_runtime.rank import RankRuntime, build_rank
 from hicache_runtime.request import Req, ReqStatus
-from hicache_runtime.watchdog import StepWatchdog, install_interrupt_handler, \
-    interrupt_main_thread
+from hicache_runtime.watchdog import StepWatchdog, install_interrupt_handler, interrupt_main_thread
 from hicache_runtime.workload import Workload
 
 DEFAULT_BUNDLE_ROOT = Path("hicache-bundles")
