@@ -19,6 +19,7 @@ Contract shared by all implementations (scheduler thread only):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -111,7 +112,10 @@ class PrefixCache(ABC):
         return self.device.available_tokens + self.evictable_tokens
 
     @abstractmethod
-    def check_integrity(self, request_owned: int) -> None: ...
+    def check_integrity(self, request_owned: int,
+                        held: Sequence[TreeNode | None] | None = None) -> None:
+        """Raise ``InvariantViolation`` on broken accounting. ``held``: the prefix nodes that
+        requests hold locks on; when given, every lock in the tree must be accounted for."""
 
     @abstractmethod
     def snapshot(self) -> dict[str, Any]: ...
@@ -154,7 +158,8 @@ class NoPrefixCache(PrefixCache):
     def evictable_tokens(self) -> int:
         return 0
 
-    def check_integrity(self, request_owned: int) -> None:
+    def check_integrity(self, request_owned: int,
+                        held: Sequence[TreeNode | None] | None = None) -> None:
         free, cap = self.device.available_tokens, self.device.capacity_tokens
         if free + request_owned != cap:
             raise InvariantViolation(

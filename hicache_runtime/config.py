@@ -223,7 +223,7 @@ class RuntimeConfig(BaseModel):
         """The cache-disabled twin: same model, topology, workload and seed; no faults."""
         return self.with_overrides(
             **{"cache.enable_prefix_cache": False, "storage.backend": "none", "faults": (),
-               "legacy": frozenset()}
+               "legacy": frozenset(), "observability.trace_path": None}
         )
 
 

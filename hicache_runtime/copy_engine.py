@@ -217,7 +217,8 @@ class CpuCopyEngine(CopyEngine):
                 continue
             if self._tracer is not None:
                 self._tracer.emit("copy.job", dir=job.label, tokens=int(job.src_slots.numel()),
-                                  t0_ns=t0, dur_ns=time.monotonic_ns() - t0)
+                                  layer_slot=job.layer_slot, t0_ns=t0,
+                                  dur_ns=time.monotonic_ns() - t0)
             job.event.set()
 
     def _run(self, job: CopyJob) -> None:

@@ -107,7 +107,7 @@ class Engine:
             if batch is not None or arrivals or not sched.has_work:
                 self.heartbeat()
             if every and self.step % every == 0:
-                rt.cache.check_integrity(sched.request_owned_tokens())
+                sched.check_integrity()
             if self.on_step is not None:
                 self.on_step(self.step, len(finished), self.workload.total)
             if not sched.has_work and self.workload.exhausted():
@@ -121,7 +121,7 @@ class Engine:
         drain = getattr(self.rt.cache, "drain", None)
         if drain is not None:
             drain()
-        self.rt.cache.check_integrity(0)
+        self.rt.cache.check_integrity(0, [])
         self.rt.tracer.emit(Ev.INTEGRITY, ok=True, at="drain")
 
     def _fault_point(self, point: FaultPoint) -> None:

@@ -17,6 +17,8 @@ transfer queues, and applies the policies:
 from __future__ import annotations
 
 import heapq
+from collections import defaultdict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -397,8 +399,11 @@ class HiCache(PrefixCache):
 
     # --- integrity and state -------------------------------------------------------------------
 
-    def check_integrity(self, request_owned: int) -> None:
+    def check_integrity(self, request_owned: int,
+                        held: Sequence[TreeNode | None] | None = None) -> None:
         self.tree.check_structure()
+        if held is not None:
+            self._check_locks(held)
         dev_free, cap = self.device.available_tokens, self.device.capacity_tokens
         ev, prot = self.tree.evictable_size, self.tree.protected_size
         if dev_free + ev + prot + request_owned != cap:
@@ -415,6 +420,19 @@ class HiCache(PrefixCache):
                     f"host pool: free {free} + tree {host_tree} + in flight {held} != "
                     f"capacity {hcap}")
             _check_slots(self.tree, "host_value", self.host.allocator.is_used, self.page_size)
+
+    def _check_locks(self, held: Sequence[TreeNode | None]) -> None:
+        """Every lock is accounted for: requests' prefixes and in-flight transfers."""
+        expected: dict[int, int] = defaultdict(int)
+        holders = [*held, *self.ongoing_write_through.values(), *self.ongoing_load_back.values()]
+        for node in holders:
+            if node is not None:
+                for n in self.tree.path_to_root(node):
+                    expected[n.id] += 1
+        for n in self.tree.nodes():
+            if n.lock_ref != expected[n.id]:
+                raise InvariantViolation(
+                    f"node {n.id} has lock_ref {n.lock_ref} but {expected[n.id]} holder(s)")
 
     def host_held_outside_tree(self) -> int:
         """Host tokens allocated but not (yet) in the tree (L3 prefetches in flight)."""

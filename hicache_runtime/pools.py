@@ -15,6 +15,7 @@ run, so a load-back overlaps with compute (SGLang's per-layer load barrier).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -96,7 +97,8 @@ class DeviceKVPool(KVPool):
         super().__init__(shape, capacity_tokens, page_size, "device", device)
         self.layer_counter = LayerDoneCounter(shape.num_layers)
         self.consumer: int | None = None
-        self.on_layer_wait: Callable[[int], None] | None = None
+        self.on_layer_wait: Callable[[int, int, int], None] | None = None
+        """Called with (layer, wait start ns, wait end ns) when attention had to wait."""
 
     def set_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write freshly computed K/V of one layer into ``slots``."""
@@ -105,10 +107,14 @@ class DeviceKVPool(KVPool):
 
     def get_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of one layer for ``slots``; first waits until a pending load-back has landed."""
-        if self.consumer is not None and not self.layer_counter.is_done(self.consumer, layer):
-            if self.on_layer_wait is not None:
-                self.on_layer_wait(layer)
-            self.layer_counter.wait_until(self.consumer, layer)
+        if self.consumer is not None:
+            if self.layer_counter.is_done(self.consumer, layer):
+                self.layer_counter.wait_until(self.consumer, layer)  # GPU: stream wait
+            else:
+                t0 = time.monotonic_ns()
+                self.layer_counter.wait_until(self.consumer, layer)
+                if self.on_layer_wait is not None:
+                    self.on_layer_wait(layer, t0, time.monotonic_ns())
         return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
 
 

@@ -177,6 +177,7 @@ class RadixTree:
         new_node = None
         if key:
             new_node = self._add_child(node, key, value.clone())
+            new_node.hit_count = 1  # its first insert counts as a hit (selective write-through)
             node = new_node
         return InsertResult(prefix_len, node, new_node, revived, matched)
 

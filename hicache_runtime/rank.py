@@ -26,7 +26,7 @@ from hicache_runtime.radix_tree import RadixTree
 from hicache_runtime.scheduler import Scheduler
 from hicache_runtime.sync import RankSync, SingleRankSync
 from hicache_runtime.topology import RankInfo
-from hicache_runtime.tracing import Tracer
+from hicache_runtime.tracing import Ev, Tracer
 
 
 @dataclass
@@ -70,6 +70,10 @@ def build_rank(cfg: RuntimeConfig, rank: RankInfo | None = None, *,
     model = TinyTransformer(cfg.model, rank, device, tp)
     shape = model.kv_shape()
     device_pool = DeviceKVPool(shape, cfg.cache.device_tokens, cfg.cache.page_size, device)
+    if obs.tracing:
+        def on_layer_wait(layer: int, t0: int, t1: int) -> None:
+            tracer.emit(Ev.LAYER_WAIT, layer=layer, t0_ns=t0, dur_ns=t1 - t0)
+        device_pool.on_layer_wait = on_layer_wait
     host_pool: HostKVPool | None = None
     cache: PrefixCache
     if not cfg.cache.enable_prefix_cache:

@@ -15,6 +15,7 @@ which is what keeps ranks that run their own scheduler (every TP and PP rank doe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from hicache_runtime.config import SchedulerConfig
 from hicache_runtime.model import ForwardBatch
 from hicache_runtime.request import Req, ReqStatus
 from hicache_runtime.tracing import Ev, Tracer
+
+if TYPE_CHECKING:
+    from hicache_runtime.radix_tree import TreeNode
 
 
 @dataclass
@@ -87,6 +91,14 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked_req)
+
+    def held_nodes(self) -> list[TreeNode | None]:
+        """Prefix nodes locked by running requests (for the lock-accounting check)."""
+        return [r.last_node for r in [*self.running, *([self.chunked_req] if self.chunked_req
+                                                       else [])]]
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity(self.request_owned_tokens(), self.held_nodes())
 
     def request_owned_tokens(self) -> int:
         """Device tokens held by requests outside the tree (for the integrity check)."""

@@ -99,7 +99,7 @@ class Tracer:
             jsonl_path.parent.mkdir(parents=True, exist_ok=True)
             self._sink = jsonl_path.open("w", encoding="utf-8")
 
-    def emit(self, kind: str, **attrs: Any) -> None:
+    def emit(self, kind: str, /, **attrs: Any) -> None:
         """Record one event. Attributes must be JSON-friendly scalars or short lists."""
         if not self.enabled:
             return
@@ -112,7 +112,7 @@ class Tracer:
                 self._sink.write(line + "\n")
 
     @contextmanager
-    def span(self, kind: str, **attrs: Any) -> Iterator[dict[str, Any]]:
+    def span(self, kind: str, /, **attrs: Any) -> Iterator[dict[str, Any]]:
         """Emit ``kind`` at exit with ``dur_ns``; the yielded dict can add attributes."""
         start = time.monotonic_ns()
         try:

@@ -6,12 +6,12 @@ import os
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Verbosity, settings
 
 settings.register_profile("ci", max_examples=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", max_examples=25, deadline=None)
-settings.register_profile("debug", max_examples=10, deadline=None, verbosity=2)
+settings.register_profile("debug", max_examples=10, deadline=None, verbosity=Verbosity.verbose)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
