@@ -226,7 +226,8 @@ class CpuCopyEngine(CopyEngine):
         layers = job.src.k.shape[0]
         runs = page_runs(job.src_slots, job.dst_slots, self.page_size)
         for layer in range(layers):
-            copy_layer(job.src, job.dst, layer, job.src_slots, job.dst_slots, runs)
+            copy_layer(job.src, job.dst, layer, job.src_slots, job.dst_slots, runs,
+                       self.page_size)
             if job.counter is not None and job.layer_slot is not None:
                 if lag:
                     time.sleep(lag / layers)
@@ -253,7 +254,7 @@ class CudaCopyEngine(CopyEngine):
         self._d2h.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(self._d2h):
             for layer in range(device.k.shape[0]):
-                copy_layer(device, host, layer, device_slots, host_slots, runs)
+                copy_layer(device, host, layer, device_slots, host_slots, runs, self.page_size)
             ev = torch.cuda.Event()
             ev.record(self._d2h)
         self._maybe_lag()
@@ -265,7 +266,7 @@ class CudaCopyEngine(CopyEngine):
         runs = page_runs(host_slots, device_slots, self.page_size)
         with torch.cuda.stream(self._h2d):
             for layer in range(host.k.shape[0]):
-                copy_layer(host, device, layer, host_slots, device_slots, runs)
+                copy_layer(host, device, layer, host_slots, device_slots, runs, self.page_size)
                 done = torch.cuda.Event()
                 done.record(self._h2d)
                 counter.set_layer_event(slot, layer, done)
@@ -317,15 +318,30 @@ _MAX_SLICE_RUNS = 32
 
 
 def copy_layer(src: KVBuffers, dst: KVBuffers, layer: int, src_slots: torch.Tensor,
-               dst_slots: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
-    """Copy one layer's K and V for the given slots."""
+               dst_slots: torch.Tensor, runs: list[tuple[int, int, int]],
+               page_size: int) -> None:
+    """Copy one layer's K and V for the given slots.
+
+    Few runs: one slice copy per run (a single pass over the bytes). Many runs (a fragmented
+    pool): gather whole pages, then scatter them, indexing pages rather than tokens and moving
+    them as 8-byte words (index kernels are much faster on int64 than on half floats)."""
     non_blocking = dst.k.device != src.k.device
     if len(runs) <= _MAX_SLICE_RUNS:
         for s, d, n in runs:
             dst.k[layer, d : d + n].copy_(src.k[layer, s : s + n], non_blocking=non_blocking)
             dst.v[layer, d : d + n].copy_(src.v[layer, s : s + n], non_blocking=non_blocking)
         return
-    src_idx = src_slots.to(src.k.device)
-    dst_idx = dst_slots.to(dst.k.device)
-    dst.k[layer].index_copy_(0, dst_idx, src.k[layer].index_select(0, src_idx).to(dst.k.device))
-    dst.v[layer].index_copy_(0, dst_idx, src.v[layer].index_select(0, src_idx).to(dst.v.device))
+    src_pages = (src_slots[::page_size] // page_size).to(src.k.device)
+    dst_pages = (dst_slots[::page_size] // page_size).to(dst.k.device)
+    for s_buf, d_buf in ((src.k[layer], dst.k[layer]), (src.v[layer], dst.v[layer])):
+        s_view, d_view = _page_rows(s_buf, page_size), _page_rows(d_buf, page_size)
+        d_view.index_copy_(0, dst_pages, s_view.index_select(0, src_pages).to(d_buf.device))
+
+
+def _page_rows(buf: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``buf`` ([slots, heads, dim], contiguous) as one row per page, in int64 words if the
+    page's bytes allow it."""
+    rows = buf.view(buf.shape[0] // page_size, -1)
+    if (rows.shape[1] * rows.element_size()) % 8 == 0:
+        return rows.view(torch.int64)
+    return rows

@@ -65,8 +65,8 @@ def test_wrong_output_is_detected_and_bundled(bundle_root: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     original = copy_engine.copy_layer
 
-    def stale_load(src, dst, layer, src_slots, dst_slots, runs):  # type: ignore[no-untyped-def]
-        original(src, dst, layer, src_slots, dst_slots, runs)
+    def stale_load(src, dst, layer, src_slots, dst_slots, runs, page):  # type: ignore[no-untyped-def]
+        original(src, dst, layer, src_slots, dst_slots, runs, page)
         if dst.k.shape[1] < src.k.shape[1]:  # host -> device: garble the first loaded page
             dst.k[layer, dst_slots[:4]] = 0.0
 
