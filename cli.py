@@ -66,6 +66,16 @@ def run(
         help="write_through | write_through_selective | write_back")] = None,
     max_new_tokens: Annotated[int | None, typer.Option(help="Tokens generated per request.")]
     = None,
+    storage: Annotated[str | None, typer.Option(help="L3 backend: none | file | redis.")]
+    = None,
+    storage_path: Annotated[Path | None, typer.Option(help="Directory of the file backend.")]
+    = None,
+    storage_url: Annotated[str | None, typer.Option(
+        help="Redis URL for the redis backend, e.g. redis://127.0.0.1:6379/0.")] = None,
+    storage_optional: Annotated[bool, typer.Option(
+        help="Start even if the L3 backend is unreachable (it reconnects later).")] = False,
+    prefetch_policy: Annotated[str | None, typer.Option(
+        help="best_effort | wait_complete | timeout")] = None,
     fault: Annotated[list[str] | None, typer.Option(
         help="Fault spec, e.g. 'dma-lag:ms=20' (repeatable).")] = None,
     legacy: Annotated[list[str] | None, typer.Option(
@@ -92,7 +102,10 @@ def run(
         "cache.page_size": page_size, "cache.write_policy": write_policy,
         "workload.max_new_tokens": max_new_tokens, "observability.trace_path": trace,
         "observability.bundle_dir": bundle_dir,
-        "observability.watchdog_timeout_s": watchdog_timeout,
+        "observability.watchdog_timeout_s": watchdog_timeout, "storage.backend": storage,
+        "storage.path": storage_path, "storage.url": storage_url,
+        "storage.prefetch_policy": prefetch_policy,
+        "storage.required": False if storage_optional else None,
     }
     data.update({k: v for k, v in overrides.items() if v is not None})
     if fault:

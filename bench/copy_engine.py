@@ -16,6 +16,7 @@ import argparse
 import json
 import random
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -25,7 +26,7 @@ from hicache_runtime.pools import DeviceKVPool, HostKVPool, KVShape
 PAGE = 16
 
 
-def bandwidth(fn, nbytes: int, repeat: int) -> float:  # noqa: ANN001
+def bandwidth(fn: Callable[[], object], nbytes: int, repeat: int) -> float:
     fn()
     best = float("inf")
     for _ in range(repeat):
@@ -64,10 +65,15 @@ def main() -> None:
             rng.shuffle(host_pages)
         dev = device.allocator.pages_to_slots(dev_pages[: args.pages])
         hst = host.allocator.pages_to_slots(host_pages[: args.pages])
-        write = bandwidth(lambda: engine.write(device, host, dev, hst).synchronize(),
-                          nbytes, args.repeat)
-        load = bandwidth(lambda: engine.load(host, device, hst, dev, counter)[0].synchronize(),
-                         nbytes, args.repeat)
+
+        def write_job(d: torch.Tensor = dev, h: torch.Tensor = hst) -> None:
+            engine.write(device, host, d, h).synchronize()
+
+        def load_job(d: torch.Tensor = dev, h: torch.Tensor = hst) -> None:
+            engine.load(host, device, h, d, counter)[0].synchronize()
+
+        write = bandwidth(write_job, nbytes, args.repeat)
+        load = bandwidth(load_job, nbytes, args.repeat)
         assert torch.equal(device.k[:, dev], host.k[:, hst]), "copies must be exact"
         results[layout] = (write, load)
         print(f"{layout:9s} L1->L2 {write:.2f} GB/s ({write / plain:.2f}x)   "

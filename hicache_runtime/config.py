@@ -85,7 +85,7 @@ class CacheConfig(BaseModel):
     enable_hicache: bool = True
     """False keeps L1 only (a plain radix cache)."""
     page_size: int = Field(8, ge=1)
-    device_tokens: int = Field(2048, gt=0)
+    device_tokens: int = Field(1024, gt=0)
     host_tokens: int | None = Field(None, gt=0)
     host_ratio: float = Field(2.0, gt=0)
     host_bytes: int | None = Field(None, gt=0)
@@ -132,6 +132,8 @@ class StorageConfig(BaseModel):
     """MLA-style: only TP rank 0 writes to L3; the others skip but still ack."""
     sidecar_pools: tuple[Literal["all_pages", "trailing_pages"], ...] = ()
     reconnect_backoff_s: float = Field(0.5, gt=0)
+    required: bool = True
+    """False: start even if the backend is unreachable (it fails soft and reconnects)."""
 
 
 class SchedulerConfig(BaseModel):
@@ -157,6 +159,9 @@ class WorkloadConfig(BaseModel):
     turn_tokens: int = Field(24, ge=1)
     long_context_tokens: int = Field(384, ge=1)
     arrival_gap_steps: int = Field(1, ge=0)
+    revisit_gap_steps: int = Field(40, ge=1)
+    """Longest pause before a user comes back (next chat turn, next question on a document):
+    long pauses let prefixes age out of L1 and L2, which is what L3 is for."""
     abort_fraction: float = Field(0.0, ge=0, le=1)
     """Fraction of requests a client aborts at a seeded step after arrival."""
 

@@ -57,6 +57,12 @@ class StorageUnavailable(HiCacheError, ConnectionError):
     """The L3 backend cannot be reached or used (server down, path unwritable)."""
 
 
+class CorruptPage(HiCacheError, ValueError):
+    """An L3 page failed its integrity check (checksum, length, magic) or does not fit the
+    reader's KV layout. Storage code treats it as a miss and counts it; it is never served as KV.
+    """
+
+
 class ToolUnavailable(HiCacheError, RuntimeError):
     """An external tool we rely on (py-spy, redis-server) is missing or not permitted."""
 
@@ -77,6 +83,10 @@ class DoubleAllocation(InvariantViolation):
 
 class DoubleFree(InvariantViolation):
     """A pool was asked to free a page that was already free ("Double-free detected")."""
+
+
+class WorkerDied(InvariantViolation):
+    """A background thread (prefetch, backup) raised; its exception is chained."""
 
 
 class StepStalled(HiCacheError, RuntimeError):

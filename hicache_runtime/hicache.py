@@ -17,6 +17,7 @@ transfer queues, and applies the policies:
 from __future__ import annotations
 
 import heapq
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,7 @@ from hicache_runtime.cache import PrefixCache, PrefixPlan
 from hicache_runtime.config import CacheConfig, WritePolicy
 from hicache_runtime.controller import CacheController
 from hicache_runtime.errors import InvariantViolation
+from hicache_runtime.host_pins import HostPins
 from hicache_runtime.legacy import LegacySwitch
 from hicache_runtime.radix_tree import RadixTree, TreeNode
 from hicache_runtime.sync import DrainCounts, RankSync
@@ -34,8 +36,13 @@ from hicache_runtime.tracing import Ev, Tracer
 
 if TYPE_CHECKING:
     from hicache_runtime.copy_engine import CopyEngine
+    from hicache_runtime.l3 import L3Tier
     from hicache_runtime.pools import DeviceKVPool, HostKVPool
     from hicache_runtime.request import Req
+
+
+#: Poll interval while draining L3 work at the end of a run.
+_DRAIN_POLL_S = 0.002
 
 
 class HiCache(PrefixCache):
@@ -54,8 +61,11 @@ class HiCache(PrefixCache):
         self.legacy = legacy
         self.controller = (CacheController(device, host, engine, tracer)
                            if host is not None and engine is not None else None)
+        self.pins = HostPins(cfg.page_size)
         self.ongoing_write_through: dict[int, TreeNode] = {}
         self.ongoing_load_back: dict[int, TreeNode] = {}
+        self.l3: L3Tier | None = None
+        """The L3 tier, attached after construction when a storage backend is configured."""
         self.classic_drain = bool(legacy & {LegacySwitch.LOCAL_ACK_DRAIN,
                                             LegacySwitch.SKIP_EMPTY_SYNC})
         self.stats = {"backup_tokens": 0, "backup_skipped": 0, "load_tokens": 0,
@@ -74,10 +84,14 @@ class HiCache(PrefixCache):
             if loaded is not None:
                 indices, last, host_hit = torch.cat([indices, loaded]), m.last_host_node, \
                     int(loaded.numel())
+        storage_hit = min(host_hit, req.storage_pending)
+        req.storage_pending = 0
         self.tracer.emit(Ev.MATCH, rid=req.rid, device=int(m.device_indices.numel()),
-                         host=m.host_hit_length, loaded=host_hit, node=last.id)
+                         host=m.host_hit_length, loaded=host_hit, storage=storage_hit,
+                         node=last.id)
         last_node = None if last is self.tree.root else last
-        return PrefixPlan(indices, last_node, int(m.device_indices.numel()), host_hit)
+        return PrefixPlan(indices, last_node, int(m.device_indices.numel()), host_hit,
+                          storage_hit)
 
     def lock(self, node: TreeNode | None) -> None:
         if node is not None:
@@ -148,7 +162,7 @@ class HiCache(PrefixCache):
             return 0
         parent = node.parent
         parent_ok = parent is self.tree.root or (parent is not None and parent.backuped)
-        slots = self._alloc_host(len(node.key)) if parent_ok else None
+        slots = self.alloc_host(len(node.key)) if parent_ok else None
         if LegacySwitch.SKIP_EMPTY_SYNC not in self.legacy:
             agreed = self.sync.agree_min(int(slots is not None), "write_backup")
             if not agreed and slots is not None:
@@ -168,13 +182,29 @@ class HiCache(PrefixCache):
         self.stats["backup_tokens"] += len(node.key)
         return len(node.key)
 
-    def _alloc_host(self, num_tokens: int) -> torch.Tensor | None:
+    def alloc_host(self, num_tokens: int) -> torch.Tensor | None:
+        """Host slots for ``num_tokens``, evicting L2 leaves once if needed; None if full."""
         assert self.host is not None
         slots = self.host.alloc(num_tokens)
         if slots is None:
             self.evict_host(num_tokens - self.host.available_tokens)
             slots = self.host.alloc(num_tokens)
         return slots
+
+    def host_free(self, slots: torch.Tensor) -> None:
+        assert self.host is not None
+        self.host.free(slots)
+
+    def hang_host_pages(self, anchor: TreeNode, tokens: list[int], host_slots: torch.Tensor,
+                        hashes: list[str]) -> int:
+        """Hang fetched L3 pages below ``anchor`` as host-only nodes; returns the tokens
+        added. Pages the tree already holds, or that cannot hang contiguously, are freed."""
+        present, added = self.tree.insert_host(anchor, tokens, host_slots, hashes)
+        if present:
+            self.host_free(host_slots[:present])
+        if present + added < len(tokens):
+            self.host_free(host_slots[present + added :])
+        return added
 
     # --- L2 -> L1 ---------------------------------------------------------------------------------
 
@@ -199,8 +229,7 @@ class HiCache(PrefixCache):
             self.tracer.emit(Ev.LOAD_SKIP, node=node.id, tokens=total, quota=mem_quota)
             return None
         host_slots = torch.cat([n.host_value for n in path])  # type: ignore[misc]
-        for n in path:  # keep L2 eviction (reachable through write_back) off the path
-            n.host_ref += 1
+        self.pins.pin(host_slots)  # keep L2 eviction (reachable via write_back) off the path
         self.lock(None if ancestor is self.tree.root else ancestor)
         try:
             device_slots = self.controller.load(host_slots, node.id)
@@ -209,8 +238,7 @@ class HiCache(PrefixCache):
                 device_slots = self.controller.load(host_slots, node.id)
         finally:
             self.unlock(None if ancestor is self.tree.root else ancestor)
-            for n in path:
-                n.host_ref -= 1
+            self.pins.unpin(host_slots)
         if device_slots is None:
             self.stats["load_skipped"] += total
             self.tracer.emit(Ev.LOAD_SKIP, node=node.id, tokens=total, reason="device_full")
@@ -310,7 +338,7 @@ class HiCache(PrefixCache):
         evicted = 0
         while evicted < num_tokens and heap:
             x = heapq.heappop(heap)
-            if x.host_ref:
+            if self.pins.pinned(x.host_value):
                 continue
             self.host.free(x.host_value)  # type: ignore[arg-type]
             self.tree.delete_leaf(x)
@@ -334,17 +362,24 @@ class HiCache(PrefixCache):
         if self.controller is None:
             return
         self.controller.start_writing()
+        l3 = self.l3.local_counts() if self.l3 is not None else {}
         if self.classic_drain:
             self._classic_writing_check()
             self._loading_check(self.controller.ready_count(self.controller.ack_load_queue))
+            if self.l3 is not None:  # classic drain_storage_control_queues: per-stage TP MIN
+                self.l3.drain(DrainCounts(**{k: self.sync.legacy_tp_min(v, f"drain_{k}")
+                                             for k, v in l3.items()}))
             return
         local = DrainCounts(
             write_acks=self.controller.ready_count(self.controller.ack_write_queue),
             load_acks=self.controller.ready_count(self.controller.ack_load_queue),
+            **l3,
         )
         agreed = self.sync.drain_counts(local)
         self._writing_check(agreed.write_acks)
         self._loading_check(agreed.load_acks)
+        if self.l3 is not None:
+            self.l3.drain(agreed)
 
     def _classic_writing_check(self) -> None:
         """Pre-#27285/#26923 form: a per-stage TP MIN of the local ready count, skipped
@@ -380,13 +415,29 @@ class HiCache(PrefixCache):
             self.tracer.emit(Ev.LOAD_DRAIN, count=count, left=len(self.controller.ack_load_queue))
 
     def on_backed_up(self, node: TreeNode) -> None:
-        """A node's L2 copy is complete (the L3 tier chains its backup here)."""
+        """A node's L2 copy is complete: chain its L3 backup."""
+        if self.l3 is not None:
+            self.l3.backup(node)
+
+    # --- L3 hooks -------------------------------------------------------------------------------
+
+    def on_enqueue(self, req: Req) -> None:
+        if self.l3 is not None:
+            self.l3.prefetch(req)
+
+    def prefetch_ready(self, req: Req) -> bool:
+        return self.l3.check_progress(req) if self.l3 is not None else True
+
+    def on_abort(self, req: Req) -> None:
+        if self.l3 is not None:
+            self.l3.release_aborted(req)
 
     def idle(self) -> bool:
         if self.controller is None:
             return True
         return not (self.ongoing_write_through or self.ongoing_load_back
-                    or self.controller.write_queue or self.controller.load_queue)
+                    or self.controller.write_queue or self.controller.load_queue
+                    or (self.l3 is not None and not self.l3.idle()))
 
     def drain(self) -> None:
         """Wait for every transfer and consume it (end of run, single rank)."""
@@ -396,6 +447,8 @@ class HiCache(PrefixCache):
                 for acks in (self.controller.ack_write_queue, self.controller.ack_load_queue):
                     if acks:
                         acks[0].event.synchronize()
+                if self.l3 is not None:
+                    time.sleep(_DRAIN_POLL_S)
 
     # --- integrity and state -------------------------------------------------------------------
 
@@ -420,6 +473,10 @@ class HiCache(PrefixCache):
                     f"host pool: free {free} + tree {host_tree} + in flight {held} != "
                     f"capacity {hcap}")
             _check_slots(self.tree, "host_value", self.host.allocator.is_used, self.page_size)
+            if held is not None:  # between steps: no transient load-back pins
+                self.pins.check(self.l3.pin_holders() if self.l3 is not None else [])
+        if self.l3 is not None:
+            self.l3.check_accounting()
 
     def _check_locks(self, held: Sequence[TreeNode | None]) -> None:
         """Every lock is accounted for: requests' prefixes and in-flight transfers."""
@@ -436,7 +493,7 @@ class HiCache(PrefixCache):
 
     def host_held_outside_tree(self) -> int:
         """Host tokens allocated but not (yet) in the tree (L3 prefetches in flight)."""
-        return 0
+        return self.l3.held_tokens() if self.l3 is not None else 0
 
     def snapshot(self) -> dict[str, Any]:
         snap: dict[str, Any] = {
@@ -454,9 +511,15 @@ class HiCache(PrefixCache):
                             "capacity": self.host.capacity_tokens}
         if self.controller is not None:
             snap["queues"] = self.controller.in_flight()
+        snap["host_pinned_pages"] = self.pins.pinned_pages
+        if self.l3 is not None:
+            snap["l3"] = self.l3.snapshot()
         return snap
 
     def shutdown(self) -> None:
+        if self.l3 is not None:
+            self.l3.workers.stop()
+            self.l3.workers.backend.close()
         if self.controller is not None:
             self.controller.engine.shutdown()
 

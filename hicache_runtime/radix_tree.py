@@ -10,7 +10,8 @@ until backed up to L2) and ``hash_value`` (one L3 key per page). Structural rule
 * a backed-up node's parent is backed up: host residency is contiguous from the root, so a
   load-back of an evicted path always finds every page it needs.
 
-Locks are path-based as in SGLang: ``inc_lock_ref`` walks to the root, so a locked node's
+Host pages are protected by page pins (``host_pins.py``), not per-node counters. Locks are
+path-based as in SGLang: ``inc_lock_ref`` walks to the root, so a locked node's
 ancestors are locked too. ``evictable_size`` and ``protected_size`` count device tokens in
 unlocked and locked nodes. The LRU clock is injected (logical by default, wall clock for the
 ``wallclock-lru`` legacy switch) so ranks that perform the same operations agree on victims.
@@ -42,7 +43,6 @@ class TreeNode:
     host_value: torch.Tensor | None = None
     hash_value: list[str] | None = None
     lock_ref: int = 0
-    host_ref: int = 0
     hit_count: int = 0
     last_access: float = 0.0
 
@@ -62,8 +62,7 @@ class TreeNode:
 
     def __repr__(self) -> str:
         return (f"TreeNode(id={self.id}, len={len(self.key)}, dev={self.value is not None}, "
-                f"host={self.host_value is not None}, lock={self.lock_ref}, "
-                f"host_ref={self.host_ref})")
+                f"host={self.host_value is not None}, lock={self.lock_ref})")
 
 
 class MatchResult(NamedTuple):
@@ -182,32 +181,37 @@ class RadixTree:
         return InsertResult(prefix_len, node, new_node, revived, matched)
 
     def insert_host(self, parent: TreeNode, key: list[int], host_value: torch.Tensor,
-                    hash_value: list[str] | None) -> tuple[TreeNode | None, int]:
+                    hash_value: list[str] | None) -> tuple[int, int]:
         """Hang host-only pages (an L3 prefetch result) below ``parent``.
 
-        Returns the new node (``None`` if the whole span already exists) and how many leading
-        tokens already existed below ``parent``; the caller frees its slots for those."""
-        node, matched = parent, 0
-        while key:
-            child = node.children.get(self._child_key(key))
+        Existing nodes along ``key`` are walked first (their tokens are *present*); the walk
+        stops at a node without a host copy, since host residency must stay contiguous from
+        the root. The rest becomes one new host-only leaf. Returns ``(present, added)``: the
+        caller frees ``host_value[:present]`` and ``host_value[present + added:]``."""
+        if parent is not self.root and parent.host_value is None:
+            return 0, 0
+        node, present = parent, 0
+        while present < len(key):
+            child = node.children.get(self._child_key(key[present:]))
             if child is None:
                 break
-            n = self._common_len(child.key, key)
+            n = self._common_len(child.key, key[present:])
             if n < len(child.key):
                 child = self.split(child, n)
+            if child.host_value is None:
+                return present, 0
             child.last_access = self.clock()
-            node, matched = child, matched + n
-            key = key[n:]
-            host_value = host_value[n:]
-            if hash_value is not None:
-                hash_value = hash_value[n // self.page_size :]
-        if not key:
-            return None, matched
-        new = TreeNode(id=next(self._ids), key=list(key), parent=node, value=None,
-                       host_value=host_value.clone(), hash_value=hash_value)
+            node, present = child, present + n
+        if present == len(key):
+            return present, 0
+        rest = key[present:]
+        new = TreeNode(id=next(self._ids), key=list(rest), parent=node, value=None,
+                       host_value=host_value[present:].clone(),
+                       hash_value=None if hash_value is None
+                       else hash_value[present // self.page_size :])
         new.last_access = self.clock()
-        node.children[self._child_key(key)] = new
-        return new, matched
+        node.children[self._child_key(rest)] = new
+        return present, len(rest)
 
     def split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut ``child`` after ``n`` tokens; returns the new upper node (same locks/refs)."""
@@ -220,7 +224,7 @@ class RadixTree:
             host_value=None if child.host_value is None else child.host_value[:n],
             hash_value=(None if child.hash_value is None
                         else child.hash_value[: n // self.page_size]),
-            lock_ref=child.lock_ref, host_ref=child.host_ref, hit_count=child.hit_count,
+            lock_ref=child.lock_ref, hit_count=child.hit_count,
             last_access=child.last_access,
         )
         child.parent.children[self._child_key(child.key)] = upper
@@ -276,7 +280,7 @@ class RadixTree:
 
     def delete_leaf(self, node: TreeNode) -> None:
         """Remove a childless node from the tree (its slots must already be released)."""
-        if node.children or node is self.root or node.lock_ref or node.host_ref:
+        if node.children or node is self.root or node.lock_ref:
             raise InvariantViolation(f"delete of non-leaf, locked or root node {node.id}")
         if node.value is not None:
             self.evictable_size -= len(node.key)
@@ -328,7 +332,6 @@ class RadixTree:
             "host_tokens": counts["host"], "evictable": self.evictable_size,
             "protected": self.protected_size,
             "locked_nodes": sum(1 for n in nodes if n.lock_ref),
-            "host_ref_nodes": sum(1 for n in nodes if n.host_ref),
             "depth": max((len(self.path_to_root(n)) for n in nodes), default=0),
         }
 
@@ -353,8 +356,8 @@ class RadixTree:
                 raise InvariantViolation(f"device node {n.id} under evicted parent {p.id}")
             if n.host_value is not None and p is not self.root and p.host_value is None:
                 raise InvariantViolation(f"host copy of node {n.id} not contiguous from root")
-            if n.lock_ref < 0 or n.host_ref < 0:
-                raise InvariantViolation(f"negative ref on node {n.id}")
+            if n.lock_ref < 0:
+                raise InvariantViolation(f"negative lock_ref on node {n.id}")
             if n.value is None and n.lock_ref:
                 raise InvariantViolation(f"evicted node {n.id} is locked ({n.lock_ref})")
             if sum(c.lock_ref for c in n.children.values()) > n.lock_ref:

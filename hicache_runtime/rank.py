@@ -6,8 +6,10 @@ several ranks (or a run and its cache-disabled reference) can live in one proces
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,14 +21,41 @@ from hicache_runtime.cache import NoPrefixCache, PrefixCache
 from hicache_runtime.config import RuntimeConfig
 from hicache_runtime.copy_engine import CopyEngine, CpuCopyEngine, CudaCopyEngine
 from hicache_runtime.hicache import HiCache
+from hicache_runtime.l3 import L3Tier
+from hicache_runtime.l3_workers import StorageWorkers
 from hicache_runtime.legacy import LegacySwitch
 from hicache_runtime.model import TensorParallelComm, TinyTransformer
 from hicache_runtime.pools import DeviceKVPool, HostKVPool, KVShape
 from hicache_runtime.radix_tree import RadixTree
 from hicache_runtime.scheduler import Scheduler
+from hicache_runtime.storage.keys import model_id
+from hicache_runtime.storage.pages import PageCodec
+from hicache_runtime.storage.registry import make_backend
 from hicache_runtime.sync import RankSync, SingleRankSync
 from hicache_runtime.topology import RankInfo
 from hicache_runtime.tracing import Ev, Tracer
+
+
+class AbortInbox:
+    """Aborts requested from other threads (a client, or a mid-prefetch-abort fault firing in
+    the prefetch IO thread). The scheduler applies them at the top of its next step, in order,
+    and sets each waiter's event once applied."""
+
+    def __init__(self) -> None:
+        self._q: queue.Queue[tuple[str, threading.Event]] = queue.Queue()
+
+    def request(self, rid: str) -> threading.Event:
+        done = threading.Event()
+        self._q.put((rid, done))
+        return done
+
+    def take(self) -> list[tuple[str, threading.Event]]:
+        out = []
+        while True:
+            try:
+                out.append(self._q.get_nowait())
+            except queue.Empty:
+                return out
 
 
 @dataclass
@@ -44,6 +73,7 @@ class RankRuntime:
     host_pool: HostKVPool | None
     cache: PrefixCache
     scheduler: Scheduler
+    aborts: AbortInbox = field(default_factory=lambda: AbortInbox())
 
     def close(self) -> None:
         self.cache.shutdown()
@@ -87,8 +117,26 @@ def build_rank(cfg: RuntimeConfig, rank: RankInfo | None = None, *,
         cache = HiCache(cfg.cache, device_pool, host_pool, engine, sync, tracer, tree,
                         cfg.legacy)
     scheduler = Scheduler(cfg.scheduler, cache, tracer)
-    return RankRuntime(cfg, rank, device, tracer, faults, sync, model, device_pool, host_pool,
-                       cache, scheduler)
+    rt = RankRuntime(cfg, rank, device, tracer, faults, sync, model, device_pool, host_pool,
+                     cache, scheduler)
+    if isinstance(cache, HiCache) and host_pool is not None and cfg.storage.backend != "none":
+        _attach_l3(rt, cache, host_pool)
+    return rt
+
+
+def _attach_l3(rt: RankRuntime, cache: HiCache, host_pool: HostKVPool) -> None:
+    """Build the L3 backend, its threads and the scheduler-side tier, and start them."""
+    cfg = rt.cfg
+    backend = make_backend(cfg.storage, rt.rank, model=model_id(cfg.model),
+                           required=cfg.storage.required, faults=rt.faults, tracer=rt.tracer,
+                           step=lambda: rt.tracer.step)
+    assert backend is not None
+    codec = PageCodec.for_pool(host_pool, layer_start=rt.model.layers_range.start,
+                               head_start=rt.model.heads.start)
+    workers = StorageWorkers(cfg.storage, backend, codec, host_pool, rt.sync, rt.tracer,
+                             rt.rank, cfg.legacy, rt.faults, rt.aborts.request)
+    cache.l3 = L3Tier(cfg.storage, cache, workers)
+    workers.start()
 
 
 def host_tokens_for(cfg: RuntimeConfig, shape: KVShape) -> int:

@@ -52,6 +52,8 @@ class Req:
     """True while a prefill is split over several steps (the next chunk runs first)."""
     extend_len: int = 0
     """Tokens computed by the batch currently running this request."""
+    storage_pending: int = 0
+    """Tokens its settled L3 prefetch hung into the tree, not yet counted as storage hits."""
 
     @property
     def fill_ids(self) -> list[int]:

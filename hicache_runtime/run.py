@@ -118,7 +118,9 @@ def run_single(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn
     wall = time.monotonic() - start
     summary = _summary(cfg, rt, result, outcome, error, bundle, engine.step, wall)
     if outcome is RunOutcome.HEALTHY and compare and result is not None:
-        ref = run_reference(cfg)
+        ref = run_reference(cfg, aborted={rid: len(r.output_ids) for rid, r in result.reqs.items()
+                                          if r.status is ReqStatus.ABORTED
+                                          and r.abort_reason == "client abort"})
         summary.reference_wall_s = ref.wall_s
         summary.mismatches = compare_outputs(result.reqs, ref.reqs)
         summary.output_match = not summary.mismatches
@@ -132,12 +134,16 @@ def run_single(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn
     return summary
 
 
-def run_reference(cfg: RuntimeConfig) -> EngineResult:
-    """The cache-disabled twin of ``cfg`` (no faults, no legacy switches)."""
+def run_reference(cfg: RuntimeConfig, aborted: dict[str, int] | None = None) -> EngineResult:
+    """The cache-disabled twin of ``cfg`` (no faults, no legacy switches). ``aborted`` maps
+    request ids the judged run's clients aborted to how many tokens they had by then; the
+    reference aborts them at the same point, so prompts built on them stay identical."""
     ref_cfg = cfg.reference()
     rt = build_rank(ref_cfg)
     try:
-        return Engine(rt, Workload(ref_cfg.workload, ref_cfg.model.vocab_size, ref_cfg.seed)).run()
+        workload = Workload(ref_cfg.workload, ref_cfg.model.vocab_size, ref_cfg.seed,
+                            client_aborts=aborted is None)
+        return Engine(rt, workload, replay_aborts=dict(aborted or {})).run()
     finally:
         rt.close()
 
@@ -171,7 +177,10 @@ def compare_outputs(got: dict[str, Req], ref: dict[str, Req]) -> list[Mismatch]:
 def _summary(cfg: RuntimeConfig, rt: RankRuntime, result: EngineResult | None,
              outcome: RunOutcome, error: str | None, bundle: Path | None, steps: int,
              wall: float) -> RunSummary:
-    stats = dict(getattr(rt.cache, "stats", {}))
+    stats: dict[str, Any] = dict(getattr(rt.cache, "stats", {}))
+    l3 = getattr(rt.cache, "l3", None)
+    if l3 is not None:
+        stats["l3"] = {**l3.stats, "backend": l3.workers.backend.stats().as_dict()}
     fired = len(rt.faults.fired) if rt.faults is not None else 0
     return RunSummary(
         outcome=outcome, requests=cfg.workload.requests,

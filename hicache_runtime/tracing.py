@@ -64,6 +64,7 @@ class Ev:
     COLLECTIVE_ENTER = "comm.enter"
     COLLECTIVE_EXIT = "comm.exit"
     FAULT = "fault.fired"
+    WORKER_DIED = "thread.died"
     INTEGRITY = "check.integrity"
     WATCHDOG = "watchdog.stall"
     CONSENSUS = "consensus.check"

@@ -40,6 +40,9 @@ class Workload:
     cfg: WorkloadConfig
     vocab_size: int
     seed: int
+    client_aborts: bool = True
+    """False: do not issue the seeded client aborts (a reference run replays the judged run's
+    aborts instead, at the same token counts)."""
     plans: dict[str, _Plan] = field(default_factory=dict)
     _pending: list[_Plan] = field(default_factory=list)
     _due: dict[str, int] = field(default_factory=dict)
@@ -78,7 +81,7 @@ class Workload:
             out.append(req)
             self._pending.remove(plan)
             self._issued.add(plan.rid)
-            if plan.abort_after is not None:
+            if plan.abort_after is not None and self.client_aborts:
                 self._aborts.setdefault(step + plan.abort_after, []).append(plan.rid)
         return out
 
@@ -121,7 +124,7 @@ def _multi_turn(cfg: WorkloadConfig, vocab: int, rng: random.Random, s: int, arr
     for t in range(turns):
         rid = f"chat{s}-t{t}"
         plans.append(_Plan(rid, _tokens(rng, vocab, cfg.turn_tokens), system if t == 0 else [],
-                           prev, arrival if t == 0 else None, gap=rng.randint(1, 3)))
+                           prev, arrival if t == 0 else None, gap=_think_time(cfg, rng)))
         prev = rid
     return plans
 
@@ -139,8 +142,19 @@ def _long_context(cfg: WorkloadConfig, vocab: int, rng: random.Random, s: int, a
     doc = _tokens(rng, vocab, cfg.long_context_tokens)
     n = min(budget, rng.randint(2, 3))
     # Questions about one document arrive spread out, so its pages age through the tiers.
-    return [_Plan(f"doc{s}-q{i}", _tokens(rng, vocab, cfg.turn_tokens // 2), doc, None,
-                  arrival + i * (4 + rng.randint(0, 8)), 0) for i in range(n)]
+    plans, at = [], arrival
+    for i in range(n):
+        plans.append(_Plan(f"doc{s}-q{i}", _tokens(rng, vocab, cfg.turn_tokens // 2), doc, None,
+                           at, 0))
+        at += _think_time(cfg, rng) + 3
+    return plans
+
+
+def _think_time(cfg: WorkloadConfig, rng: random.Random) -> int:
+    """Steps before a user comes back: usually soon, sometimes after a long pause."""
+    if rng.random() < 0.6:
+        return rng.randint(1, 3)
+    return rng.randint(max(1, cfg.revisit_gap_steps // 2), cfg.revisit_gap_steps)
 
 
 _SESSIONS = {"multi_turn": _multi_turn, "shared_prefix": _shared_prefix,

@@ -1,0 +1,324 @@
+"""The L3 tier, scheduler side: backups, prefetches, settlement, and their accounting.
+
+Backup (L2 -> L3) is chained after each write-through ack: the node's host pages are pinned
+and a :class:`BackupOperation` goes to the backup thread; the pin is released when the agreed
+number of backup acks is consumed. Prefetch (L3 -> L2) starts when a request enters the waiting
+queue (span = the page-aligned tokens after the tree's match), goes through the query thread's
+hit vote, gets host pages only once the agreed hit is known (allocation success is voted too),
+and is settled at admission on *consensus* progress: the fetched prefix is hung below its anchor
+as host-only nodes and later loaded back like any L2 hit.
+
+Accounting closes on every exit path (revoke, settle, abort, IO end): ``occupied`` is SGLang's
+``prefetch_tokens_occupied``; host pages of an op are freed only after its IO thread has
+finished with them (the ``abort-frees-in-flight`` legacy switch frees them at abort instead).
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hicache_runtime.config import PrefetchPolicy, StorageConfig
+from hicache_runtime.errors import InvariantViolation
+from hicache_runtime.l3_ops import BackupOperation, PrefetchAck, PrefetchOperation
+from hicache_runtime.legacy import LegacySwitch
+from hicache_runtime.storage.keys import extend_chain
+from hicache_runtime.sync import DrainCounts
+from hicache_runtime.tracing import Ev
+
+if TYPE_CHECKING:
+    from hicache_runtime.hicache import HiCache
+    from hicache_runtime.l3_workers import StorageWorkers
+    from hicache_runtime.radix_tree import TreeNode
+    from hicache_runtime.request import Req
+
+
+#: How often a blocked drain checks that the worker it waits for is still alive.
+_TAKE_POLL_S = 0.5
+
+
+class L3Tier:
+    """Scheduler-thread half of L3 for one rank (the threads live in ``StorageWorkers``)."""
+
+    def __init__(self, cfg: StorageConfig, cache: HiCache, workers: StorageWorkers) -> None:
+        self.cfg = cfg
+        self.cache = cache
+        self.workers = workers
+        self.tree = cache.tree
+        self.sync = cache.sync
+        self.tracer = cache.tracer
+        self.legacy = cache.legacy
+        self.ps = cache.page_size
+        assert cache.host is not None
+        self.capacity = int(cache.host.capacity_tokens * cfg.prefetch_capacity_fraction)
+        self.threshold = max(cfg.prefetch_threshold, self.ps)
+        self.occupied = 0
+        self.ongoing_prefetch: dict[str, PrefetchOperation] = {}
+        self.ongoing_backup: dict[int, BackupOperation] = {}
+        self._backup_ids = 0
+        self.stats = {"prefetch_issued": 0, "prefetch_revoked": 0, "prefetch_rate_limited": 0,
+                      "prefetched_tokens": 0, "backup_pages": 0, "backup_failed_pages": 0}
+
+    # --- backup -------------------------------------------------------------------------------
+
+    def backup(self, node: TreeNode) -> None:
+        """Queue ``node``'s host pages for L3 (called once its L2 copy is complete)."""
+        if node.host_value is None:
+            return
+        self._backup_ids += 1
+        op = BackupOperation(self._backup_ids, node.id, node.host_value, self.hashes_of(node))
+        self.cache.pins.pin(op.host_slots)
+        self.ongoing_backup[op.id] = op
+        self.workers.backup_queue.put(op)
+        self.tracer.emit(Ev.BACKUP_SUBMIT, node=node.id, pages=len(op.hashes))
+
+    def hashes_of(self, node: TreeNode) -> list[str]:
+        """The node's L3 page hashes, chained from its parent's (computed once, then kept)."""
+        if node.hash_value is None:
+            parent = node.parent
+            prior = None if parent is None or parent is self.tree.root \
+                else self.hashes_of(parent)[-1]
+            node.hash_value = extend_chain(prior, node.key, self.ps)
+        return node.hash_value
+
+    # --- prefetch: submission -----------------------------------------------------------------
+
+    def prefetch(self, req: Req) -> None:
+        """Start an L3 prefetch for the part of ``req``'s prompt the tree does not hold."""
+        max_prefix = self.tree.align(req.seq_len - 1)
+        m = self.tree.match(req.fill_ids[:max_prefix])
+        anchor = m.last_host_node
+        if anchor is not self.tree.root and anchor.host_value is None:
+            return  # the deepest hit has no host copy: nothing to chain L3 pages onto
+        start = int(m.device_indices.numel()) + m.host_hit_length
+        span = req.fill_ids[start:max_prefix]
+        if len(span) < self.threshold:
+            return
+        if self.occupied >= self.capacity:  # upstream: limited once the reservations reach it
+            self.stats["prefetch_rate_limited"] += 1
+            self.tracer.emit(Ev.PREFETCH_REVOKE, rid=req.rid, reason="rate_limited",
+                             occupied=self.occupied, capacity=self.capacity,
+                             in_flight=len(self.ongoing_prefetch))
+            return
+        last_hash = None if anchor is self.tree.root else self.hashes_of(anchor)[-1]
+        anchor_slots = None if anchor is self.tree.root else anchor.host_value
+        self.cache.pins.pin(anchor_slots)
+        op = PrefetchOperation(req.rid, span, last_hash, anchor, anchor_slots, len(span),
+                               self.tracer.step)
+        self.ongoing_prefetch[req.rid] = op
+        self.occupied += len(span)
+        self.stats["prefetch_issued"] += 1
+        self.workers.prefetch_queue.put(op)
+        self.tracer.emit(Ev.PREFETCH_SUBMIT, rid=req.rid, start=start, tokens=len(span))
+
+    # --- draining agreed counts -----------------------------------------------------------------
+
+    def local_counts(self) -> dict[str, int]:
+        w = self.workers
+        return {"prefetch_hits": w.prefetch_hit_queue.qsize(),
+                "prefetch_acks": w.ack_prefetch_queue.qsize(),
+                "backup_acks": w.ack_backup_queue.qsize(),
+                "host_releases": w.host_mem_release_queue.qsize()}
+
+    def drain(self, agreed: DrainCounts) -> None:
+        """Consume exactly the agreed number of items of each queue, waiting for this rank's
+        own threads when they are behind (a blocking ``get``, as upstream)."""
+        w = self.workers
+        w.check_alive()
+        for op in _take(w.prefetch_hit_queue, agreed.prefetch_hits, w):
+            self._on_hit(op)
+        for ack in _take(w.ack_prefetch_queue, agreed.prefetch_acks, w):
+            self._on_ack(ack)
+        for bop in _take(w.ack_backup_queue, agreed.backup_acks, w):
+            self._on_backup_ack(bop)
+
+    def _on_hit(self, op: PrefetchOperation) -> None:
+        tokens = op.hit_pages * self.ps
+        if op.finished:
+            return  # settled with nothing before its hit was known (best_effort)
+        if op.is_terminated() or tokens < self.threshold:
+            self._revoke(op, "terminated" if op.is_terminated() else "below_threshold")
+            return
+        slots = self.cache.alloc_host(tokens)
+        ok = slots is not None
+        if LegacySwitch.LOCAL_PREFETCH_PROGRESS not in self.legacy:
+            ok = bool(self.sync.agree_min(int(ok), "prefetch_alloc"))
+        if not ok:
+            if slots is not None:
+                self.cache.host_free(slots)
+            self._revoke(op, "host_full")
+            return
+        op.host_slots = slots
+        self.occupied -= op.reserved - tokens
+        op.reserved = tokens
+        self.workers.prefetch_buffer.put(op)
+
+    def _on_ack(self, ack: PrefetchAck) -> None:
+        op = self.ongoing_prefetch[ack.rid]
+        op.acks += 1
+        if ack.completed_req:
+            op.io_finished = True
+            if op.settled:
+                self._finish(op)
+        else:
+            op.completed = ack.completed_tokens
+        self.tracer.emit(Ev.PREFETCH_ACK, rid=ack.rid, batch=ack.batch,
+                         completed=ack.completed_tokens, done=ack.completed_req)
+
+    def _on_backup_ack(self, op: BackupOperation) -> None:
+        self.ongoing_backup.pop(op.id)
+        self.cache.pins.unpin(op.host_slots)
+        self.stats["backup_pages"] += op.completed_pages
+        if not op.skipped:
+            self.stats["backup_failed_pages"] += len(op.hashes) - op.completed_pages
+
+    # --- settlement at admission ----------------------------------------------------------------
+
+    def check_progress(self, req: Req) -> bool:
+        """False keeps ``req`` waiting for its prefetch; True settles (or it has none)."""
+        op = self.ongoing_prefetch.get(req.rid)
+        if op is None or op.settled:
+            return True
+        local = self._can_terminate(op)
+        if LegacySwitch.LOCAL_PREFETCH_PROGRESS in self.legacy:
+            decided = local
+        else:
+            decided = self.sync.agree_any(local, "prefetch_terminate")
+        if not decided:
+            return False
+        op.mark_terminate()
+        self._settle(op, req)
+        return True
+
+    def _can_terminate(self, op: PrefetchOperation) -> bool:
+        policy = self.cfg.prefetch_policy
+        if policy is PrefetchPolicy.BEST_EFFORT or op.revoked:
+            return True
+        done = op.io_finished or op.completed >= op.hit_pages * self.ps > 0
+        if policy is PrefetchPolicy.WAIT_COMPLETE:
+            return done
+        if not self.sync.rank.is_first_stage:
+            return False  # PP0 evaluates the wall-clock deadline; the vote carries it down
+        budget = self.cfg.prefetch_timeout_base_s + \
+            len(op.tokens) / 1024 * self.cfg.prefetch_timeout_per_ki_token_s
+        return done or time.monotonic() - op.start_time > budget
+
+    def _settle(self, op: PrefetchOperation, req: Req) -> None:
+        local = LegacySwitch.LOCAL_PREFETCH_PROGRESS in self.legacy
+        completed = op.local_completed if local else op.completed
+        completed = min(completed, op.hit_pages * self.ps) if op.host_slots is not None else 0
+        inserted = 0
+        if completed and not op.pages_freed:
+            assert op.host_slots is not None
+            inserted = self.cache.hang_host_pages(
+                op.anchor, op.tokens[:completed], op.host_slots[:completed],
+                op.hashes[: completed // self.ps])
+        op.settled, op.settled_tokens = True, completed
+        self.cache.pins.unpin(op.anchor_slots)
+        req.storage_pending = inserted
+        self.stats["prefetched_tokens"] += inserted
+        self.tracer.emit(Ev.PREFETCH_SETTLE, rid=op.rid, completed=completed,
+                         local=op.local_completed, consensus=op.completed,
+                         hit_pages=op.hit_pages, inserted=inserted)
+        if op.io_finished or op.host_slots is None:
+            self._finish(op)
+
+    def release_aborted(self, req: Req) -> None:
+        """The waiting ``req`` was aborted: stop its prefetch and release what it holds."""
+        op = self.ongoing_prefetch.get(req.rid)
+        if op is None:
+            return
+        op.mark_terminate()
+        op.aborted = True
+        if LegacySwitch.ABORT_FREES_IN_FLIGHT in self.legacy and op.host_slots is not None \
+                and not op.pages_freed:
+            # pre-#31296: the pages go back to the pool while the IO thread may still fill them
+            self.cache.host_free(op.host_slots)
+            op.pages_freed = True
+        if not op.settled:
+            op.settled = True
+            self.cache.pins.unpin(op.anchor_slots)
+        if op.io_finished:
+            self._finish(op)
+
+    # --- closing an op --------------------------------------------------------------------------
+
+    def _revoke(self, op: PrefetchOperation, reason: str) -> None:
+        """No IO will run for ``op``: release everything now (the request, if still waiting,
+        then finds no prefetch and proceeds)."""
+        op.revoked = True
+        op.io_finished = True
+        self.stats["prefetch_revoked"] += 1
+        self.tracer.emit(Ev.PREFETCH_REVOKE, rid=op.rid, reason=reason, hit_pages=op.hit_pages)
+        if not op.settled:
+            op.settled = True
+            self.cache.pins.unpin(op.anchor_slots)
+        self._finish(op)
+
+    def _finish(self, op: PrefetchOperation) -> None:
+        """IO done and settled: free the pages not handed to the tree, close the reservation."""
+        if op.finished:
+            return
+        op.finished = True
+        if op.host_slots is not None:
+            tail = op.host_slots[op.settled_tokens :]
+            if tail.numel():
+                self.cache.host_free(tail)
+            op.pages_freed = True
+        self.ongoing_prefetch.pop(op.rid, None)
+        self.occupied -= op.reserved
+
+    # --- state ------------------------------------------------------------------------------------
+
+    def held_tokens(self) -> int:
+        """Host tokens allocated to prefetches and not (yet) in the tree."""
+        return sum(int(op.host_slots.numel()) - op.settled_tokens
+                   for op in self.ongoing_prefetch.values()
+                   if op.host_slots is not None and not op.pages_freed)
+
+    def pin_holders(self) -> list[torch.Tensor | None]:
+        """Host slots this tier holds pins on: backups in flight, unsettled prefetch anchors."""
+        return [*(op.host_slots for op in self.ongoing_backup.values()),
+                *(op.anchor_slots for op in self.ongoing_prefetch.values() if not op.settled)]
+
+    def check_accounting(self) -> None:
+        """Reservations add up: ``prefetch_tokens_occupied`` is exactly what open ops hold."""
+        held = sum(op.reserved for op in self.ongoing_prefetch.values())
+        if held != self.occupied:
+            raise InvariantViolation(
+                f"prefetch_tokens_occupied is {self.occupied} but open prefetches hold {held}: "
+                "a reservation leaked")
+
+    def idle(self) -> bool:
+        w = self.workers
+        return not (self.ongoing_prefetch or self.ongoing_backup or w.prefetch_queue.qsize()
+                    or w.ack_prefetch_queue.qsize() or w.ack_backup_queue.qsize())
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "prefetch_tokens_occupied": self.occupied, "capacity": self.capacity,
+            "ongoing_prefetch": {rid: {"hit_pages": op.hit_pages, "completed": op.completed,
+                                       "local_completed": op.local_completed,
+                                       "acks": op.acks, "settled": op.settled,
+                                       "io_finished": op.io_finished,
+                                       "terminated": op.is_terminated()}
+                                 for rid, op in self.ongoing_prefetch.items()},
+            "ongoing_backup": sorted(self.ongoing_backup),
+            "queues": dict(self.local_counts()),
+            "stats": dict(self.stats), "backend": self.workers.backend.stats().as_dict(),
+        }
+
+
+def _take(q: queue.Queue, n: int, workers: StorageWorkers) -> list:  # type: ignore[type-arg]
+    """``n`` items, blocking while this rank's own thread is behind (as upstream); a worker
+    that died while we wait is reported instead of waited for forever."""
+    out = []
+    while len(out) < n:
+        try:
+            out.append(q.get(timeout=_TAKE_POLL_S))
+        except queue.Empty:
+            workers.check_alive()
+    return out

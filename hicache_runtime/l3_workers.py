@@ -1,0 +1,229 @@
+"""The L3 background threads of one rank and the queues between them and the scheduler.
+
+==================  ===============================  ==========================================
+thread              consumes                         produces
+==================  ===============================  ==========================================
+prefetch-query      ``prefetch_queue``               ``prefetch_hit_queue`` (agreed hit length)
+prefetch-io         ``prefetch_buffer``              ``prefetch_sync_queue`` (raw acks)
+prefetch-sync       ``prefetch_sync_queue``          ``ack_prefetch_queue`` (MIN-voted acks)
+backup              ``backup_queue``                 ``ack_backup_queue``
+==================  ===============================  ==========================================
+
+Every thread owns its input queue and polls it with a timeout so the shared stop event ends it;
+``stop`` joins them with a timeout and reports the ones that did not stop (a hung worker is a
+finding, not something to hide). The voting threads use their own communicators (``sync``).
+Only the scheduler thread frees host pages; threads only read or fill pages they were given.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from faults.points import FaultPoint
+from faults.spec import FaultKind
+from hicache_runtime.errors import WorkerDied
+from hicache_runtime.l3_ops import BackupOperation, PrefetchAck, PrefetchOperation
+from hicache_runtime.legacy import LegacySwitch
+from hicache_runtime.storage.base import StorageCallInfo
+from hicache_runtime.storage.keys import extend_chain
+from hicache_runtime.tracing import Ev
+
+if TYPE_CHECKING:
+    from faults.injector import FaultInjector
+    from hicache_runtime.config import StorageConfig
+    from hicache_runtime.pools import HostKVPool
+    from hicache_runtime.storage.base import StorageBackend
+    from hicache_runtime.storage.pages import PageCodec
+    from hicache_runtime.sync import RankSync
+    from hicache_runtime.topology import RankInfo
+    from hicache_runtime.tracing import Tracer
+
+log = logging.getLogger(__name__)
+_POLL_S = 0.2
+_ABORT_WAIT_S = 5.0
+
+AbortRequester = Callable[[str], threading.Event]
+"""Asks the scheduler to abort a request; the event is set once the abort has been applied."""
+
+
+class StorageWorkers:
+    """Owns the L3 threads and queues of one rank."""
+
+    def __init__(self, cfg: StorageConfig, backend: StorageBackend, codec: PageCodec,
+                 host: HostKVPool, sync: RankSync, tracer: Tracer, rank: RankInfo,
+                 legacy: frozenset[LegacySwitch], faults: FaultInjector | None = None,
+                 request_abort: AbortRequester | None = None) -> None:
+        self.cfg = cfg
+        self.backend = backend
+        self.codec = codec
+        self.host = host
+        self.sync = sync
+        self.tracer = tracer
+        self.rank = rank
+        self.legacy = legacy
+        self.faults = faults if faults and faults.armed(FaultPoint.PREFETCH_BATCH) else None
+        self.request_abort = request_abort
+        self.page_size = codec.layout.page_size
+        self.prefetch_queue: queue.Queue[PrefetchOperation] = queue.Queue()
+        self.prefetch_hit_queue: queue.Queue[PrefetchOperation] = queue.Queue()
+        self.prefetch_buffer: queue.Queue[PrefetchOperation] = queue.Queue()
+        self.prefetch_sync_queue: queue.Queue[PrefetchAck] = queue.Queue()
+        self.ack_prefetch_queue: queue.Queue[PrefetchAck] = queue.Queue()
+        self.backup_queue: queue.Queue[BackupOperation] = queue.Queue()
+        self.ack_backup_queue: queue.Queue[BackupOperation] = queue.Queue()
+        self.host_mem_release_queue: queue.Queue[object] = queue.Queue()
+        self.stop_event = threading.Event()
+        self.failure: tuple[str, BaseException] | None = None
+        self.writer = not cfg.single_writer or rank.tp_rank == 0
+        self._threads = [
+            threading.Thread(target=self._loop, args=(self.prefetch_queue, self._query),
+                             name="hicache-prefetch-query", daemon=True),
+            threading.Thread(target=self._loop, args=(self.prefetch_buffer, self._transfer),
+                             name="hicache-prefetch-io", daemon=True),
+            threading.Thread(target=self._loop, args=(self.prefetch_sync_queue, self._reduce),
+                             name="hicache-prefetch-sync", daemon=True),
+            threading.Thread(target=self._loop, args=(self.backup_queue, self._backup),
+                             name="hicache-backup", daemon=True),
+        ]
+
+    def start(self) -> StorageWorkers:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> list[str]:
+        """Stop and join every thread; returns the names of threads that did not stop."""
+        self.stop_event.set()
+        deadline = time.monotonic() + timeout_s
+        for t in self._threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in self._threads if t.is_alive()]
+        if stuck:
+            log.error("Failed to stop HiCache storage threads cleanly: %s", ", ".join(stuck))
+        return stuck
+
+    def check_alive(self) -> None:
+        """Raise on the scheduler thread if a worker died, chaining its exception: a dead
+        worker would otherwise leave the scheduler waiting for acks forever."""
+        if self.failure is not None:
+            name, exc = self.failure
+            raise WorkerDied(f"{name} died: {type(exc).__name__}: {exc}") from exc
+
+    def _loop(self, q: queue.Queue, handle: Callable[[object], None]) -> None:  # type: ignore[type-arg]
+        while not self.stop_event.is_set():
+            try:
+                item = q.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            try:
+                handle(item)
+            except Exception as exc:  # surfaced to the scheduler by check_alive()
+                name = threading.current_thread().name
+                log.exception("%s died", name)
+                self.tracer.emit(Ev.WORKER_DIED, thread=name,
+                                 error=f"{type(exc).__name__}: {exc}")
+                self.failure = (name, exc)
+                return
+
+    # --- prefetch: existence query and hit vote -----------------------------------------------
+
+    def _query(self, op: PrefetchOperation) -> None:  # type: ignore[override]
+        op.hashes = extend_chain(op.last_hash, op.tokens, self.page_size)
+        info = StorageCallInfo(rid=op.rid, step=self.tracer.step)
+        hit, batch = 0, self.cfg.io_batch_pages
+        for start in range(0, len(op.hashes), batch):
+            keys = op.hashes[start : start + batch]
+            n = self.backend.batch_exists(keys, info)
+            hit += n
+            if n < len(keys):
+                break
+        op.local_hit_pages = hit
+        # Terminated ops still vote (0 is harmless under MIN): the k-th vote pairs the k-th op.
+        local = 0 if op.is_terminated() else hit
+        op.hit_pages = local if LegacySwitch.LOCAL_PREFETCH_PROGRESS in self.legacy \
+            else self.sync.hit_vote(local)
+        self.tracer.emit(Ev.PREFETCH_HIT, rid=op.rid, local=hit, agreed=op.hit_pages,
+                         span=len(op.tokens))
+        self.prefetch_hit_queue.put(op)
+
+    # --- prefetch: page reads ------------------------------------------------------------------
+
+    def _transfer(self, op: PrefetchOperation) -> None:  # type: ignore[override]
+        hashes = op.hashes[: op.hit_pages]
+        batch = self.cfg.io_batch_pages
+        info = StorageCallInfo(rid=op.rid, step=self.tracer.step)
+        failed = False
+        early_exit = LegacySwitch.ABORT_EARLY_EXIT in self.legacy
+        for index, start in enumerate(range(0, len(hashes), batch)):
+            self._maybe_abort(op, index)
+            if op.is_terminated():
+                if early_exit:
+                    self.tracer.emit(Ev.PREFETCH_ACK, rid=op.rid, batch=index, stopped=True)
+                    return  # upstream, pre-#27010: no further acks for this op
+                failed = True
+            if not failed:
+                failed = not self._read_batch(op, hashes[start : start + batch], start, info)
+            self.prefetch_sync_queue.put(PrefetchAck(op.rid, op.local_completed, index))
+        self.prefetch_sync_queue.put(PrefetchAck(op.rid, op.local_completed, -1, True))
+
+    def _read_batch(self, op: PrefetchOperation, keys: list[str], first_page: int,
+                    info: StorageCallInfo) -> bool:
+        """Read one batch into the op's host pages; True when every page arrived."""
+        payloads = self.backend.batch_get(keys, info)
+        good = 0
+        for p in payloads:
+            if p is None or not self.codec.fits(p):
+                break
+            good += 1
+        assert op.host_slots is not None
+        if good:
+            ps = self.page_size
+            slots = op.host_slots[first_page * ps : (first_page + good) * ps]
+            self.codec.write_pages(self.host, slots, payloads[:good])  # type: ignore[arg-type]
+            op.local_completed += good * ps
+        if good < len(keys):
+            log.warning("Prefetch operation %s failed to retrieve page %s", op.rid, keys[good])
+            return False
+        return True
+
+    def _maybe_abort(self, op: PrefetchOperation, index: int) -> None:
+        if self.faults is None or self.request_abort is None:
+            return
+        fired = self.faults.fire(FaultPoint.PREFETCH_BATCH, step=self.tracer.step, rid=op.rid,
+                                 kinds={FaultKind.MID_PREFETCH_ABORT})
+        if any(s.batch is None or s.batch == index for s in fired):
+            # The abort must land while this op is in flight: wait until it was applied.
+            self.request_abort(op.rid).wait(_ABORT_WAIT_S)
+
+    # --- prefetch: per-batch MIN vote ---------------------------------------------------------
+
+    def _reduce(self, ack: PrefetchAck) -> None:  # type: ignore[override]
+        if LegacySwitch.LOCAL_PREFETCH_PROGRESS not in self.legacy:
+            agreed = self.sync.progress_vote([ack.completed_tokens])
+            ack = PrefetchAck(ack.rid, agreed[0], ack.batch, ack.completed_req)
+        self.ack_prefetch_queue.put(ack)
+
+    # --- backup --------------------------------------------------------------------------------
+
+    def _backup(self, op: BackupOperation) -> None:  # type: ignore[override]
+        if not self.writer:
+            op.skipped = True  # MLA-style single writer: others skip the write, but still ack
+        else:
+            ps, batch = self.page_size, self.cfg.io_batch_pages
+            info = StorageCallInfo(step=self.tracer.step)
+            for start in range(0, len(op.hashes), batch):
+                keys = op.hashes[start : start + batch]
+                slots = op.host_slots[start * ps : (start + len(keys)) * ps]
+                ok = self.backend.batch_set(keys, self.codec.read_pages(self.host, slots), info)
+                if not all(ok):
+                    log.warning("Write page to storage: %d pages failed.", ok.count(False))
+                    break
+                op.completed_pages += len(keys)
+        self.tracer.emit(Ev.BACKUP_ACK, node=op.node_id, pages=op.completed_pages,
+                         of=len(op.hashes), skipped=op.skipped)
+        self.ack_backup_queue.put(op)
