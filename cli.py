@@ -1,7 +1,9 @@
 """The ``hicache`` command.
 
 Subcommands land with the feature they expose: ``run`` (a run of the runtime, compared against
-its cache-disabled twin) and ``trace`` (export traces, print the bundle schema).
+its cache-disabled twin), ``trace`` (export traces, print the bundle schema), ``doctor`` (name
+the crash signature of artifacts), ``signatures`` (the catalog), ``runbook`` and ``capture``
+(py-spy dumps of a live job).
 
 Exit codes: 0 success / healthy run; 1 the run was not healthy; 2 bad usage, bad configuration
 or unreadable input (one line on stderr, no traceback).
@@ -13,6 +15,7 @@ import functools
 import json
 import sys
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -55,6 +58,8 @@ def _handles_errors(fn: F) -> F:
 @app.command()
 @_handles_errors
 def run(
+    tp: Annotated[int | None, typer.Option(help="Tensor-parallel ranks.")] = None,
+    pp: Annotated[int | None, typer.Option(help="Pipeline stages.")] = None,
     requests: Annotated[int | None, typer.Option(help="Requests in the workload.")] = None,
     workload: Annotated[str | None, typer.Option(
         help="multi_turn | shared_prefix | long_context | mixed")] = None,
@@ -86,6 +91,10 @@ def run(
     bundle_dir: Annotated[Path | None, typer.Option(help="Where crash bundles go.")] = None,
     watchdog_timeout: Annotated[float | None, typer.Option(
         help="Seconds without progress before a run counts as hung.")] = None,
+    protocol_timeout: Annotated[float | None, typer.Option(
+        help="Timeout of protocol collectives between ranks (seconds).")] = None,
+    consensus_check: Annotated[bool, typer.Option(
+        help="Hash decisions that must agree and compare them across ranks.")] = False,
     compare: Annotated[bool, typer.Option(
         help="Compare outputs with a cache-disabled run.")] = True,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
@@ -97,7 +106,8 @@ def run(
 
     data: dict[str, Any] = _read_config(config) if config else {}
     overrides = {
-        "workload.requests": requests, "workload.kind": workload, "seed": seed,
+        "topology.tp": tp, "topology.pp": pp, "workload.requests": requests,
+        "workload.kind": workload, "seed": seed,
         "cache.device_tokens": device_tokens, "cache.host_tokens": host_tokens,
         "cache.page_size": page_size, "cache.write_policy": write_policy,
         "workload.max_new_tokens": max_new_tokens, "observability.trace_path": trace,
@@ -106,6 +116,8 @@ def run(
         "storage.path": storage_path, "storage.url": storage_url,
         "storage.prefetch_policy": prefetch_policy,
         "storage.required": False if storage_optional else None,
+        "observability.protocol_timeout_s": protocol_timeout,
+        "observability.consensus_check": True if consensus_check else None,
     }
     data.update({k: v for k, v in overrides.items() if v is not None})
     if fault:
@@ -125,10 +137,10 @@ def run(
 
 def _execute(cfg: Any, compare: bool, progress: bool) -> Any:
     import render
-    from hicache_runtime.run import run_single
+    from hicache_runtime.run import run
 
     with render.run_progress("running", enabled=progress and sys.stderr.isatty()) as update:
-        return run_single(cfg, compare=compare, progress=update)
+        return run(cfg, compare=compare, progress=update)
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -187,6 +199,211 @@ def trace_schema(
         out.write_text(text, encoding="utf-8")
     else:
         print(text)
+
+
+# --- doctor, signatures, runbook, capture ------------------------------------------------------
+
+signatures_app = typer.Typer(no_args_is_help=True,
+                             help="The catalog of known crash signatures.")
+app.add_typer(signatures_app, name="signatures")
+
+
+@app.command()
+@_handles_errors
+def doctor(
+    inputs: Annotated[list[str], typer.Argument(
+        help="Files, directories, .tar.gz archives, or - for stdin.")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print the diagnosis as JSON.")]
+    = False,
+    markdown: Annotated[bool, typer.Option("--markdown", help="Print a Markdown report.")]
+    = False,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the report here.")]
+    = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show the rule log.")]
+    = False,
+) -> None:
+    """Name the crash signature of a dead or hung deployment from its artifacts.
+
+    Reads crash bundles, tracebacks, SGLang/torchrun logs, py-spy and faulthandler dumps and
+    PyTorch Flight Recorder dumps. Exit codes: 0 a known signature was named, 1 no known
+    signature fits, 2 bad usage or no readable input.
+    """
+    from doctor.diagnose import diagnose
+    from doctor.markdown import diagnosis_markdown
+
+    if json_out and markdown:
+        raise ConfigError("doctor", "choose one of --json and --markdown")
+    diag = diagnose(inputs)
+    text = diag.model_dump_json(indent=2) if json_out else (
+        diagnosis_markdown(diag) if markdown else None)
+    if out is not None:
+        out.write_text(text if text is not None else diag.model_dump_json(indent=2),
+                       encoding="utf-8")
+    if text is not None and out is None:
+        print(text)
+    elif text is None:
+        import render
+
+        render.doctor_report(diag, verbose=verbose)
+    raise typer.Exit(diag.exit_code)
+
+
+@signatures_app.command("list")
+@_handles_errors
+def signatures_list(
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """List every signature id with its severity and title."""
+    from signatures.loader import load_catalog
+
+    catalog = load_catalog()
+    if json_out:
+        rows = [{"id": s.id, "title": s.title, "severity": s.severity.value, "kind": s.kind.value,
+                 "campaign_cell": s.campaign.cell if s.campaign else None}
+                for s in catalog.signatures]
+        print(json.dumps({"catalog_version": catalog.version, "signatures": rows}, indent=2))
+        return
+    import render
+
+    render.signature_table(catalog)
+
+
+@signatures_app.command("show")
+@_handles_errors
+def signatures_show(
+    signature: Annotated[str, typer.Argument(help="Signature id, e.g. write-ack-pop-empty.")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Show one signature: meaning, recognisers, root cause, fix, mitigations, campaign cell."""
+    sig = _signature(signature)
+    if json_out:
+        print(sig.model_dump_json(indent=2))
+        return
+    import render
+
+    render.signature_detail(sig)
+
+
+@signatures_app.command("schema")
+@_handles_errors
+def signatures_schema(
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write to a file.")] = None,
+) -> None:
+    """JSON Schemas: the catalog, the doctor's diagnosis, capture manifests, crash bundles."""
+    from doctor.parse_bundle import CaptureManifest
+    from doctor.report import Diagnosis
+    from hicache_runtime.bundle import bundle_json_schema
+    from signatures.models import Catalog
+
+    text = json.dumps({"catalog": Catalog.model_json_schema(),
+                       "diagnosis": Diagnosis.model_json_schema(),
+                       "capture": CaptureManifest.model_json_schema(),
+                       "bundle": bundle_json_schema()}, indent=2)
+    if out:
+        out.write_text(text, encoding="utf-8")
+    else:
+        print(text)
+
+
+def _signature(sig_id: str) -> Any:
+    from signatures.loader import load_catalog
+
+    try:
+        return load_catalog().get(sig_id)
+    except KeyError as exc:
+        raise ConfigError("signature", str(exc.args[0])) from None
+
+
+@app.command()
+@_handles_errors
+def runbook(
+    signature: Annotated[list[str] | None, typer.Option(
+        "--signature", "-s", help="Only this signature (repeatable).")] = None,
+    from_diagnosis: Annotated[Path | None, typer.Option(
+        "--from", help="An incident's diagnosis (hicache doctor --json output).")] = None,
+    out: Annotated[Path | None, typer.Option(
+        "--out", "-o", help="Directory (catalog runbooks) or file (incident runbook).")] = None,
+    html_out: Annotated[bool, typer.Option("--html", help="Also write HTML.")] = False,
+) -> None:
+    """Write runbooks: one per signature, or one for an incident (--from DIAGNOSIS.json)."""
+    from doctor.report import Diagnosis
+    from doctor.runbook import catalog_index, incident_runbook, signature_runbook
+    from signatures.loader import load_catalog
+
+    catalog = load_catalog()
+    if from_diagnosis is not None:
+        try:
+            diag = Diagnosis.model_validate_json(from_diagnosis.read_bytes())
+        except ValueError as exc:
+            raise ConfigError("--from", f"{from_diagnosis} is not a diagnosis: "
+                                        f"{str(exc).splitlines()[0]}") from None
+        _emit_docs({"incident": incident_runbook(diag, catalog)}, out, html_out, single=True)
+        return
+    sigs = [_signature(s) for s in signature] if signature else catalog.signatures
+    docs = {s.id: signature_runbook(s) for s in sigs}
+    if out is not None and not signature:
+        docs["index"] = catalog_index(catalog)
+    _emit_docs(docs, out, html_out, single=False)
+
+
+def _emit_docs(docs: dict[str, str], out: Path | None, html_out: bool, single: bool) -> None:
+    from doctor.runbook import to_html
+
+    if out is None:
+        print("\n\n".join(docs.values()).rstrip())
+        return
+    if single:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        text = next(iter(docs.values()))
+        out.write_text(text, encoding="utf-8")
+        if html_out:
+            out.with_suffix(".html").write_text(to_html(text, out.stem), encoding="utf-8")
+        print(f"wrote {out}")
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in docs.items():
+        (out / f"{name}.md").write_text(text, encoding="utf-8")
+        if html_out:
+            (out / f"{name}.html").write_text(to_html(text, name), encoding="utf-8")
+    print(f"wrote {len(docs)} runbook(s) to {out}")
+
+
+@app.command()
+@_handles_errors
+def capture(
+    pid: Annotated[list[int] | None, typer.Option("--pid", help="A rank's pid (repeatable).")]
+    = None,
+    tree: Annotated[int | None, typer.Option(
+        "--tree", help="Every Python process below this pid (a launcher or server).")] = None,
+    torchrun: Annotated[int | None, typer.Option(
+        "--torchrun", help="The workers of this torchrun agent (ranks from RANK).")] = None,
+    log: Annotated[list[Path] | None, typer.Option(
+        "--log", help="A log file to include (repeatable).")] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Capture directory.")] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds per py-spy dump.")] = 10.0,
+    native: Annotated[bool, typer.Option(help="Include native frames.")] = False,
+    locals_: Annotated[bool, typer.Option("--locals", help="Include local variables.")]
+    = False,
+) -> None:
+    """Take py-spy dumps of every rank of a live job at about the same time, plus logs.
+
+    Exit codes: 0 every rank captured, 1 some dumps failed, 2 bad usage or nothing captured.
+    """
+    import render
+    from doctor.capture import capture as do_capture
+    from doctor.capture import find_targets
+
+    for path in log or []:
+        if not path.is_file():
+            raise ConfigError("--log", f"{path} is not a file")
+    targets = find_targets(list(pid or []), tree, torchrun)
+    dest = out or Path(f"capture-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    result = do_capture(targets, dest, logs=list(log or []), timeout_s=timeout, native=native,
+                        locals_=locals_)
+    render.capture_summary(result)
+    captured = sum(1 for t in result.manifest.targets if not t.error)
+    raise typer.Exit(EXIT_OK if not result.failures else
+                     (EXIT_UNHEALTHY if captured else EXIT_USAGE))
 
 
 def main() -> None:

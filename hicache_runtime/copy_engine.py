@@ -83,12 +83,12 @@ class LayerDoneCounter:
         self._cond = threading.Condition()
 
     def start_producer(self) -> int:
+        """Take the next slot. If its previous load is still copying (loads started with no
+        batch consuming them can run ahead), wait for it rather than reuse a live slot."""
         with self._cond:
             slot = self._next
-            if self._done[slot] != self.num_layers:
-                raise InvariantViolation(
-                    "Producer finish event should be ready before being reused."
-                )
+            while self._done[slot] != self.num_layers:
+                self._cond.wait()
             self._done[slot] = 0
             self._events[slot] = [None] * self.num_layers
             self._next = (slot + 1) % LAYER_COUNTER_SLOTS

@@ -77,9 +77,6 @@ class Engine:
     on_step: Callable[[int, int, int], None] | None = None
     """Called after each step with (step, finished, total) (progress bars)."""
     heartbeat: Callable[[], None] = field(default=lambda: None)
-    replay_aborts: dict[str, int] = field(default_factory=dict)
-    """Reference runs: abort these requests once they hold this many output tokens, so the
-    client aborts of the run being judged (and the prompts built on them) are replayed."""
     step: int = 0
 
     def run(self) -> EngineResult:
@@ -96,7 +93,6 @@ class Engine:
             for req in arrivals:
                 all_reqs[req.rid] = req
                 sched.add_request(req)
-            self._replay_aborts(all_reqs)
             for rid in self.workload.aborts(self.step):
                 sched.abort(rid)
             for rid, applied in rt.aborts.take():
@@ -108,7 +104,6 @@ class Engine:
                 self._fault_point(FaultPoint.FORWARD)
                 tokens = rt.model.forward(batch.forward, rt.device_pool)
                 sched.process_result(batch, tokens)
-                self._replay_aborts(all_reqs)
             for req in sched.finished:
                 finished[req.rid] = req
             sched.finished.clear()
@@ -124,13 +119,6 @@ class Engine:
                 time.sleep(_IDLE_SLEEP_S)
         self._drain()
         return EngineResult(all_reqs, self.step, time.monotonic() - start)
-
-    def _replay_aborts(self, reqs: dict[str, Req]) -> None:
-        for rid, n in list(self.replay_aborts.items()):
-            req = reqs.get(rid)
-            if req is not None and not req.done and len(req.output_ids) >= n:
-                self.rt.scheduler.abort(rid)
-                del self.replay_aborts[rid]
 
     def _drain(self) -> None:
         drain = getattr(self.rt.cache, "drain", None)
@@ -192,8 +180,10 @@ def rank_state(rt: RankRuntime, step: int, extra: dict[str, Any] | None = None) 
         rank=rt.rank.rank, tp_rank=rt.rank.tp_rank, pp_rank=rt.rank.pp_rank, step=step,
         scheduler={
             "waiting": [r.rid for r in sched.waiting],
-            "running": [r.rid for r in sched.running],
-            "chunked": sched.chunked_req.rid if sched.chunked_req else None,
+            "slots": [{"running": [r.rid for r in s.running],
+                       "chunked": s.chunked_req.rid if s.chunked_req else None,
+                       "in_flight": s.in_flight.forward.rids if s.in_flight else None}
+                      for s in sched.slots],
             "request_owned_tokens": sched.request_owned_tokens(),
         },
         cache=_safe(rt.cache.snapshot),

@@ -86,15 +86,24 @@ def pick_device() -> torch.device:
         else torch.device("cpu")
 
 
+def make_tracer(cfg: RuntimeConfig, rank: RankInfo, trace_path: Path | None = None) -> Tracer:
+    """This rank's tracer; with several ranks, ``--trace run.jsonl`` becomes
+    ``run.rank<N>.jsonl`` per rank."""
+    obs = cfg.observability
+    path = trace_path or obs.trace_path
+    if path is not None and rank.world_size > 1 and trace_path is None:
+        path = path.with_name(f"{path.stem}.rank{rank.rank}{path.suffix}")
+    return Tracer(rank, ring_size=obs.ring_size, enabled=obs.tracing, jsonl_path=path)
+
+
 def build_rank(cfg: RuntimeConfig, rank: RankInfo | None = None, *,
                sync: RankSync | None = None, tp: TensorParallelComm | None = None,
-               trace_path: Path | None = None) -> RankRuntime:
+               trace_path: Path | None = None, tracer: Tracer | None = None) -> RankRuntime:
     """Build one rank. ``sync``/``tp`` default to the single-rank implementations."""
     rank = rank or RankInfo()
     device = pick_device()
     obs = cfg.observability
-    tracer = Tracer(rank, ring_size=obs.ring_size, enabled=obs.tracing,
-                    jsonl_path=trace_path or obs.trace_path)
+    tracer = tracer or make_tracer(cfg, rank, trace_path)
     faults = FaultInjector(cfg.faults, cfg.seed, rank, tracer) if cfg.faults else None
     sync = sync or SingleRankSync(rank, tracer)
     model = TinyTransformer(cfg.model, rank, device, tp)
@@ -116,7 +125,7 @@ def build_rank(cfg: RuntimeConfig, rank: RankInfo | None = None, *,
         tree = RadixTree(cfg.cache.page_size, _lru_clock(cfg, faults))
         cache = HiCache(cfg.cache, device_pool, host_pool, engine, sync, tracer, tree,
                         cfg.legacy)
-    scheduler = Scheduler(cfg.scheduler, cache, tracer)
+    scheduler = Scheduler(cfg.scheduler, cache, tracer, num_slots=cfg.topology.pp)
     rt = RankRuntime(cfg, rank, device, tracer, faults, sync, model, device_pool, host_pool,
                      cache, scheduler)
     if isinstance(cache, HiCache) and host_pool is not None and cfg.storage.backend != "none":

@@ -52,6 +52,8 @@ class Req:
     """True while a prefill is split over several steps (the next chunk runs first)."""
     extend_len: int = 0
     """Tokens computed by the batch currently running this request."""
+    abort_pending: bool = False
+    """Aborted while its batch was in the pipeline; finished when that batch returns."""
     storage_pending: int = 0
     """Tokens its settled L3 prefetch hung into the tree, not yet counted as storage hits."""
 

@@ -83,6 +83,93 @@ class RunSummary(BaseModel):
     cache_stats: dict[str, Any] = {}
 
 
+def run(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn | None = None,
+        bundle_root: Path | None = None) -> RunSummary:
+    """Run ``cfg``: in this process for one rank, as ``tp * pp`` processes otherwise."""
+    if cfg.topology.world_size == 1:
+        return run_single(cfg, compare=compare, progress=progress, bundle_root=bundle_root)
+    return run_multi(cfg, compare=compare, progress=progress, bundle_root=bundle_root)
+
+
+def run_multi(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn | None = None,
+              bundle_root: Path | None = None) -> RunSummary:
+    """Launch the ranks, then (if healthy) the cache-disabled reference of the same topology;
+    judge outputs (every rank must also agree with rank 0) and summarise."""
+    from hicache_runtime.launcher import launch
+
+    bundle_root = bundle_root or cfg.observability.bundle_dir or DEFAULT_BUNDLE_ROOT
+    res = launch(cfg, bundle_root=bundle_root, progress=progress)
+    try:
+        reqs = _reqs_of(res.results.get(0, {}))
+        summary = _multi_summary(cfg, res, reqs)
+        if res.outcome is not RunOutcome.HEALTHY or not compare:
+            return summary
+        caps = {rid: len(r.output_ids) for rid, r in reqs.items()
+                if r.status is ReqStatus.ABORTED and r.abort_reason == "client abort"}
+        ref = launch(cfg.reference(), bundle_root=bundle_root, caps=caps)
+        try:
+            summary.reference_wall_s = round(ref.wall_s, 3)
+            if ref.outcome is not RunOutcome.HEALTHY:
+                summary.error = f"reference run failed: {ref.error}"
+                summary.outcome = RunOutcome.CRASH
+                return summary
+            summary.mismatches = compare_outputs(reqs, _reqs_of(ref.results.get(0, {})))
+            for r, result in sorted(res.results.items()):
+                if r and _outputs(result) != _outputs(res.results.get(0, {})):
+                    summary.mismatches.append(Mismatch(
+                        rid="*", index=-1, expected=[], got=[],
+                        note=f"rank {r} produced different outputs than rank 0"))
+        finally:
+            ref.cleanup()
+        summary.output_match = not summary.mismatches
+        if summary.mismatches:
+            summary.outcome = RunOutcome.WRONG_OUTPUT
+            summary.error = f"{len(summary.mismatches)} request(s) differ from the reference"
+            summary.bundle = str(res.bundle_as(
+                RunOutcome.WRONG_OUTPUT, summary.error, bundle_root,
+                [m.model_dump() for m in summary.mismatches]))
+        return summary
+    finally:
+        res.cleanup()
+
+
+def _reqs_of(result: dict[str, Any]) -> dict[str, Req]:
+    out = {}
+    for rid, r in result.get("requests", {}).items():
+        req = Req(rid=rid, input_ids=r["input_ids"], max_new_tokens=len(r["output_ids"]),
+                  output_ids=r["output_ids"], status=ReqStatus(r["status"]),
+                  abort_reason=r["abort_reason"])
+        req.cached = dict(r["cached"])
+        out[rid] = req
+    return out
+
+
+def _outputs(result: dict[str, Any]) -> dict[str, list[int]]:
+    return {rid: r["output_ids"] for rid, r in result.get("requests", {}).items()}
+
+
+def _multi_summary(cfg: RuntimeConfig, res: Any, reqs: dict[str, Req]) -> RunSummary:
+    r0 = res.results.get(0, {})
+    cached = {"device": 0, "host": 0, "storage": 0}
+    for r in reqs.values():
+        for k in cached:
+            cached[k] += r.cached.get(k, 0)
+    errors = [f"rank {r}: {x['error']}" for r, x in sorted(res.results.items())
+              if x.get("error")]
+    return RunSummary(
+        outcome=res.outcome, requests=cfg.workload.requests,
+        completed=sum(1 for r in reqs.values() if r.status is ReqStatus.FINISHED),
+        aborted=sum(1 for r in reqs.values() if r.status is ReqStatus.ABORTED),
+        output_match=None, cached_tokens=CachedTokens(**cached),
+        steps=int(r0.get("steps") or 0), wall_s=round(res.wall_s, 3),
+        topology={"tp": cfg.topology.tp, "pp": cfg.topology.pp},
+        legacy=sorted(s.value for s in cfg.legacy), faults=[f.compact() for f in cfg.faults],
+        faults_fired=sum(len(x.get("faults_fired", [])) for x in res.results.values()),
+        bundle=str(res.bundle) if res.bundle else None,
+        error=res.error or (errors[0] if errors else None),
+        cache_stats={"ranks": {str(r): x.get("stats", {}) for r, x in res.results.items()}})
+
+
 def run_single(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn | None = None,
                bundle_root: Path | None = None) -> RunSummary:
     """Run one rank in this process, then (if healthy) its reference; judge and summarise."""
@@ -142,8 +229,8 @@ def run_reference(cfg: RuntimeConfig, aborted: dict[str, int] | None = None) -> 
     rt = build_rank(ref_cfg)
     try:
         workload = Workload(ref_cfg.workload, ref_cfg.model.vocab_size, ref_cfg.seed,
-                            client_aborts=aborted is None)
-        return Engine(rt, workload, replay_aborts=dict(aborted or {})).run()
+                            client_aborts=aborted is None, caps=dict(aborted or {}))
+        return Engine(rt, workload).run()
     finally:
         rt.close()
 

@@ -8,6 +8,11 @@ Each step follows SGLang's order:
 3. otherwise a decode batch of the running requests, retracting the newest ones when L1 cannot
    hold one more token each.
 
+Under pipeline parallelism several micro-batches are in flight: requests belong to one of
+``num_slots`` micro-batch slots (SGLang's ``running_mbs``). A step forms the next batch of one
+slot, after the results of that slot's previous batch have been applied; a request never moves
+between slots.
+
 The scheduler is deterministic given the same sequence of arrivals and the same cache state,
 which is what keeps ranks that run their own scheduler (every TP and PP rank does) in step.
 """
@@ -21,6 +26,7 @@ import torch
 
 from hicache_runtime.cache import PrefixCache
 from hicache_runtime.config import SchedulerConfig
+from hicache_runtime.errors import InvariantViolation
 from hicache_runtime.model import ForwardBatch
 from hicache_runtime.request import Req, ReqStatus
 from hicache_runtime.tracing import Ev, Tracer
@@ -36,6 +42,7 @@ class ScheduleBatch:
     reqs: list[Req]
     forward: ForwardBatch
     step: int
+    slot: int = 0
     finished: list[Req] = field(default_factory=list)
 
     @property
@@ -43,18 +50,48 @@ class ScheduleBatch:
         return self.forward.is_decode
 
 
+@dataclass
+class MicroBatchSlot:
+    """The requests of one micro-batch slot and the batch of it now in the pipeline."""
+
+    running: list[Req] = field(default_factory=list)
+    chunked_req: Req | None = None
+    in_flight: ScheduleBatch | None = None
+
+    def reqs(self) -> list[Req]:
+        """Every request this slot holds KV for (running, chunked, or in the pipeline)."""
+        out = [*self.running, *([self.chunked_req] if self.chunked_req else [])]
+        if self.in_flight is not None:
+            out.extend(r for r in self.in_flight.reqs if r not in out and not r.done)
+        return out
+
+
 class Scheduler:
     """Forms batches for one rank and applies their results."""
 
-    def __init__(self, cfg: SchedulerConfig, cache: PrefixCache, tracer: Tracer) -> None:
+    def __init__(self, cfg: SchedulerConfig, cache: PrefixCache, tracer: Tracer,
+                 num_slots: int = 1) -> None:
         self.cfg = cfg
         self.cache = cache
         self.tracer = tracer
         self.page_size = cache.page_size
         self.waiting: list[Req] = []
-        self.running: list[Req] = []
-        self.chunked_req: Req | None = None
+        self.slots = [MicroBatchSlot() for _ in range(num_slots)]
+        self._cur = 0
         self.finished: list[Req] = []
+
+    # The slot being formed; batch formation below only ever touches this one.
+    @property
+    def running(self) -> list[Req]:
+        return self.slots[self._cur].running
+
+    @property
+    def chunked_req(self) -> Req | None:
+        return self.slots[self._cur].chunked_req
+
+    @chunked_req.setter
+    def chunked_req(self, req: Req | None) -> None:
+        self.slots[self._cur].chunked_req = req
 
     # --- queue --------------------------------------------------------------------------------
 
@@ -78,48 +115,65 @@ class Scheduler:
                 self.waiting.remove(req)
                 self.cache.on_abort(req)
                 return self._finish(req, ReqStatus.ABORTED, "client abort")
-        for req in [*self.running, *([self.chunked_req] if self.chunked_req else [])]:
-            if req.rid == rid:
-                if req is self.chunked_req:
-                    self.chunked_req = None
+        for slot in self.slots:
+            for req in slot.reqs():
+                if req.rid != rid:
+                    continue
+                if slot.in_flight is not None and req in slot.in_flight.reqs:
+                    req.abort_pending = True  # finished when its batch's result comes back
+                    return True
+                if req is slot.chunked_req:
+                    slot.chunked_req = None
                 else:
-                    self.running.remove(req)
+                    slot.running.remove(req)
                 self.cache.cache_finished_req(req)
                 return self._finish(req, ReqStatus.ABORTED, "client abort")
         return False
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req)
+        return bool(self.waiting) or any(s.running or s.chunked_req or s.in_flight
+                                         for s in self.slots)
+
+    def _all_reqs(self) -> list[Req]:
+        return [r for s in self.slots for r in s.reqs()]
 
     def held_nodes(self) -> list[TreeNode | None]:
-        """Prefix nodes locked by running requests (for the lock-accounting check)."""
-        return [r.last_node for r in [*self.running, *([self.chunked_req] if self.chunked_req
-                                                       else [])]]
+        """Prefix nodes locked by requests (for the lock-accounting check)."""
+        return [r.last_node for r in self._all_reqs()]
 
     def check_integrity(self) -> None:
         self.cache.check_integrity(self.request_owned_tokens(), self.held_nodes())
 
     def request_owned_tokens(self) -> int:
         """Device tokens held by requests outside the tree (for the integrity check)."""
-        reqs = [*self.running, *([self.chunked_req] if self.chunked_req else [])]
-        return sum(int(r.kv_slots.numel()) - r.prefix_len for r in reqs)
+        return sum(int(r.kv_slots.numel()) - r.prefix_len for r in self._all_reqs())
 
     # --- batch formation ---------------------------------------------------------------------
 
-    def next_batch(self, step: int) -> ScheduleBatch | None:
-        """Consume completions, then form a prefill batch, else a decode batch."""
+    def next_batch(self, step: int, slot: int = 0) -> ScheduleBatch | None:
+        """Consume completions, then form slot ``slot``'s next batch: a prefill batch, else a
+        decode batch. The slot's previous batch must have been processed."""
+        self._cur = slot
+        if self.slots[slot].in_flight is not None:
+            raise InvariantViolation(f"slot {slot} still has a batch in flight")
         self.cache.check_events()
         batch = self._prefill_batch(step) or self._decode_batch(step)
+        # Start queued load-backs even when no batch runs now: a load whose request was not
+        # admitted still holds its lock until its ack, and L1 may be full of such locks.
+        consumer = self.cache.start_loading()
         if batch is not None:
-            batch.forward.consumer = self.cache.start_loading()
+            batch.slot = slot
+            self.slots[slot].in_flight = batch
+            batch.forward.consumer = consumer
             self.tracer.emit(Ev.BATCH, decode=batch.is_decode, rids=batch.forward.rids,
                              extend=batch.forward.extend_lens, prefix=batch.forward.prefix_lens,
-                             tokens=batch.forward.num_tokens)
+                             tokens=batch.forward.num_tokens, slot=slot)
         return batch
 
     def _budget(self) -> int:
-        reserve = sum(r.remaining_tokens for r in self.running) * self.cfg.decode_reserve_ratio
+        running = [r for s in self.slots for r in s.running]
+        reserve = sum(r.remaining_tokens for r in running) * self.cfg.decode_reserve_ratio
         return self.cache.available_tokens - int(reserve)
 
     def _prefill_batch(self, step: int) -> ScheduleBatch | None:
@@ -138,7 +192,7 @@ class Scheduler:
         for req in ordered:
             if self.chunked_req is not None or rem_prefill < self.page_size:
                 break
-            if len(self.running) + len(reqs) >= self.cfg.max_running_requests:
+            if self._num_running() + len(reqs) >= self.cfg.max_running_requests:
                 break
             if not self.cache.prefetch_ready(req):
                 continue
@@ -166,6 +220,9 @@ class Scheduler:
             return None
         return ScheduleBatch(reqs, self._extend_forward(reqs), step)
 
+    def _num_running(self) -> int:
+        return sum(len(s.running) + (s.chunked_req is not None) for s in self.slots)
+
     def _grant(self, req: Req, start: int, rem_prefill: int,
                rem_total: int) -> tuple[int, int] | None:
         """Allocate slots for the next chunk of ``req`` starting at ``start``; returns
@@ -175,6 +232,11 @@ class Scheduler:
         if chunk < extend:
             chunk -= chunk % self.page_size
         if chunk <= 0:
+            return None
+        if chunk < extend and req is not self.chunked_req and any(
+                sl.chunked_req is not None for sl in self.slots):
+            # One chunked prefill at a time, across micro-batch slots: two half-prefilled
+            # requests can hold all of L1 while each waits for the other's memory.
             return None
         have = int(req.kv_slots.numel()) - start
         need = max(0, _round_up(chunk, self.page_size) - have)
@@ -248,28 +310,49 @@ class Scheduler:
 
     # --- results ------------------------------------------------------------------------------
 
-    def process_result(self, batch: ScheduleBatch, next_tokens: torch.Tensor) -> list[Req]:
-        """Apply sampled tokens; returns requests that finished this step."""
-        tokens = next_tokens.tolist()
+    def process_result(self, batch: ScheduleBatch, next_tokens: torch.Tensor | list[int]
+                       ) -> list[Req]:
+        """Apply sampled tokens of ``batch``; returns requests that finished."""
+        tokens = next_tokens.tolist() if isinstance(next_tokens, torch.Tensor) else next_tokens
+        want = sum(batch.forward.sample)
+        if len(tokens) != want:
+            raise InvariantViolation(
+                f"micro-batch of slot {batch.slot} (step {batch.step}): {len(tokens)} sampled "
+                f"tokens for {want} requests")
+        self._cur = batch.slot
+        slot = self.slots[batch.slot]
+        slot.in_flight = None
         finished: list[Req] = []
         ti = 0
-        for req, want in zip(batch.reqs, batch.forward.sample):
+        for req, sample in zip(batch.reqs, batch.forward.sample):
             req.kv_len += req.extend_len
-            if not want:
+            if not sample:
                 self.cache.cache_unfinished_req(req)
+                if req.abort_pending:
+                    self._abort_now(slot, req)
                 continue
             req.output_ids.append(int(tokens[ti]))
             ti += 1
-            if len(req.output_ids) >= req.max_new_tokens:
-                if req in self.running:
-                    self.running.remove(req)
+            if req.abort_pending:
+                self._abort_now(slot, req)
+            elif len(req.output_ids) >= req.max_new_tokens:
+                if req in slot.running:
+                    slot.running.remove(req)
                 self.cache.cache_finished_req(req)
                 self._finish(req, ReqStatus.FINISHED, None, batch.step)
                 finished.append(req)
-            elif req not in self.running:
-                self.running.append(req)
+            elif req not in slot.running:
+                slot.running.append(req)
         batch.finished = finished
         return finished
+
+    def _abort_now(self, slot: MicroBatchSlot, req: Req) -> None:
+        if req in slot.running:
+            slot.running.remove(req)
+        if req is slot.chunked_req:
+            slot.chunked_req = None
+        self.cache.cache_finished_req(req)
+        self._finish(req, ReqStatus.ABORTED, "client abort")
 
     def _finish(self, req: Req, status: ReqStatus, reason: str | None,
                 step: int | None = None) -> bool:

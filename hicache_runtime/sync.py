@@ -21,17 +21,29 @@ method                      thread              fixed protocol
 
 :class:`SingleRankSync` is the one-rank implementation: every vote is the identity, but each is
 still traced (inputs and outputs), so traces look the same whatever the topology.
+:class:`DistributedSync` runs the protocols over real process groups (``groups.py``) and
+restores the legacy forms behind their switches; :class:`ConsensusChecker` compares decisions.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import torch
+import torch.distributed as dist
+
+from hicache_runtime.errors import RankDivergence
+from hicache_runtime.legacy import LegacySwitch
 from hicache_runtime.tracing import Ev
 
 if TYPE_CHECKING:
+    from hicache_runtime.comm import Group
+    from hicache_runtime.groups import RankGroups
     from hicache_runtime.topology import RankInfo
     from hicache_runtime.tracing import Tracer
 
@@ -140,3 +152,208 @@ def _plain(value: Any) -> Any:
     if isinstance(value, tuple) and hasattr(value, "_asdict"):
         return list(value)
     return value
+
+
+# --- many ranks ------------------------------------------------------------------------------
+
+
+class DistributedSync(RankSync):
+    """The fixed protocols over real process groups, and the legacy ones behind switches.
+
+    Scheduler-thread decisions are *leader decided*: PP0 reduces over its TP group and sends
+    the result down the pipeline (``pp_sync``, point to point); a stage k > 0 never votes, it
+    receives PP0's value and must consume exactly that much, waiting for its own work if it is
+    behind. There is no PP collective in the scheduler loop: stages run out of phase.
+
+    In-flight chain sends are bounded to one round (#28916): each ``drain_counts`` first waits
+    for the previous round's sends. ``unbounded-pp-sends`` restores the leak: sends are only
+    reaped once completed, so a PP0 that outruns its next stage accumulates them.
+    """
+
+    def __init__(self, rank: RankInfo, tracer: Tracer, groups: RankGroups,
+                 legacy: frozenset[LegacySwitch]) -> None:
+        super().__init__(rank, tracer)
+        self.groups = groups
+        self.legacy = legacy
+        self.unbounded = LegacySwitch.UNBOUNDED_PP_SENDS in legacy
+        self._prev = rank.rank - rank.tp_size if not rank.is_first_stage else None
+        self._next = rank.rank + rank.tp_size if not rank.is_last_stage else None
+        self._tp_root = rank.stage_ranks(rank.pp_rank)[0]
+        self._tp0 = rank.stage_ranks(0)[0]
+
+    # --- leader-decided, scheduler thread -----------------------------------------------------
+
+    def drain_counts(self, local: DrainCounts) -> DrainCounts:
+        self._start_round()
+        vec = torch.tensor(list(local), dtype=torch.int64)
+        agreed = DrainCounts(*self._decide(vec, dist.ReduceOp.MIN).tolist())
+        self._end_round()
+        if any(local) or any(agreed):
+            self._trace_vote("drain_counts", local, agreed)
+        return agreed
+
+    def agree_min(self, value: int, site: str) -> int:
+        out = int(self._decide(torch.tensor([value], dtype=torch.int64),
+                               dist.ReduceOp.MIN).item())
+        self._trace_vote(site, value, out)
+        return out
+
+    def agree_any(self, flag: bool, site: str) -> bool:
+        out = bool(self._decide(torch.tensor([int(flag)], dtype=torch.int64),
+                                dist.ReduceOp.MAX).item())
+        self._trace_vote(site, flag, out)
+        return out
+
+    def legacy_tp_min(self, value: int, site: str) -> int:
+        t = torch.tensor([value], dtype=torch.int64)
+        out = int(self.groups.tp_cpu.all_reduce(t, dist.ReduceOp.MIN).item())
+        self._trace_vote(site, value, out)
+        return out
+
+    def _decide(self, vec: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
+        if self.rank.is_first_stage:
+            self.groups.tp_cpu.all_reduce(vec, op)
+        else:
+            assert self._prev is not None
+            self.groups.pp_sync.recv(vec, self._prev)
+        if self._next is not None:
+            self.groups.pp_sync.isend(vec.clone(), self._next)
+        return vec
+
+    def _start_round(self) -> None:
+        if not self.unbounded:
+            self.groups.pp_sync.wait_pending()  # backpressure: one round in flight at most
+
+    def _end_round(self) -> None:
+        if self.unbounded and self._next is not None:
+            pending = self.groups.pp_sync.reap_completed()
+            self.tracer.emit(Ev.PP_PENDING, pending=pending,
+                             bytes=self.groups.pp_sync.pending_bytes())
+
+    # --- background-thread votes --------------------------------------------------------------
+
+    def hit_vote(self, pages: int) -> int:
+        t = torch.tensor([pages], dtype=torch.int64)
+        out = int(self.groups.prefetch_hits.all_reduce(t, dist.ReduceOp.MIN).item())
+        self._trace_vote("prefetch_hit", pages, out)
+        return out
+
+    def progress_vote(self, values: Sequence[int]) -> list[int]:
+        t = torch.tensor(list(values), dtype=torch.int64)
+        return self.groups.prefetch_progress.all_reduce(t, dist.ReduceOp.MIN).tolist()
+
+    def host_capacity(self, tokens: int) -> int:
+        t = torch.tensor([tokens], dtype=torch.int64)
+        return int(self.groups.world.all_reduce(t, dist.ReduceOp.MIN).item())
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def broadcast_requests(self, payload: list[Any] | None) -> list[Any]:
+        """Rank 0's new requests reach every TP rank of PP0 by broadcast, then every stage by
+        point to point (each TP rank to the same TP rank of the next stage)."""
+        if self.rank.is_first_stage:
+            payload = self.groups.tp_cpu.broadcast_object(payload, src=self._tp0)
+        else:
+            assert self._prev is not None
+            payload = self.groups.pp_requests.recv_object(self._prev)
+        if self._next is not None:
+            self.groups.pp_requests.isend_object(payload, self._next)
+            self.groups.pp_requests.reap_completed()
+        return list(payload or [])
+
+    def flight_records(self) -> list[dict[str, Any]]:
+        return self.groups.recorder.records()
+
+    def close(self) -> None:
+        for g in self.groups.all():
+            g.pending.clear()
+
+
+class ConsensusChecker:
+    """``--consensus-check``: decisions that must be identical on every rank are hashed and
+    compared on a side group; a mismatch names the first divergent decision.
+
+    The scheduler thread records decisions (via the tracer's observer hook); a daemon thread
+    agrees on how many every rank has (MIN), MIN/MAX-reduces a digest of that many, and on a
+    mismatch gathers them to find the first that differs. Like SGLang's
+    ``SGLANG_ENABLE_RANK_CONSENSUS_CHECKER``, but the report says *which* decision diverged.
+    """
+
+    def __init__(self, group: Group, tracer: Tracer, interval_s: float = 0.05) -> None:
+        self.group = group
+        self.tracer = tracer
+        self.interval_s = interval_s
+        self._decisions: list[str] = []
+        self._lock = threading.Lock()
+        self._checked = 0
+        self._stop = threading.Event()
+        self.divergence: str | None = None
+        self._thread = threading.Thread(target=self._loop, name="hicache-consensus",
+                                        daemon=True)
+
+    def start(self) -> ConsensusChecker:
+        self._thread.start()
+        return self
+
+    def observe(self, kind: str, attrs: dict[str, Any]) -> None:
+        """Tracer hook (scheduler thread): keep the agreed part of decision events."""
+        keys = DECISION_ATTRS.get(kind)
+        if keys is None or threading.current_thread() is not threading.main_thread():
+            return
+        text = kind + json.dumps({k: attrs.get(k) for k in keys}, sort_keys=True, default=str)
+        with self._lock:
+            self._decisions.append(f"step {self.tracer.step}|{text}")
+
+    def check(self) -> None:
+        """Raise :class:`RankDivergence` on the scheduler thread once a mismatch was found."""
+        if self.divergence is not None:
+            raise RankDivergence(self.divergence)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            with self._lock:
+                have = len(self._decisions)
+            n = int(self.group.all_reduce(torch.tensor([have - self._checked]),
+                                          dist.ReduceOp.MIN).item())
+            if n <= 0:
+                continue
+            with self._lock:
+                batch = self._decisions[self._checked : self._checked + n]
+            digest = int.from_bytes(hashlib.sha256("\n".join(
+                d.split("|", 1)[1] for d in batch).encode()).digest()[:7], "little")
+            lo = self.group.all_reduce(torch.tensor([digest]), dist.ReduceOp.MIN).item()
+            hi = self.group.all_reduce(torch.tensor([digest]), dist.ReduceOp.MAX).item()
+            if lo != hi:
+                self._report(batch)
+                return
+            self._checked += n
+            self.tracer.emit(Ev.CONSENSUS, checked=self._checked)
+
+    def _report(self, batch: list[str]) -> None:
+        every = self.group.all_gather_object(batch)
+        for i in range(len(batch)):
+            values = [b[i].split("|", 1)[1] if i < len(b) else None for b in every]
+            if len(set(values)) > 1:
+                ranks = "; ".join(f"rank {r}: {b[i]}" for r, b in
+                                  zip(self.group.ranks, every) if i < len(b))
+                self.divergence = (f"Found rank divergence: first divergent decision "
+                                   f"#{self._checked + i}: {ranks}")
+                self.tracer.emit(Ev.CONSENSUS, divergent=self._checked + i,
+                                 decisions=[b[i] for b in every if i < len(b)])
+                return
+
+
+#: Decision events whose listed attributes must be identical on every rank.
+DECISION_ATTRS: dict[str, tuple[str, ...]] = {
+    Ev.BATCH: ("decode", "rids", "extend", "prefix", "tokens", "slot"),
+    Ev.MATCH: ("rid", "device", "host", "loaded"),
+    Ev.EVICT: ("want", "evicted"),
+    Ev.EVICT_HOST: ("want", "evicted"),
+    Ev.WRITE_SKIP: ("node", "tokens"),
+    Ev.PREFETCH_SETTLE: ("rid", "completed", "inserted"),
+    Ev.REQ_ADMIT: ("rid", "prefix", "device_hit", "host_hit", "storage_hit"),
+}

@@ -16,7 +16,7 @@ import json
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -68,6 +68,9 @@ class Ev:
     INTEGRITY = "check.integrity"
     WATCHDOG = "watchdog.stall"
     CONSENSUS = "consensus.check"
+    PP_PENDING = "sync.pp_pending"
+    PP_RECV = "pp.recv"
+    PP_SEND = "pp.send"
 
 
 EventRecord = tuple[int, str, str, int, dict[str, Any]]
@@ -96,12 +99,16 @@ class Tracer:
         self._sink: IO[str] | None = None
         self._sink_lock = threading.Lock()
         self.total = 0
+        self.observer: Callable[[str, dict[str, Any]], None] | None = None
+        """Sees every event, also with the ring off (the consensus checker uses it)."""
         if jsonl_path is not None and enabled:
             jsonl_path.parent.mkdir(parents=True, exist_ok=True)
             self._sink = jsonl_path.open("w", encoding="utf-8")
 
     def emit(self, kind: str, /, **attrs: Any) -> None:
         """Record one event. Attributes must be JSON-friendly scalars or short lists."""
+        if self.observer is not None:
+            self.observer(kind, attrs)
         if not self.enabled:
             return
         rec = (time.monotonic_ns(), kind, threading.current_thread().name, self.step, attrs)

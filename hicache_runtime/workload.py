@@ -42,7 +42,11 @@ class Workload:
     seed: int
     client_aborts: bool = True
     """False: do not issue the seeded client aborts (a reference run replays the judged run's
-    aborts instead, at the same token counts)."""
+    aborts instead, through ``caps``)."""
+    caps: dict[str, int] = field(default_factory=dict)
+    """Reference runs: requests the judged run's clients aborted, and how many tokens they had
+    by then. Such a request is issued with that many tokens to generate (or aborted at
+    arrival when it had none), so every prompt built on it stays identical."""
     plans: dict[str, _Plan] = field(default_factory=dict)
     _pending: list[_Plan] = field(default_factory=list)
     _due: dict[str, int] = field(default_factory=dict)
@@ -76,9 +80,13 @@ class Workload:
             if plan.follows is not None:
                 prev = finished[plan.follows]
                 history = prev.input_ids + prev.output_ids
+            cap = self.caps.get(plan.rid)
             req = Req(rid=plan.rid, input_ids=plan.prefix_tokens + history + plan.new_tokens,
-                      max_new_tokens=self.cfg.max_new_tokens, arrival_step=step)
+                      max_new_tokens=self.cfg.max_new_tokens if cap is None
+                      else max(1, min(cap, self.cfg.max_new_tokens)), arrival_step=step)
             out.append(req)
+            if cap == 0:
+                self._aborts.setdefault(step, []).append(plan.rid)
             self._pending.remove(plan)
             self._issued.add(plan.rid)
             if plan.abort_after is not None and self.client_aborts:

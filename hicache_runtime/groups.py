@@ -1,0 +1,103 @@
+"""Process groups of one rank, each owned by one thread.
+
+Every rank creates every group in the same order (``torch.distributed.new_group`` is
+collective over the world), all gloo on CPU; the model's TP all_reduce uses NCCL when the
+pools live on a GPU. Protocol groups carry a short timeout so a rank stuck in a vote raises
+gloo's ``Timed out waiting ...`` instead of blocking for 30 minutes.
+
+==================  =============  ===================================================
+group               thread         carries
+==================  =============  ===================================================
+tp_compute          scheduler      the model's row-parallel all_reduce (this stage's TP)
+tp_cpu              scheduler      votes decided on PP0 (TP MIN/MAX), request broadcast
+pp_requests         scheduler      new requests and aborts, stage to stage
+pp_sync             scheduler      PP0's agreed counts chained down the pipeline
+pp_act              scheduler      hidden states + batch description, stage to stage
+pp_out              scheduler      sampled tokens, last stage -> PP0 -> ... (a ring)
+prefetch_hits       prefetch-query the L3 hit-length MIN over every rank
+prefetch_progress   prefetch-sync  the per-batch progress MIN over every rank
+consensus           consensus      digests of decisions that must agree
+world               start-up       host capacity MIN, final barrier
+==================  =============  ===================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from hicache_runtime.comm import FlightRecorder, Group
+
+if TYPE_CHECKING:
+    from hicache_runtime.topology import RankInfo
+    from hicache_runtime.tracing import Tracer
+
+_WORLD_GROUPS = ("pp_requests", "pp_sync", "pp_act", "pp_out", "prefetch_hits",
+                 "prefetch_progress", "consensus")
+
+
+@dataclass
+class RankGroups:
+    """This rank's groups (see the module table)."""
+
+    world: Group
+    tp_compute: Group
+    tp_cpu: Group
+    pp_requests: Group
+    pp_sync: Group
+    pp_act: Group
+    pp_out: Group
+    prefetch_hits: Group
+    prefetch_progress: Group
+    consensus: Group
+    recorder: FlightRecorder
+
+    def all(self) -> list[Group]:
+        return [self.world, self.tp_compute, self.tp_cpu, self.pp_requests, self.pp_sync,
+                self.pp_act, self.pp_out, self.prefetch_hits, self.prefetch_progress,
+                self.consensus]
+
+
+def create_groups(rank: RankInfo, tracer: Tracer, timeout_s: float) -> RankGroups:
+    """Create every group (collective over the world: all ranks call this together)."""
+    recorder = FlightRecorder()
+    timeout = timedelta(seconds=timeout_s)
+    world_ranks = list(range(rank.world_size))
+    compute_backend = "nccl" if torch.cuda.is_available() else "gloo"
+    tp_compute = tp_cpu = None
+    for stage in range(rank.pp_size):
+        ranks = rank.stage_ranks(stage)
+        compute = dist.new_group(ranks, timeout=timeout, backend=compute_backend)
+        cpu = dist.new_group(ranks, timeout=timeout, backend="gloo")
+        if stage == rank.pp_rank:
+            tp_compute, tp_cpu = compute, cpu
+    world = {name: dist.new_group(world_ranks, timeout=timeout, backend="gloo")
+             for name in _WORLD_GROUPS}
+    stage_ranks = rank.stage_ranks(rank.pp_rank)
+
+    def wrap(name: str, pg: dist.ProcessGroup | None, ranks: list[int],
+             traced: bool = True) -> Group:
+        return Group(name, pg, ranks, rank.rank, recorder, tracer if traced else None)
+
+    return RankGroups(
+        world=wrap("world", dist.group.WORLD, world_ranks),
+        # the compute all_reduce runs twice per layer: recorded, but kept out of the event ring
+        tp_compute=wrap("tp_compute", tp_compute, stage_ranks, traced=False),
+        tp_cpu=wrap("tp_cpu", tp_cpu, stage_ranks),
+        **{name: wrap(name, pg, world_ranks) for name, pg in world.items()},
+        recorder=recorder,
+    )
+
+
+class TPComm:
+    """The model's TP collective on ``tp_compute`` (implements ``TensorParallelComm``)."""
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+
+    def all_reduce(self, tensor: torch.Tensor, site: str) -> torch.Tensor:
+        return self.group.all_reduce(tensor, dist.ReduceOp.SUM)

@@ -1,0 +1,296 @@
+"""Entry point of one rank process: ``python -m hicache_runtime.rank_main``.
+
+Started by the built-in launcher (``hicache run --tp 2 --pp 2``) or by ``torchrun``; either way
+the rendezvous is ``env://`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
+
+Run directory protocol (shared with ``launcher.py``)::
+
+    <run>/config.json          the RuntimeConfig (written by the launcher)
+    <run>/caps.json            optional: reference-run caps (see Workload.caps)
+    <run>/DUMP                 side channel: created once (O_EXCL) by whoever sees a failure
+                               first; every rank's listener thread then dumps its evidence,
+                               without touching any process group (they may be stuck)
+    <run>/PYSPY_DONE           the launcher took its py-spy dumps; ranks may unwind now
+    <run>/bundle/rank<N>/      each rank's bundle files, plus entry.json (its RankEntry)
+    <run>/rank<N>.result.json  each rank's outcome, outputs and stats
+    <run>/progress.json        rank 0's progress (step, finished, total)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hicache_runtime.bundle import RankEntry, RunOutcome, rank_dir, write_text
+from hicache_runtime.config import RuntimeConfig, load_config
+from hicache_runtime.engine import EngineResult, dump_rank
+from hicache_runtime.errors import RankDivergence, StepStalled
+from hicache_runtime.groups import RankGroups, TPComm, create_groups
+from hicache_runtime.pipeline import PipelineEngine
+from hicache_runtime.rank import RankRuntime, build_rank, make_tracer
+from hicache_runtime.sync import ConsensusChecker, DistributedSync
+from hicache_runtime.topology import RankInfo
+from hicache_runtime.watchdog import StepWatchdog, install_interrupt_handler, interrupt_main_thread
+from hicache_runtime.workload import Workload
+
+EXIT_OK, EXIT_CRASH, EXIT_HANG = 0, 1, 3
+_POLL_S = 0.05
+_PYSPY_WAIT_S = 20.0
+_STARTUP_TIMEOUT_S = 120.0
+_HANG_MARKERS = ("Timed out waiting", "timed out", "StepStalled")
+
+
+def classify(exc: BaseException) -> RunOutcome:
+    """A rank that was stopped by a timeout was hung; anything else crashed."""
+    if isinstance(exc, StepStalled):
+        return RunOutcome.HANG
+    text = f"{type(exc).__name__}: {exc}"
+    return RunOutcome.HANG if any(m in text for m in _HANG_MARKERS) else RunOutcome.CRASH
+
+
+def request_dump(run_dir: Path, rank: int, outcome: RunOutcome, reason: str) -> bool:
+    """Create the DUMP side-channel file; True if this call created it (first writer wins)."""
+    try:
+        fd = os.open(run_dir / "DUMP", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as fh:
+        json.dump({"by": rank, "outcome": outcome.value, "reason": reason,
+                   "t": time.time()}, fh)
+    return True
+
+
+def read_dump(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((run_dir / "DUMP").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass
+class RankDumper:
+    """Writes this rank's bundle files exactly once, whichever thread gets there first; a
+    later exception on the main thread adds its traceback."""
+
+    run_dir: Path
+    rt: RankRuntime
+    engine: PipelineEngine | None = None
+    dumped: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def bundle(self) -> Path:
+        return self.run_dir / "bundle"
+
+    def dump(self, outcome: RunOutcome, exc: BaseException | None = None) -> None:
+        step = self.engine.step if self.engine is not None else 0
+        with self.lock:
+            d = rank_dir(self.bundle, self.rt.rank.rank)
+            if self.dumped:
+                if exc is not None:  # the evidence is there; add how this rank ended
+                    write_text(d / "traceback.txt", "".join(traceback.format_exception(exc)))
+                    self._update_entry(d, exc)
+                return
+            self.dumped = True
+            entry = dump_rank(self.bundle, self.rt, outcome, step, exc)
+            entry.files.torch_fr = _torch_fr(d)
+            if os.environ.get("HICACHE_SELF_PYSPY") == "1":
+                entry.files.pyspy = _self_pyspy(d)
+            write_text(d / "entry.json", entry.model_dump_json(indent=1))
+
+    def _update_entry(self, d: Path, exc: BaseException) -> None:
+        try:
+            entry = RankEntry.model_validate_json((d / "entry.json").read_text())
+        except (OSError, ValueError):
+            return
+        entry.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        entry.files.traceback = f"{d.name}/traceback.txt"
+        write_text(d / "entry.json", entry.model_dump_json(indent=1))
+
+    def listen(self) -> None:
+        """Side channel: another rank (or the launcher) asked for a dump."""
+        while not self.stop.wait(_POLL_S):
+            info = read_dump(self.run_dir)
+            if info is None:
+                continue
+            self.dump(RunOutcome(info.get("outcome", "crash")))
+            _wait_for(self.run_dir / "PYSPY_DONE", _PYSPY_WAIT_S, self.stop)
+            if not self.stop.is_set():
+                interrupt_main_thread()
+            return
+
+
+def run_rank(run_dir: Path, rank: RankInfo, cfg: RuntimeConfig) -> int:
+    """Run one rank to completion; returns the process exit code."""
+    tracer = make_tracer(cfg, rank)
+    groups = create_groups(rank, tracer, cfg.observability.protocol_timeout_s)
+    sync = DistributedSync(rank, tracer, groups, cfg.legacy)
+    rt = build_rank(cfg, rank, sync=sync, tp=TPComm(groups.tp_compute), tracer=tracer)
+    dumper = RankDumper(run_dir, rt)
+    consensus = None
+    if cfg.observability.consensus_check:
+        consensus = ConsensusChecker(groups.consensus, tracer).start()
+        tracer.observer = consensus.observe
+    caps = _read_json(run_dir / "caps.json") or {}
+    workload = Workload(cfg.workload, cfg.model.vocab_size, cfg.seed,
+                        client_aborts=not caps, caps=caps)
+    engine = PipelineEngine(rt, workload, groups=groups, consensus=consensus,
+                            on_step=_progress_writer(run_dir) if rank.rank == 0 else None)
+    dumper.engine = engine
+    install_interrupt_handler()
+
+    def on_stall(idle_s: float) -> None:
+        reason = f"rank {rank.rank} ({rank.label}): no scheduler progress for {idle_s:.1f}s " \
+                 f"(step {engine.step})"
+        request_dump(run_dir, rank.rank, RunOutcome.HANG, reason)
+
+    watchdog = StepWatchdog(cfg.observability.watchdog_timeout_s, on_stall).start()
+    engine.heartbeat = watchdog.beat
+    listener = threading.Thread(target=dumper.listen, name="hicache-dump-listener",
+                                daemon=True)
+    listener.start()
+    outcome, error, result = RunOutcome.HEALTHY, None, None
+    try:
+        result = engine.run()
+        # Keep the evidence of a clean run too: outputs may still turn out wrong when the
+        # launcher compares them with the reference.
+        dumper.dump(RunOutcome.HEALTHY)
+        _final_barrier(groups)
+    except BaseException as exc:
+        outcome, error = classify(exc), f"{type(exc).__name__}: {exc}".splitlines()[0]
+        if isinstance(exc, RankDivergence):
+            outcome = RunOutcome.CRASH
+        request_dump(run_dir, rank.rank, outcome, f"rank {rank.rank} ({rank.label}): {error}")
+        dumper.dump(outcome, exc)
+    finally:
+        dumper.stop.set()
+        watchdog.stop()
+        if consensus is not None:
+            consensus.stop()
+    _write_result(run_dir, rt, outcome, error, result, engine.step)
+    if outcome is RunOutcome.HEALTHY:
+        rt.close()
+        dist.destroy_process_group()
+    return {RunOutcome.HEALTHY: EXIT_OK, RunOutcome.HANG: EXIT_HANG}.get(outcome, EXIT_CRASH)
+
+
+def _final_barrier(groups: RankGroups) -> None:
+    """No rank leaves while a peer may still talk to it."""
+    groups.world.all_reduce(torch.zeros(1))
+
+
+def _write_result(run_dir: Path, rt: RankRuntime, outcome: RunOutcome, error: str | None,
+                  result: EngineResult | None, step: int) -> None:
+    reqs = result.reqs if result is not None else {}
+    stats: dict[str, Any] = dict(getattr(rt.cache, "stats", {}))
+    l3 = getattr(rt.cache, "l3", None)
+    if l3 is not None:
+        stats["l3"] = {**l3.stats, "backend": l3.workers.backend.stats().as_dict()}
+    data = {
+        "rank": rt.rank.rank, "tp_rank": rt.rank.tp_rank, "pp_rank": rt.rank.pp_rank,
+        "outcome": outcome.value, "error": error, "steps": step,
+        "wall_s": result.wall_s if result else None,
+        "requests": {rid: {"input_ids": r.input_ids, "output_ids": r.output_ids,
+                           "status": r.status.value, "abort_reason": r.abort_reason,
+                           "cached": r.cached} for rid, r in reqs.items()},
+        "stats": stats,
+        "faults_fired": [f.as_dict() for f in rt.faults.fired] if rt.faults else [],
+    }
+    path = run_dir / f"rank{rt.rank.rank}.result.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _progress_writer(run_dir: Path) -> Callable[[int, int, int], None]:
+    last = [0.0]
+
+    def write(step: int, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - last[0] > 0.2:
+            last[0] = now
+            tmp = run_dir / "progress.tmp"
+            tmp.write_text(json.dumps({"step": step, "finished": done, "total": total}))
+            os.replace(tmp, run_dir / "progress.json")
+
+    return write
+
+
+def _torch_fr(d: Path) -> str | None:
+    """PyTorch's own Flight Recorder dump (gloo entries too), when it was enabled."""
+    if not os.environ.get("TORCH_FR_BUFFER_SIZE"):
+        return None
+    try:
+        raw = torch._C._distributed_c10d._dump_fr_trace()
+    except Exception:  # not built in, or nothing recorded: the bundle says so by omission
+        return None
+    (d / "torch_fr.pkl").write_bytes(raw)
+    return f"{d.name}/torch_fr.pkl"
+
+
+def _self_pyspy(d: Path) -> str | None:
+    """Under torchrun there is no launcher to take py-spy dumps: take our own."""
+    try:
+        out = subprocess.run(["py-spy", "dump", "--json", "--pid", str(os.getpid())],
+                             capture_output=True, text=True, timeout=15, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        write_text(d / "pyspy.err.txt", out.stderr)
+        return None
+    (d / "pyspy.json").write_text(out.stdout, encoding="utf-8")
+    return f"{d.name}/pyspy.json"
+
+
+def _wait_for(path: Path, timeout_s: float, stop: threading.Event) -> None:
+    if not os.environ.get("HICACHE_LAUNCHER"):
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not path.exists() and not stop.is_set():
+        time.sleep(_POLL_S)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", type=Path, help="RuntimeConfig JSON (default <run>/config.json)")
+    ap.add_argument("--run-dir", type=Path, required=True)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = load_config(_read_json(args.config or args.run_dir / "config.json"))
+    world = int(os.environ["WORLD_SIZE"])
+    if world != cfg.topology.world_size:
+        sys.stderr.write(f"error: WORLD_SIZE={world} but the config wants "
+                         f"tp*pp={cfg.topology.world_size}\n")
+        return 2
+    rank = RankInfo.of(int(os.environ["RANK"]), cfg.topology.tp, cfg.topology.pp)
+    if "HICACHE_LAUNCHER" not in os.environ:
+        os.environ.setdefault("HICACHE_SELF_PYSPY", "1")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=_STARTUP_TIMEOUT_S))
+    return run_rank(args.run_dir, rank, cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
