@@ -43,7 +43,9 @@ class FaultKind(str, Enum):
     STORAGE_CORRUPT = "storage-corrupt"
     """Flip bytes in pages as they are read from L3 (the checksum must catch it)."""
     MID_PREFETCH_ABORT = "mid-prefetch-abort"
-    """Abort the request while its prefetch IO reads batch ``batch`` (0-based)."""
+    """Abort the request while its prefetch IO reads batch ``batch`` (0-based). Like any client
+    abort it enters through rank 0 (timed by rank 0's IO thread) and reaches the other ranks
+    with the next requests, wherever their own prefetch IO is by then."""
     HOST_ALLOC_FAIL = "host-alloc-fail"
     """Make host (L2) page allocation fail on the selected ranks."""
     RANK_KILL = "rank-kill"

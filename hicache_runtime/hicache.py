@@ -363,22 +363,27 @@ class HiCache(PrefixCache):
             return
         self.controller.start_writing()
         l3 = self.l3.local_counts() if self.l3 is not None else {}
+        # pre-#27010, storage queues were drained by a per-stage TP MIN, never chained
+        stage_local_l3 = LegacySwitch.LOCAL_PREFETCH_PROGRESS in self.legacy
         if self.classic_drain:
             self._classic_writing_check()
             self._loading_check(self.controller.ready_count(self.controller.ack_load_queue))
-            if self.l3 is not None:  # classic drain_storage_control_queues: per-stage TP MIN
-                self.l3.drain(DrainCounts(**{k: self.sync.legacy_tp_min(v, f"drain_{k}")
-                                             for k, v in l3.items()}))
-            return
-        local = DrainCounts(
-            write_acks=self.controller.ready_count(self.controller.ack_write_queue),
-            load_acks=self.controller.ready_count(self.controller.ack_load_queue),
-            **l3,
-        )
-        agreed = self.sync.drain_counts(local)
-        self._writing_check(agreed.write_acks)
-        self._loading_check(agreed.load_acks)
+            stage_local_l3 = True
+            agreed = None
+        else:
+            local = DrainCounts(
+                write_acks=self.controller.ready_count(self.controller.ack_write_queue),
+                load_acks=self.controller.ready_count(self.controller.ack_load_queue),
+                **({} if stage_local_l3 else l3),
+            )
+            agreed = self.sync.drain_counts(local)
+            self._writing_check(agreed.write_acks)
+            self._loading_check(agreed.load_acks)
         if self.l3 is not None:
+            if stage_local_l3:  # classic drain_storage_control_queues
+                agreed = DrainCounts(**{k: self.sync.legacy_tp_min(v, f"drain_{k}")
+                                        for k, v in l3.items()})
+            assert agreed is not None
             self.l3.drain(agreed)
 
     def _classic_writing_check(self) -> None:

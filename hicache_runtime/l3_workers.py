@@ -66,7 +66,10 @@ class StorageWorkers:
         self.tracer = tracer
         self.rank = rank
         self.legacy = legacy
-        self.faults = faults if faults and faults.armed(FaultPoint.PREFETCH_BATCH) else None
+        # A mid-prefetch abort is a client abort: it reaches the job through rank 0, which
+        # passes it on to every rank with the next requests.
+        self.faults = faults if faults and faults.armed(FaultPoint.PREFETCH_BATCH) \
+            and rank.rank == 0 else None
         self.request_abort = request_abort
         self.page_size = codec.layout.page_size
         self.prefetch_queue: queue.Queue[PrefetchOperation] = queue.Queue()

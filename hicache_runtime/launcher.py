@@ -226,8 +226,7 @@ def _write_bundle(run_dir: Path, cfg: RuntimeConfig, bundle_root: Path, outcome:
         shutil.copytree(bundle, dest, dirs_exist_ok=True)
         for stale in dest.glob("rank*/entry.json"):  # folded into the manifest
             stale.unlink()
-    fired = [FiredFaultRecord(**f) for r in procs
-             for f in (_read(run_dir / f"rank{r}.result.json") or {}).get("faults_fired", [])]
+    fired = [FiredFaultRecord(**f) for r in procs for f in _fired(run_dir, bundle, r)]
     write_manifest(dest, Manifest(
         created_at=now_iso(), outcome=outcome, reason=reason,
         topology={"tp": cfg.topology.tp, "pp": cfg.topology.pp,
@@ -262,6 +261,14 @@ def _rank_entry(r: int, p: Any, bundle: Path, cfg: RuntimeConfig,
     entry.files.pyspy = pyspy or entry.files.pyspy
     entry.files.log = f"rank{r}/log.txt" if (d / "log.txt").exists() else None
     return entry
+
+
+def _fired(run_dir: Path, bundle: Path, rank: int) -> list[dict[str, Any]]:
+    """Faults fired on a rank: from its result, else from its state dump."""
+    result = _read(run_dir / f"rank{rank}.result.json") or {}
+    if "faults_fired" in result:
+        return list(result["faults_fired"])
+    return list((_read(bundle / f"rank{rank}" / "state.json") or {}).get("faults_fired", []))
 
 
 def pyspy_all(pids: dict[int, int], bundle: Path) -> dict[int, str | None]:

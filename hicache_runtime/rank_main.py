@@ -19,8 +19,10 @@ Run directory protocol (shared with ``launcher.py``)::
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -176,13 +178,16 @@ def run_rank(run_dir: Path, rank: RankInfo, cfg: RuntimeConfig) -> int:
         if isinstance(exc, RankDivergence):
             outcome = RunOutcome.CRASH
         request_dump(run_dir, rank.rank, outcome, f"rank {rank.rank} ({rank.label}): {error}")
+        # the result first: the launcher stops ranks soon after their dump is complete
+        _write_result(run_dir, rt, outcome, error, result, engine.step)
         dumper.dump(outcome, exc)
     finally:
         dumper.stop.set()
         watchdog.stop()
         if consensus is not None:
             consensus.stop()
-    _write_result(run_dir, rt, outcome, error, result, engine.step)
+    if outcome is RunOutcome.HEALTHY:
+        _write_result(run_dir, rt, outcome, error, result, engine.step)
     if outcome is RunOutcome.HEALTHY:
         rt.close()
         dist.destroy_process_group()
@@ -278,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", type=Path, required=True)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    # A C++ abort (gloo's EnforceNotMet, a segfault) kills the process before any Python
+    # handler runs: faulthandler still prints every thread's stack into the rank's log.
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     args.run_dir.mkdir(parents=True, exist_ok=True)
     cfg = load_config(_read_json(args.config or args.run_dir / "config.json"))
     world = int(os.environ["WORLD_SIZE"])
