@@ -14,12 +14,12 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import tomllib
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
-import tomllib
 import typer
 
 from hicache_runtime.errors import ConfigError, HiCacheError

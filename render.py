@@ -115,3 +115,158 @@ def key_values(title: str, data: dict[str, Any]) -> None:
     for k, v in data.items():
         table.add_row(str(k), str(v))
     console().print(table)
+
+
+# === doctor, signatures, capture ============================================================
+# The doctor's human-readable output. Drawn only from doctor.report.Diagnosis and the catalog
+# models; the JSON and Markdown forms are produced in doctor/ and printed by cli.py.
+
+from rich.markup import escape as esc  # noqa: E402 - evidence text is data, never markup
+
+SEVERITY_STYLE = {"critical": STYLE_BAD, "high": STYLE_BAD, "medium": STYLE_WARN, "low": STYLE_DIM}
+STATE_STYLE = {"crashed": STYLE_BAD, "blocked": STYLE_WARN, "missing": STYLE_BAD,
+               "exited": STYLE_BAD, "failed": STYLE_WARN, "idle": STYLE_DIM}
+
+
+def doctor_report(d: Any, verbose: bool = False) -> None:
+    """The rich report of a ``doctor.report.Diagnosis``."""
+    con = console()
+    con.print(Panel(_doctor_head(d), title="hicache doctor", expand=False))
+    for o in d.observations:
+        con.print(f"  • {esc(o)}", soft_wrap=True)
+    if d.ranks:
+        con.print(_rank_table(d))
+    if d.first_divergence is not None:
+        fd = d.first_divergence
+        vals = ", ".join(f"rank {r}: {v}" for r, v in sorted(fd.values.items()))
+        con.print(f"[{STYLE_KEY}]first divergent decision[/] {esc(fd.label)} "
+                  f"#{fd.index}: {esc(vals)}", soft_wrap=True)
+    for v in d.verdicts[:1]:
+        _verdict_detail(con, v)
+    for n in d.near_misses:
+        con.print(f"[{STYLE_DIM}]similar to[/] {n.signature}, {n.score:.2f}, because "
+                  f"{esc(n.because)}", soft_wrap=True)
+    for m in d.missing:
+        con.print(f"[{STYLE_WARN}]missing:[/] {esc(m.what)}\n    [{STYLE_KEY}]{esc(m.command)}[/]",
+                  soft_wrap=True)
+    for p in d.problems[:20]:
+        con.print(f"[{STYLE_WARN}]input problem:[/] {esc(p)}", soft_wrap=True)
+    for i in d.inputs:
+        if i.status != "read":
+            con.print(f"[{STYLE_WARN}]unreadable:[/] {esc(i.path)}: {esc(i.message)}",
+                      soft_wrap=True)
+    if verbose:
+        con.print(f"[{STYLE_KEY}]rule log[/]")
+        for line in d.rule_log:
+            con.print(f"  {esc(line)}", soft_wrap=True)
+
+
+def _doctor_head(d: Any) -> Table:
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style=STYLE_KEY)
+    table.add_column()
+    if d.verdicts:
+        v = d.verdicts[0]
+        style = SEVERITY_STYLE.get(v.severity, STYLE_WARN)
+        table.add_row("verdict", f"[{style}]{v.signature}[/] — {esc(v.title)}")
+        table.add_row("confidence", f"{v.confidence:.2f} (catalog {d.catalog_version})")
+        table.add_row("severity", f"[{style}]{v.severity}[/]")
+        for other in d.verdicts[1:3]:
+            table.add_row("also", f"{other.signature} ({other.confidence:.2f})")
+    else:
+        table.add_row("verdict", f"[{STYLE_WARN}]{esc(d.summary)}[/]")
+    topo = d.topology
+    if topo.get("world_size"):
+        table.add_row("job", f"world {topo['world_size']} (tp={topo.get('tp')} "
+                             f"pp={topo.get('pp')})")
+    if d.missing_ranks:
+        table.add_row("missing ranks", f"[{STYLE_BAD}]{d.missing_ranks}[/]")
+    table.add_row("inputs", f"{sum(i.status == 'read' for i in d.inputs)} read, "
+                            f"{sum(i.status != 'read' for i in d.inputs)} unreadable")
+    return table
+
+
+def _rank_table(d: Any) -> Table:
+    table = Table(title="ranks", title_justify="left")
+    for col in ("rank", "role", "state", "frame / call site", "error", "last seq"):
+        table.add_column(col, overflow="fold")
+    for r in d.ranks:
+        style = STATE_STYLE.get(r.state, "")
+        where = r.frame or ""
+        if r.site and r.site != r.frame:
+            where += f"\n← {r.site}"
+        seq = "\n".join(f"{k}: {v}" for k, v in r.last_seq.items())
+        table.add_row(str(r.rank), esc(r.role), f"[{style}]{r.state}[/]" if style else r.state,
+                      esc(where), esc(r.error or ""), esc(seq))
+    return table
+
+
+def _verdict_detail(con: Console, v: Any) -> None:
+    con.print(f"[{STYLE_KEY}]evidence[/]")
+    for e in v.evidence:
+        where = f"{e.file}:{e.line}" if e.file and e.line is not None else (e.file or "")
+        con.print(f"  [{STYLE_DIM}]{esc(where)}[/] {esc(e.text)}", soft_wrap=True)
+    con.print(f"[{STYLE_KEY}]root cause[/] {esc(v.root_cause)}", soft_wrap=True)
+    con.print(f"[{STYLE_KEY}]fix[/] " + esc("; ".join(v.upstream_fix)), soft_wrap=True)
+    for m in v.mitigations:
+        extra = esc(" ".join((*m.flags, *m.env)))
+        con.print(f"[{STYLE_KEY}]mitigate[/] {esc(m.text)}" + (f"  [{STYLE_DIM}]{extra}[/]"
+                                                              if extra else ""), soft_wrap=True)
+    cell = f"; campaign cell {v.campaign_cell}" if v.campaign_cell else ""
+    con.print(f"[{STYLE_KEY}]runbook[/] {v.runbook}{cell}", soft_wrap=True)
+
+
+def signature_table(catalog: Any) -> None:
+    table = Table(title=f"signatures (catalog {catalog.version})", title_justify="left")
+    for col in ("id", "severity", "kind", "title", "campaign cell"):
+        table.add_column(col, overflow="fold")
+    for s in catalog.signatures:
+        style = SEVERITY_STYLE.get(s.severity.value, "")
+        table.add_row(s.id, f"[{style}]{s.severity.value}[/]", s.kind.value, esc(s.title),
+                      esc(s.campaign.cell) if s.campaign else "-")
+    console().print(table)
+
+
+def signature_detail(sig: Any) -> None:
+    con = console()
+    style = SEVERITY_STYLE.get(sig.severity.value, "")
+    meaning = " ".join(sig.meaning.split())
+    con.print(Panel(f"[{style}]{sig.severity.value}[/] {sig.kind.value}\n{esc(meaning)}",
+                    title=esc(f"{sig.id}: {sig.title}"), expand=False))
+    rec = sig.recognisers
+    for e in rec.exceptions:
+        con.print(esc(f"  exception {e.type} /{e.message}/  +{e.weight:.2f}"), soft_wrap=True)
+    if rec.frames:
+        con.print(esc(f"  in-app frame ({rec.frames.where}) {', '.join(rec.frames.any)}  "
+                      f"+{rec.frames.weight:.2f}"), soft_wrap=True)
+    for lg in rec.logs:
+        con.print(f"  log {lg.pattern}  {lg.weight:+.2f}")
+    for f in rec.facts:
+        con.print(f"  fact {f.fact.value}  {f.weight:+.2f}")
+    for leg in rec.legacy:
+        con.print(f"  legacy {leg.switch}  +{leg.weight:.2f}")
+    con.print(f"[{STYLE_KEY}]root cause[/] {esc(' '.join(sig.root_cause.split()))}",
+              soft_wrap=True)
+    for fix in sig.upstream_fix:
+        con.print(f"[{STYLE_KEY}]fix[/] {esc(fix.ref)}: {esc(fix.summary)}", soft_wrap=True)
+    for m in sig.mitigations:
+        con.print(f"[{STYLE_KEY}]mitigate[/] {esc(m.text)} {esc(' '.join((*m.flags, *m.env)))}",
+                  soft_wrap=True)
+    if sig.campaign:
+        con.print(f"[{STYLE_KEY}]campaign cell[/] {esc(sig.campaign.cell)} -> "
+                  f"{sig.campaign.expect}")
+
+
+def capture_summary(result: Any) -> None:
+    con = console()
+    ok = [t for t in result.manifest.targets if not t.error]
+    con.print(f"captured {len(ok)} of {len(result.manifest.targets)} rank(s) into "
+              f"{esc(str(result.out))}")
+    for t in result.manifest.targets:
+        state = f"[{STYLE_BAD}]{esc(t.error)}[/]" if t.error else f"[{STYLE_OK}]ok[/] {t.pyspy}"
+        con.print(f"  rank {t.rank} pid {t.pid}: {state}", soft_wrap=True)
+    for log in result.manifest.logs:
+        con.print(f"  log {esc(log)}")
+    if result.hint:
+        con.print(f"[{STYLE_WARN}]hint:[/] {esc(result.hint)}", soft_wrap=True)
+    con.print(f"next: hicache doctor {esc(str(result.out))}")

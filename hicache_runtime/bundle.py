@@ -21,7 +21,7 @@ import json
 import os
 import platform
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -182,7 +182,7 @@ def versions() -> dict[str, str]:
 
 def new_bundle_dir(root: Path, outcome: RunOutcome) -> Path:
     """A fresh, uniquely named bundle directory under ``root``."""
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     base = root / f"{stamp}-{outcome.value}-{os.getpid()}"
     path, n = base, 1
     while path.exists():
@@ -223,7 +223,7 @@ def load_manifest(bundle: Path) -> Manifest:
 
 
 def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def wait_for_file(path: Path, timeout_s: float) -> bool:

@@ -3,7 +3,7 @@
 Each op is recorded in the rank's :class:`FlightRecorder` (group, per-group sequence number, op,
 shapes, dtype, peer, call site, thread, state ``started`` -> ``completed``/``failed``, times),
 the same facts PyTorch's Flight Recorder keeps for NCCL, but for every group, gloo included,
-and with the *application* call site (the first frame outside this module and ``sync.py``).
+and with the *application* call site (the first frame outside the communication layer).
 A hang or a crash leaves the per-group sequence numbers in the bundle, so the doctor can line
 ranks up and see who stopped where.
 
@@ -28,7 +28,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from hicache_runtime.tracing import Tracer
 
-_SKIP_FILES = ("comm.py", "sync.py")
+_SKIP_FILES = ("comm.py", "sync.py", "groups.py")
 _SIZE = torch.int64
 
 

@@ -89,6 +89,11 @@ class WorkerDied(InvariantViolation):
     """A background thread (prefetch, backup) raised; its exception is chained."""
 
 
+class ResourceLeak(HiCacheError, MemoryError):
+    """A resource the runtime should bound keeps growing (pending sends, reservations); raised
+    by a guard before the process would be OOM-killed."""
+
+
 class StepStalled(HiCacheError, RuntimeError):
     """The step watchdog saw no scheduler progress for longer than its timeout (a hang)."""
 

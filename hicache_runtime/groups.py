@@ -14,6 +14,7 @@ pp_requests         scheduler      new requests and aborts, stage to stage
 pp_sync             scheduler      PP0's agreed counts chained down the pipeline
 pp_act              scheduler      hidden states + batch description, stage to stage
 pp_out              scheduler      sampled tokens, last stage -> PP0 -> ... (a ring)
+alloc_vote          scheduler      MIN over every rank of an allocation's success
 prefetch_hits       prefetch-query the L3 hit-length MIN over every rank
 prefetch_progress   prefetch-sync  the per-batch progress MIN over every rank
 consensus           consensus      digests of decisions that must agree
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from hicache_runtime.topology import RankInfo
     from hicache_runtime.tracing import Tracer
 
-_WORLD_GROUPS = ("pp_requests", "pp_sync", "pp_act", "pp_out", "prefetch_hits",
+_WORLD_GROUPS = ("pp_requests", "pp_sync", "pp_act", "pp_out", "alloc_vote", "prefetch_hits",
                  "prefetch_progress", "consensus")
 
 
@@ -51,6 +52,7 @@ class RankGroups:
     pp_sync: Group
     pp_act: Group
     pp_out: Group
+    alloc_vote: Group
     prefetch_hits: Group
     prefetch_progress: Group
     consensus: Group
@@ -58,8 +60,8 @@ class RankGroups:
 
     def all(self) -> list[Group]:
         return [self.world, self.tp_compute, self.tp_cpu, self.pp_requests, self.pp_sync,
-                self.pp_act, self.pp_out, self.prefetch_hits, self.prefetch_progress,
-                self.consensus]
+                self.pp_act, self.pp_out, self.alloc_vote, self.prefetch_hits,
+                self.prefetch_progress, self.consensus]
 
 
 def create_groups(rank: RankInfo, tracer: Tracer, timeout_s: float) -> RankGroups:

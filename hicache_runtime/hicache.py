@@ -162,12 +162,10 @@ class HiCache(PrefixCache):
             return 0
         parent = node.parent
         parent_ok = parent is self.tree.root or (parent is not None and parent.backuped)
-        slots = self.alloc_host(len(node.key)) if parent_ok else None
-        if LegacySwitch.SKIP_EMPTY_SYNC not in self.legacy:
-            agreed = self.sync.agree_min(int(slots is not None), "write_backup")
-            if not agreed and slots is not None:
-                self.host.free(slots)
-                slots = None
+        if LegacySwitch.SKIP_EMPTY_SYNC in self.legacy:  # classic: a rank-local decision
+            slots = self.alloc_host(len(node.key)) if parent_ok else None
+        else:
+            slots = self.alloc_host_agreed(len(node.key) if parent_ok else 0, "write_backup")
         if slots is None:
             self.stats["backup_skipped"] += len(node.key)
             self.tracer.emit(Ev.WRITE_SKIP, node=node.id, tokens=len(node.key),
@@ -182,8 +180,29 @@ class HiCache(PrefixCache):
         self.stats["backup_tokens"] += len(node.key)
         return len(node.key)
 
+    def alloc_host_agreed(self, num_tokens: int, site: str) -> torch.Tensor | None:
+        """Host slots for ``num_tokens`` if *every* rank got them, else None everywhere (the
+        two-phase reserve -> vote -> commit/abort proposed in #31425, over TP and PP: a
+        leader-decided vote would miss a downstream stage's failure). The evict-and-retry step is
+        taken only on an agreed failure and evicts by pool state, which ranks share, never by
+        the local outcome, so one rank's failed allocation cannot make the trees diverge.
+        ``num_tokens == 0`` votes "no" (a rank that cannot even try still votes)."""
+        assert self.host is not None
+        for attempt in range(2):
+            slots = self.host.alloc(num_tokens) if num_tokens else None
+            if self.sync.agree_all(slots is not None, site):
+                return slots
+            if slots is not None:
+                self.host.free(slots)
+            if not num_tokens:
+                return None
+            if attempt == 0:
+                self.evict_host(num_tokens - self.host.available_tokens)
+        return None
+
     def alloc_host(self, num_tokens: int) -> torch.Tensor | None:
-        """Host slots for ``num_tokens``, evicting L2 leaves once if needed; None if full."""
+        """Host slots for ``num_tokens``, evicting L2 leaves once if needed; None if full.
+        Rank-local: only legacy paths use it directly."""
         assert self.host is not None
         slots = self.host.alloc(num_tokens)
         if slots is None:
@@ -264,6 +283,7 @@ class HiCache(PrefixCache):
         heap = self.tree.device_leaves()
         heapq.heapify(heap)
         evicted = 0
+        victims: list[int] = []
         copy: list[TreeNode] = []
         drop: list[TreeNode] = []
         write_back = self.cfg.write_policy is WritePolicy.WRITE_BACK and self.host is not None
@@ -285,13 +305,16 @@ class HiCache(PrefixCache):
             else:
                 self.device.free(self.tree.drop_device(x))
             evicted += len(x.key)
+            victims.append(x.id)
             self._push_parent_if_leaf(heap, x)
         if copy:
             self._flush_write_back(copy, drop)
             for x in drop:
                 self._push_parent_if_leaf(heap, x)
         self.stats["evicted_device"] += evicted
-        self.tracer.emit(Ev.EVICT, want=num_tokens, evicted=evicted, written_back=len(drop))
+        victims.extend(x.id for x in drop)
+        self.tracer.emit(Ev.EVICT, want=num_tokens, evicted=evicted, written_back=len(drop),
+                         victims=victims)
         return evicted
 
     def _push_parent_if_leaf(self, heap: list[TreeNode], x: TreeNode) -> None:
@@ -336,6 +359,7 @@ class HiCache(PrefixCache):
         heap = self.tree.host_leaves()
         heapq.heapify(heap)
         evicted = 0
+        victims: list[int] = []
         while evicted < num_tokens and heap:
             x = heapq.heappop(heap)
             if self.pins.pinned(x.host_value):
@@ -343,12 +367,13 @@ class HiCache(PrefixCache):
             self.host.free(x.host_value)  # type: ignore[arg-type]
             self.tree.delete_leaf(x)
             evicted += len(x.key)
+            victims.append(x.id)
             p = x.parent
             if (p is not None and p is not self.tree.root and p.value is None
                     and not p.children and p.host_value is not None):
                 heapq.heappush(heap, p)
         self.stats["evicted_host"] += evicted
-        self.tracer.emit(Ev.EVICT_HOST, want=num_tokens, evicted=evicted)
+        self.tracer.emit(Ev.EVICT_HOST, want=num_tokens, evicted=evicted, victims=victims)
         return evicted
 
     @property

@@ -142,13 +142,11 @@ class L3Tier:
         if op.is_terminated() or tokens < self.threshold:
             self._revoke(op, "terminated" if op.is_terminated() else "below_threshold")
             return
-        slots = self.cache.alloc_host(tokens)
-        ok = slots is not None
-        if LegacySwitch.LOCAL_PREFETCH_PROGRESS not in self.legacy:
-            ok = bool(self.sync.agree_min(int(ok), "prefetch_alloc"))
-        if not ok:
-            if slots is not None:
-                self.cache.host_free(slots)
+        if LegacySwitch.LOCAL_PREFETCH_PROGRESS in self.legacy:
+            slots = self.cache.alloc_host(tokens)
+        else:
+            slots = self.cache.alloc_host_agreed(tokens, "prefetch_alloc")
+        if slots is None:
             self._revoke(op, "host_full")
             return
         op.host_slots = slots

@@ -101,9 +101,11 @@ class DeviceKVPool(KVPool):
         """Called with (layer, wait start ns, wait end ns) when attention had to wait."""
 
     def set_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write freshly computed K/V of one layer into ``slots``."""
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        """Write freshly computed K/V of one layer into ``slots`` (an indexed assignment, as
+        SGLang's ``set_kv_buffer``: a batch that disagrees with ``slots`` fails with torch's
+        "shape mismatch: value tensor of shape ... cannot be broadcast" error)."""
+        self.k[layer][slots] = k
+        self.v[layer][slots] = v
 
     def get_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of one layer for ``slots``; first waits until a pending load-back has landed."""

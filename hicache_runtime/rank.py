@@ -163,11 +163,12 @@ def host_tokens_for(cfg: RuntimeConfig, shape: KVShape) -> int:
 def _host_pool(cfg: RuntimeConfig, shape: KVShape, sync: RankSync,
                faults: FaultInjector | None, tracer: Tracer) -> HostKVPool:
     tokens = host_tokens_for(cfg, shape)
-    if cfg.cache.host_bytes is not None and LegacySwitch.LOCAL_HOST_CAPACITY not in cfg.legacy:
+    if cfg.cache.host_bytes is not None:
         # Stages own different layers, so bytes per token differ: agree on the MIN (#29258).
-        agreed = sync.host_capacity(tokens)
-        if agreed != tokens:
-            tracer.emit("sync.host_capacity", local=tokens, agreed=agreed)
+        legacy = LegacySwitch.LOCAL_HOST_CAPACITY in cfg.legacy
+        agreed = tokens if legacy else sync.host_capacity(tokens)
+        tracer.emit(Ev.HOST_CAPACITY, local=tokens, agreed=agreed, synced=not legacy,
+                    bytes_per_token=shape.bytes_per_token)
         tokens = agreed
     alloc_fault = None
     if faults is not None and faults.armed(FaultPoint.HOST_ALLOC):

@@ -141,7 +141,8 @@ def run_rank(run_dir: Path, rank: RankInfo, cfg: RuntimeConfig) -> int:
     """Run one rank to completion; returns the process exit code."""
     tracer = make_tracer(cfg, rank)
     groups = create_groups(rank, tracer, cfg.observability.protocol_timeout_s)
-    sync = DistributedSync(rank, tracer, groups, cfg.legacy)
+    sync = DistributedSync(rank, tracer, groups, cfg.legacy,
+                           cfg.observability.pending_send_limit)
     rt = build_rank(cfg, rank, sync=sync, tp=TPComm(groups.tp_compute), tracer=tracer)
     dumper = RankDumper(run_dir, rt)
     consensus = None

@@ -12,6 +12,7 @@ method                      thread              fixed protocol
 ==========================  ==================  ===========================================
 ``drain_counts``            scheduler           TP MIN on PP0, chained to PP1.. by p2p
 ``agree_min``/``agree_any`` scheduler           TP MIN/MAX on PP0, chained
+``agree_all``               scheduler           MIN over every rank (allocation outcomes)
 ``legacy_tp_min``           scheduler           classic per-stage TP MIN (legacy paths only)
 ``hit_vote``                prefetch thread     MIN over TP+PP on the prefetch-hit group
 ``progress_vote``           prefetch sync       MIN over TP+PP on the completion group
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from hicache_runtime.errors import RankDivergence
+from hicache_runtime.errors import RankDivergence, ResourceLeak
 from hicache_runtime.legacy import LegacySwitch
 from hicache_runtime.tracing import Ev
 
@@ -89,6 +90,12 @@ class RankSync(ABC):
         """A scheduler-thread OR (MAX): true if any TP rank on PP0 says so; chained."""
 
     @abstractmethod
+    def agree_all(self, ok: bool, site: str) -> bool:
+        """A scheduler-thread AND over *every* rank, downstream stages included: for outcomes
+        that any rank can fail on its own (an allocation). Stages meet here, so it is used
+        only where every stage passes in the same order and rarely (inserts, prefetch hits)."""
+
+    @abstractmethod
     def legacy_tp_min(self, value: int, site: str) -> int:
         """Classic per-stage TP MIN, used only by legacy code paths."""
 
@@ -131,6 +138,10 @@ class SingleRankSync(RankSync):
         self._trace_vote(site, flag, flag)
         return flag
 
+    def agree_all(self, ok: bool, site: str) -> bool:
+        self._trace_vote(site, ok, ok)
+        return ok
+
     def legacy_tp_min(self, value: int, site: str) -> int:
         return value
 
@@ -171,10 +182,12 @@ class DistributedSync(RankSync):
     """
 
     def __init__(self, rank: RankInfo, tracer: Tracer, groups: RankGroups,
-                 legacy: frozenset[LegacySwitch]) -> None:
+                 legacy: frozenset[LegacySwitch], pending_send_limit: int = 0) -> None:
         super().__init__(rank, tracer)
         self.groups = groups
         self.legacy = legacy
+        self.pending_send_limit = pending_send_limit
+        self._rounds = 0
         self.unbounded = LegacySwitch.UNBOUNDED_PP_SENDS in legacy
         self._prev = rank.rank - rank.tp_size if not rank.is_first_stage else None
         self._next = rank.rank + rank.tp_size if not rank.is_last_stage else None
@@ -204,6 +217,12 @@ class DistributedSync(RankSync):
         self._trace_vote(site, flag, out)
         return out
 
+    def agree_all(self, ok: bool, site: str) -> bool:
+        t = torch.tensor([int(ok)], dtype=torch.int64)
+        out = bool(self.groups.alloc_vote.all_reduce(t, dist.ReduceOp.MIN).item())
+        self._trace_vote(site, ok, out)
+        return out
+
     def legacy_tp_min(self, value: int, site: str) -> int:
         t = torch.tensor([value], dtype=torch.int64)
         out = int(self.groups.tp_cpu.all_reduce(t, dist.ReduceOp.MIN).item())
@@ -225,10 +244,16 @@ class DistributedSync(RankSync):
             self.groups.pp_sync.wait_pending()  # backpressure: one round in flight at most
 
     def _end_round(self) -> None:
+        self._rounds += 1
         if self.unbounded and self._next is not None:
             pending = self.groups.pp_sync.reap_completed()
-            self.tracer.emit(Ev.PP_PENDING, pending=pending,
-                             bytes=self.groups.pp_sync.pending_bytes())
+            size = self.groups.pp_sync.pending_bytes()
+            self.tracer.emit(Ev.PP_PENDING, pending=pending, bytes=size)
+            if self.pending_send_limit and pending > self.pending_send_limit:
+                raise ResourceLeak(
+                    f"PP{self.rank.pp_rank} holds {pending} unfinished pp_sync sends "
+                    f"({size} bytes of cloned tensors) after {self._rounds} rounds "
+                    f"(observability.pending_send_limit={self.pending_send_limit})")
 
     # --- background-thread votes --------------------------------------------------------------
 
@@ -351,8 +376,8 @@ class ConsensusChecker:
 DECISION_ATTRS: dict[str, tuple[str, ...]] = {
     Ev.BATCH: ("decode", "rids", "extend", "prefix", "tokens", "slot"),
     Ev.MATCH: ("rid", "device", "host", "loaded"),
-    Ev.EVICT: ("want", "evicted"),
-    Ev.EVICT_HOST: ("want", "evicted"),
+    Ev.EVICT: ("want", "evicted", "victims"),
+    Ev.EVICT_HOST: ("want", "evicted", "victims"),
     Ev.WRITE_SKIP: ("node", "tokens"),
     Ev.PREFETCH_SETTLE: ("rid", "completed", "inserted"),
     Ev.REQ_ADMIT: ("rid", "prefix", "device_hit", "host_hit", "storage_hit"),

@@ -69,6 +69,7 @@ class Ev:
     WATCHDOG = "watchdog.stall"
     CONSENSUS = "consensus.check"
     PP_PENDING = "sync.pp_pending"
+    HOST_CAPACITY = "sync.host_capacity"
     PP_RECV = "pp.recv"
     PP_SEND = "pp.send"
 

@@ -1,0 +1,226 @@
+"""``hicache capture``: stacks of every rank of a live job, taken at about the same time.
+
+Targets are explicit pids, every Python process below a pid (``--tree``: a launcher, an SGLang
+server), or the workers of a torchrun agent (``--torchrun``). Rank ids come from each process's
+``RANK`` environment variable, else from its SGLang process title (``sglang::scheduler_TP1``),
+else from their order. All ``py-spy dump --json`` calls start together (one thread each, a
+timeout each), so the dumps show one moment of the job. Given log files are copied (their last
+``max_log_bytes`` when larger). The result is a directory the doctor reads::
+
+    <out>/capture.json            CaptureManifest (pid -> rank, errors)
+    <out>/rank<N>/pyspy.json      py-spy dump --json of rank N
+    <out>/logs/<name>             copies of the given logs
+
+Permission failures are explained with their fix (root, CAP_SYS_PTRACE, ptrace_scope).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from doctor.parse_bundle import CaptureManifest, CaptureTarget
+from hicache_runtime.bundle import now_iso
+from hicache_runtime.errors import ConfigError, ToolUnavailable
+
+PERMISSION_HINT = (
+    "py-spy must be allowed to ptrace the ranks: run the capture as root (sudo -E hicache "
+    "capture ...), or give the container CAP_SYS_PTRACE (docker run --cap-add SYS_PTRACE; "
+    "Kubernetes securityContext.capabilities.add: [SYS_PTRACE], or kubectl debug "
+    "--profile=sysadmin), or relax Yama for same-user tracing: "
+    "sudo sysctl kernel.yama.ptrace_scope=0")
+_TITLE = re.compile(r"sglang::scheduler(?:_DP(?P<dp>\d+))?(?:_TP(?P<tp>\d+))?(?:_PP(?P<pp>\d+))?")
+
+
+@dataclass
+class Target:
+    pid: int
+    rank: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    cmdline: str = ""
+
+
+@dataclass
+class CaptureResult:
+    out: Path
+    manifest: CaptureManifest
+    failures: list[str] = field(default_factory=list)
+    hint: str | None = None
+
+
+def pyspy_command() -> list[str]:
+    """The py-spy executable (PATH, or next to this Python); ``ToolUnavailable`` otherwise."""
+    found = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if not found:
+        raise ToolUnavailable("py-spy is not installed", hint="pip install py-spy")
+    return [found]
+
+
+def find_targets(pids: list[int], tree: int | None, torchrun: int | None) -> list[Target]:
+    """Resolve the command line's choices to processes with ranks (``ConfigError`` if none)."""
+    chosen = list(pids)
+    for root in (tree, torchrun):
+        if root is None:
+            continue
+        if not _alive(root):
+            raise ConfigError("capture", f"no process with pid {root}")
+        below = [p for p in _descendants(root) if _is_python(p)]
+        if root == torchrun:
+            below = [p for p in below if "RANK" in _environ(p)] or below
+        chosen += below or [root]
+    if not chosen:
+        raise ConfigError("capture", "nothing to capture",
+                          hint="give --pid PID (repeatable), --tree PID or --torchrun PID")
+    targets = [_describe(p) for p in dict.fromkeys(chosen)]
+    used = {t.rank for t in targets if t.rank is not None}
+    free = (r for r in range(len(targets) + len(used)) if r not in used)
+    for t in targets:
+        if t.rank is None:
+            t.rank = next(free)
+    return sorted(targets, key=lambda t: t.rank if t.rank is not None else -1)
+
+
+def capture(targets: list[Target], out: Path, *, logs: Sequence[Path] = (),
+            timeout_s: float = 10.0, native: bool = False, locals_: bool = False,
+            pyspy: list[str] | None = None, max_log_bytes: int = 256 << 20) -> CaptureResult:
+    """Dump every target in parallel, copy ``logs``, write ``capture.json`` under ``out``."""
+    cmd = pyspy or pyspy_command()
+    out.mkdir(parents=True, exist_ok=True)
+    extra = (["--native"] if native else []) + (["--locals"] if locals_ else [])
+    with ThreadPoolExecutor(max_workers=max(1, len(targets))) as pool:
+        results = list(pool.map(lambda t: _dump(cmd, extra, t, out, timeout_s), targets))
+    manifest = CaptureManifest(created_at=now_iso(), world_size=len(targets), targets=results)
+    for log in logs:
+        manifest.logs.append(_copy_log(Path(log), out / "logs", max_log_bytes))
+    failures = [f"rank {t.rank} (pid {t.pid}): {t.error}" for t in results if t.error]
+    hint = PERMISSION_HINT if any(_is_permission(t.error) for t in results) else None
+    if hint:
+        manifest.notes.append(hint + _ptrace_scope())
+    (out / "capture.json").write_text(manifest.model_dump_json(indent=2), encoding="utf-8")
+    return CaptureResult(out, manifest, failures, hint)
+
+
+def _dump(cmd: list[str], extra: list[str], t: Target, out: Path, timeout_s: float
+          ) -> CaptureTarget:
+    rec = CaptureTarget(pid=t.pid, rank=t.rank, tp=t.tp, pp=t.pp, cmdline=t.cmdline[:500])
+    rank_dir = out / f"rank{t.rank}"
+    rank_dir.mkdir(exist_ok=True)
+    start = time.monotonic()
+    try:
+        proc = subprocess.run([*cmd, "dump", "--json", *extra, "--pid", str(t.pid)],
+                              capture_output=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        rec.error = f"py-spy did not answer within {timeout_s:g}s (process stuck in the kernel?)"
+        return rec
+    except OSError as exc:
+        rec.error = f"cannot run py-spy: {exc}"
+        return rec
+    rec.seconds = round(time.monotonic() - start, 3)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        msg = (proc.stderr or proc.stdout).decode("utf-8", "replace").strip().splitlines()
+        rec.error = (msg[-1] if msg else f"py-spy exited with {proc.returncode}")[:300]
+        return rec
+    (rank_dir / "pyspy.json").write_bytes(proc.stdout)
+    rec.pyspy = f"rank{t.rank}/pyspy.json"
+    return rec
+
+
+def _copy_log(src: Path, dest_dir: Path, max_bytes: int) -> str:
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    dest = dest_dir / src.name
+    with src.open("rb") as fin, dest.open("wb") as fout:
+        size = src.stat().st_size
+        if size > max_bytes:
+            fin.seek(size - max_bytes)
+            fin.readline()  # start at a line boundary
+        shutil.copyfileobj(fin, fout, 1 << 20)
+    return f"logs/{src.name}"
+
+
+def _is_permission(error: str | None) -> bool:
+    return bool(error) and bool(re.search(r"permission|not permitted|ptrace|EPERM", error or "",
+                                          re.I))
+
+
+def _ptrace_scope() -> str:
+    try:
+        value = Path("/proc/sys/kernel/yama/ptrace_scope").read_text().strip()
+    except OSError:
+        return ""
+    return f" (kernel.yama.ptrace_scope is {value} here)"
+
+
+def _describe(pid: int) -> Target:
+    env = _environ(pid)
+    cmdline = _cmdline(pid)
+    t = Target(pid=pid, cmdline=cmdline)
+    if env.get("RANK", "").isdigit():
+        t.rank = int(env["RANK"])
+    m = _TITLE.search(cmdline)
+    if m:
+        t.tp = int(m["tp"]) if m["tp"] else None
+        t.pp = int(m["pp"]) if m["pp"] else None
+    return t
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            ppid = _ppid(int(entry))
+            if ppid is not None:
+                children.setdefault(ppid, []).append(int(entry))
+    out, stack = [], [root]
+    while stack:
+        for c in sorted(children.get(stack.pop(), [])):
+            out.append(c)
+            stack.append(c)
+    return out
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()
+    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return ""
+    return raw.replace(b"\0", b" ").decode("utf-8", "replace").strip()
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in pairs}
+
+
+def _is_python(pid: int) -> bool:
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        exe = ""
+    return "python" in Path(exe).name or "python" in _cmdline(pid).split(" ", 1)[0] \
+        or _cmdline(pid).startswith("sglang::")
+
+
+def _alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists()

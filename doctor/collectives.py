@@ -1,0 +1,132 @@
+"""Cross-rank alignment of collectives (flight recorders and NCCL watchdog sequence numbers).
+
+Per group, ranks are lined up by sequence number, within the window every rank still holds
+(the recorders are rings, so the oldest entries may be gone on some ranks):
+
+* **missing-ranks**: some ranks entered seq N and others never did (their last seq is lower);
+* **op-mismatch**: at the same seq, ranks ran different ops (``all_reduce`` vs ``barrier``);
+* **site-mismatch**: same op, but entered from different in-app call sites;
+* **size-mismatch**: same op, different input sizes (for ops whose sizes must agree).
+
+Unlike torch's ``fr_trace`` this works on gloo dumps, on partial rank sets (it reports what it
+can decide), and names the call sites. Only the first finding of each kind per group is kept.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from doctor.builder import Evidence
+from doctor.evidence import Collective
+from doctor.report import CollectiveFinding, EvidenceItem
+from doctor.stacks import site_label
+
+_SIZE_FREE = {"all_to_all", "alltoall", "all_to_all_single", "gather", "scatter", "send", "recv",
+              "coalesced", "batch_isend_irecv", "barrier", "broadcast_object_list"}
+
+
+def align(evidence: Evidence) -> list[CollectiveFinding]:
+    """Findings for every group recorded by at least two ranks, plus watchdog seq findings."""
+    by_group: dict[str, dict[int, dict[int, Collective]]] = defaultdict(dict)
+    for ev in evidence.ranks.values():
+        for group, ring in ev.collectives.items():
+            by_group[group][ev.rank] = {c.seq: c for c in ring}
+    findings: list[CollectiveFinding] = []
+    for group, per_rank in sorted(by_group.items()):
+        if len(per_rank) >= 2 and not group.startswith("p2p:"):
+            findings.extend(_group_findings(group, per_rank))
+    findings.extend(_watchdog_findings(evidence))
+    return findings
+
+
+def _group_findings(group: str, per_rank: dict[int, dict[int, Collective]]
+                    ) -> list[CollectiveFinding]:
+    lasts = {r: max(seqs) for r, seqs in per_rank.items() if seqs}
+    firsts = {r: min(seqs) for r, seqs in per_rank.items() if seqs}
+    if len(lasts) < 2:
+        return []
+    window_start = max(firsts.values())
+    out: list[CollectiveFinding] = []
+    top = max(lasts.values())
+    behind = sorted(r for r, last in lasts.items() if last < top)
+    if behind:
+        seq = min(lasts[r] for r in behind) + 1
+        ahead = sorted(r for r, last in lasts.items() if last >= seq)
+        example = per_rank[ahead[0]].get(seq)
+        out.append(CollectiveFinding(
+            group=group, seq=seq, kind="missing-ranks", ranks=behind,
+            detail=f"ranks {ahead} entered #{seq}"
+                   + (f" ({example.op} from {site_label(example.site)})" if example else "")
+                   + f"; ranks {behind} never did (their last is "
+                   + ", ".join(f"{r}: #{lasts[r]}" for r in behind) + ")",
+            evidence=[_item(per_rank[r][lasts[r]], r) for r in behind][:4]))
+    seen: set[str] = set()
+    for seq in range(window_start, min(lasts.values()) + 1):
+        entries = {r: seqs[seq] for r, seqs in per_rank.items() if seq in seqs}
+        if len(entries) < 2:
+            continue
+        for f in _mismatches(group, seq, entries):
+            if f.kind not in seen:
+                seen.add(f.kind)
+                out.append(f)
+    return out
+
+
+def _mismatches(group: str, seq: int, entries: dict[int, Collective]) -> list[CollectiveFinding]:
+    out: list[CollectiveFinding] = []
+    ops = {r: c.op for r, c in entries.items()}
+    if len(set(ops.values())) > 1:
+        out.append(_finding(group, seq, "op-mismatch", entries,
+                            lambda r, c: f"rank {r}: {c.op} from {site_label(c.site)}"))
+        return out
+    sites = {r: site_label(c.site) for r, c in entries.items()}
+    if len(set(sites.values())) > 1 and all(sites.values()):
+        out.append(_finding(group, seq, "site-mismatch", entries,
+                            lambda r, c: f"rank {r}: {c.op} from {site_label(c.site)}"))
+    op = next(iter(ops.values()))
+    sizes = {r: c.sizes for r, c in entries.items()}
+    if op not in _SIZE_FREE and len(set(sizes.values())) > 1:
+        out.append(_finding(group, seq, "size-mismatch", entries,
+                            lambda r, c: f"rank {r}: {c.op} sizes {c.sizes}"))
+    return out
+
+
+def _finding(group: str, seq: int, kind: str, entries: dict[int, Collective],
+             describe: object) -> CollectiveFinding:
+    parts = [describe(r, c) for r, c in sorted(entries.items())]  # type: ignore[operator]
+    return CollectiveFinding(group=group, seq=seq, kind=kind, ranks=sorted(entries),
+                             detail=f"#{seq}: " + "; ".join(parts),
+                             evidence=[_item(c, r) for r, c in sorted(entries.items())][:4])
+
+
+def _item(c: Collective, rank: int) -> EvidenceItem:
+    return EvidenceItem(text=f"rank {rank} group {c.group} seq {c.seq}: {c.op} ({c.state}) from "
+                             f"{site_label(c.site)}", file=c.source.file, line=c.source.line,
+                        rank=rank)
+
+
+def _watchdog_findings(evidence: Evidence) -> list[CollectiveFinding]:
+    """NCCL watchdog timeouts name (SeqNum, OpType) per rank; differing ones tell who is
+    behind or running another op."""
+    seen: dict[int, tuple[int, str, EvidenceItem]] = {}
+    for ev in evidence.ranks.values():
+        stats = ev.hits.get("nccl-watchdog-timeout")
+        if not stats:
+            continue
+        h = next(iter(stats.kept))
+        seq = h.groups.get("seq")
+        if seq and seq.isdigit() and len(seq) <= 12:
+            seen[ev.rank] = (int(seq), h.groups.get("op", "?"), EvidenceItem(
+                text=h.text, file=h.source.file, line=h.source.line, rank=ev.rank))
+    if len(seen) < 2 or len({(s, op) for s, op, _ in seen.values()}) == 1:
+        return []
+    low = min(s for s, _, _ in seen.values())
+    ops = {op for s, op, _ in seen.values() if s == low}
+    kind = "op-mismatch" if len({s for s, _, _ in seen.values()}) == 1 else "seq-behind"
+    ranks = sorted(r for r, (s, _, _) in seen.items() if s == low)
+    detail = "watchdog timeouts: " + "; ".join(
+        f"rank {r}: SeqNum {s} {op}" for r, (s, op, _) in sorted(seen.items()))
+    if kind == "seq-behind":
+        detail += f" (ranks {ranks} are behind at SeqNum {low} {'/'.join(sorted(ops))})"
+    return [CollectiveFinding(group="nccl", seq=low, kind=kind, ranks=ranks, detail=detail,
+                              evidence=[it for _, _, it in seen.values()][:4])]

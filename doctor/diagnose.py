@@ -1,0 +1,172 @@
+"""The doctor's pipeline: read inputs, resolve ranks, analyse, score, report.
+
+``diagnose(paths)`` is the one entry point (the CLI and tests call it). Each analysis step runs
+inside a guard: a step that fails on odd evidence is listed under ``problems`` and the report
+is built from the other steps. Nothing here prints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import BinaryIO, TypeVar
+
+from doctor.builder import Evidence, EvidenceBuilder
+from doctor.collectives import align
+from doctor.divergence import all_divergences
+from doctor.facts import derive_facts
+from doctor.facts_trace import divergence_fact
+from doctor.factset import FactSet
+from doctor.frames import classifier_for
+from doctor.ingest import Ingester
+from doctor.missing import missing_items
+from doctor.narrative import observations
+from doctor.observation import observe
+from doctor.report import (
+    EXIT_DIAGNOSED,
+    EXIT_NO_SIGNATURE,
+    EXIT_UNREADABLE,
+    Diagnosis,
+    Divergence,
+    EvidenceItem,
+    InputSummary,
+    Mitigation,
+    NearMiss,
+    Verdict,
+)
+from doctor.stacks import blocked_sites, rank_rows
+from signatures.facts import Fact
+from signatures.loader import load_catalog
+from signatures.matching import NEAR_MISS, Score, score_all
+from signatures.models import Catalog
+
+T = TypeVar("T")
+MAX_EVIDENCE = 12
+
+
+def diagnose(paths: Iterable[str] = (), *, streams: Iterable[tuple[str, BinaryIO]] = (),
+             catalog: Catalog | None = None) -> Diagnosis:
+    """Diagnose the artifacts at ``paths`` (files, directories, archives, ``-`` for stdin)."""
+    catalog = catalog or load_catalog()
+    sink = EvidenceBuilder()
+    ingester = Ingester(catalog, sink)
+    for p in paths:
+        ingester.add_path(p)
+    for name, stream in streams:
+        ingester.add_stream(name, stream)
+    return analyse(sink.finish(), catalog)
+
+
+def analyse(ev: Evidence, catalog: Catalog) -> Diagnosis:
+    """Everything after reading: tables, alignment, divergence, facts, scores, report."""
+    frames = classifier_for(catalog.frames)
+    problems = list(ev.problems)
+
+    def guard(name: str, fn: Callable[[], T], default: T) -> T:
+        try:
+            return fn()
+        except Exception as exc:  # report the failed step, keep the rest of the analysis
+            problems.append(f"{name} failed ({type(exc).__name__}: {exc}); skipped")
+            return default
+
+    rows = guard("rank table", lambda: rank_rows(ev, frames), [])
+    sites = guard("blocked call sites", lambda: blocked_sites(ev, frames), [])
+    findings = guard("collective alignment", lambda: align(ev), [])
+    divs = guard("decision alignment", lambda: all_divergences(ev), [])
+    facts = guard("facts", lambda: derive_facts(ev, frames, rows, sites, findings, divs,
+                                                problems.append), FactSet())
+    first = divs[0] if divs else None
+    scores = guard("scoring", lambda: score_all(catalog, observe(ev, frames, facts),
+                                                _causal(first, facts)), [])
+    diag = _report(ev, catalog, scores, facts)
+    diag.ranks, diag.blocked_sites, diag.collectives = rows, sites, findings
+    diag.first_divergence = first
+    diag.observations = guard("observations", lambda: observations(
+        ev, facts, rows, sites, findings, first), [])
+    diag.missing = guard("missing evidence",
+                         lambda: missing_items(ev, rows, Fact.HANG in facts), [])
+    diag.problems = problems
+    return diag
+
+
+def _report(ev: Evidence, catalog: Catalog, scores: list[Score], facts: FactSet) -> Diagnosis:
+    """The verdict part of the report: status, verdicts, near misses, inputs, rule log."""
+    verdicts = [_verdict(s) for s in scores if s.named]
+    near = [NearMiss(signature=s.signature.id, score=round(s.score, 2), because=s.because())
+            for s in scores if not s.named and s.score >= NEAR_MISS][:5]
+    status, code = _status(any(i.status == "read" for i in ev.inputs), verdicts)
+    return Diagnosis(
+        catalog_version=catalog.version, status=status, exit_code=code,
+        summary=_summary(status, verdicts, near, ev), verdicts=verdicts, near_misses=near,
+        missing_ranks=sorted(ev.expected_ranks - set(ev.ranks)),
+        topology={"tp": ev.topology.tp, "pp": ev.topology.pp, "dp": ev.topology.dp,
+                  "world_size": ev.topology.world_size, "sources": ev.topology.sources,
+                  "legacy": sorted(ev.legacy), "faults": ev.faults, "outcome": ev.outcome},
+        inputs=[InputSummary(path=i.path, kind=i.kind, status=i.status, message=i.message,
+                             rank=i.rank) for i in ev.inputs],
+        rule_log=_rule_log(scores, facts))
+
+
+def _causal(first: Divergence | None, facts: FactSet) -> frozenset[Fact]:
+    """Facts that come first in time: the first divergent decision, and a capacity that
+    differs from start-up."""
+    out = {Fact.HOST_CAPACITY_DIFFERS} & set(facts)
+    fact = divergence_fact(first) if first is not None else None
+    if fact is not None:
+        out.add(fact)
+    return frozenset(out)
+
+
+def _status(readable: bool, verdicts: list[Verdict]) -> tuple[str, int]:
+    if not readable:
+        return "unreadable", EXIT_UNREADABLE
+    if verdicts:
+        return "diagnosed", EXIT_DIAGNOSED
+    return "no-known-signature", EXIT_NO_SIGNATURE
+
+
+def _verdict(s: Score) -> Verdict:
+    sig = s.signature
+    items: list[EvidenceItem] = []
+    seen: set[tuple[str, str | None, int | None]] = set()
+    for rule in sorted(s.matched, key=lambda r: -r.weight):
+        if rule.weight <= 0:
+            continue
+        for w in rule.witnesses:
+            key = (w.text, w.file, w.line)
+            if key not in seen:
+                seen.add(key)
+                items.append(EvidenceItem(text=w.text, file=w.file, line=w.line,
+                                          rank=w.rank if w.rank >= 0 else None,
+                                          rule=rule.recogniser))
+    return Verdict(
+        signature=sig.id, title=sig.title, severity=sig.severity.value,
+        confidence=round(s.score, 2), evidence=items[:MAX_EVIDENCE],
+        root_cause=" ".join(sig.root_cause.split()),
+        upstream_fix=[f"{f.ref}: {f.summary}" for f in sig.upstream_fix],
+        mitigations=[Mitigation(text=m.text, flags=m.flags, env=m.env) for m in sig.mitigations],
+        campaign_cell=sig.campaign.cell if sig.campaign else None,
+        runbook=f"hicache runbook --signature {sig.id}")
+
+
+def _summary(status: str, verdicts: list[Verdict], near: list[NearMiss], ev: Evidence) -> str:
+    if status == "unreadable":
+        return "no input could be read"
+    if verdicts:
+        v = verdicts[0]
+        return f"{v.signature} ({v.confidence:.2f}): {v.title}"
+    if near:
+        return (f"no known signature fits; closest: {near[0].signature} ({near[0].score:.2f}), "
+                "not enough evidence to name it")
+    return "no known signature fits"
+
+
+def _rule_log(scores: list[Score], facts: FactSet) -> list[str]:
+    lines = [f"fact {f.value}: {w[0].text}" for f, w in sorted(facts.items(),
+                                                               key=lambda kv: kv[0].value)]
+    for s in scores:
+        if s.score <= 0 and not s.matched:
+            continue
+        state = "NAMED" if s.named else ("near miss" if s.score >= NEAR_MISS else "rejected")
+        lines.append(f"{s.signature.id}: score {s.score:.2f} -> {state}")
+        lines += ["  " + r.line() for r in s.rules if r.matched or r.weight >= 0.3]
+    return lines

@@ -1,0 +1,283 @@
+"""The typed evidence model: what the inputs say, normalised per rank and thread.
+
+Every parser turns its artifact into these records and hands them to an
+:class:`~doctor.builder.EvidenceBuilder`; the analysis never looks at raw text again. Stacks are
+always stored innermost frame first, whatever order the artifact printed them in. Every record
+carries a :class:`SourceRef` (input file and line) so the report can cite it.
+
+Collections that grow with input size are bounded (``Bounded``: the first and the last items are
+kept, plus a count), so memory stays flat on multi-GB inputs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+#: Caps per rank. Beyond them only counts grow.
+MAX_EXCEPTIONS = 32
+MAX_THREADS = 256
+MAX_HITS_KEPT = 4
+MAX_COLLECTIVES_PER_GROUP = 4096
+MAX_DECISIONS_PER_KEY = 20000
+MAX_EVENTS = 20000
+MAX_SAMPLES = 512
+
+
+@dataclass(frozen=True)
+class SourceRef:
+    """Where a record came from: an input file (as given, or ``tar!member``) and a line."""
+
+    file: str
+    line: int | None = None
+
+    def __str__(self) -> str:
+        return self.file if self.line is None else f"{self.file}:{self.line}"
+
+
+@dataclass(frozen=True)
+class RankHint:
+    """What an artifact says about which rank wrote it (any part may be unknown)."""
+
+    rank: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+
+    @property
+    def empty(self) -> bool:
+        return self.rank is None and self.tp is None and self.pp is None and self.dp is None
+
+    def merged(self, other: RankHint) -> RankHint:
+        """Fill the unknown parts of ``self`` from ``other``."""
+        return RankHint(*(a if a is not None else b for a, b in zip(
+            (self.rank, self.tp, self.pp, self.dp), (other.rank, other.tp, other.pp, other.dp))))
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One stack frame. ``line`` is None for native frames and unknown lines."""
+
+    func: str
+    file: str
+    line: int | None = None
+
+    def __str__(self) -> str:
+        where = self.file if self.line is None else f"{self.file}:{self.line}"
+        return f"{self.func} ({where})"
+
+
+@dataclass
+class ThreadStack:
+    """One thread of a stack dump (py-spy, faulthandler). ``idle`` is py-spy's verdict;
+    ``fatal`` is faulthandler's ``Fatal Python error`` text for the thread that crashed."""
+
+    name: str
+    tid: str
+    frames: list[Frame]
+    source: SourceRef
+    origin: str
+    idle: bool | None = None
+    current: bool = False
+    fatal: str | None = None
+    pid: int | None = None
+
+
+@dataclass
+class ExceptionRecord:
+    """One exception of a traceback. ``chain`` says how it relates to the one printed before
+    it (``cause``/``context``) or that it is a member of an exception group (``group``)."""
+
+    type: str
+    message: str
+    frames: list[Frame]
+    source: SourceRef
+    chain: str = ""
+
+    @property
+    def short_type(self) -> str:
+        return self.type.rsplit(".", 1)[-1]
+
+
+@dataclass
+class LogHit:
+    """A line that matched a catalog log pattern, with the regex's named groups."""
+
+    pattern: str
+    groups: dict[str, str]
+    text: str
+    source: SourceRef
+
+
+@dataclass
+class Collective:
+    """A collective or p2p op from a flight recorder (PyTorch's or the runtime's own)."""
+
+    group: str
+    seq: int
+    op: str
+    state: str
+    sizes: str
+    site: Frame | None
+    source: SourceRef
+    thread: str = ""
+
+
+@dataclass
+class Decision:
+    """A decision event of a trace, reduced to what must agree across ranks."""
+
+    kind: str
+    key: str
+    value: str
+    step: int
+    source: SourceRef
+
+
+@dataclass
+class ExitRecord:
+    """How a rank's process ended (torchrun failure block, bundle entry, capture)."""
+
+    exit_code: int | None
+    pid: int | None
+    signal: str | None
+    root_cause: bool
+    time: str | None
+    source: SourceRef
+
+
+class Bounded(Generic[T]):
+    """Keeps the first ``head`` and the last ``tail`` items appended, and a total count."""
+
+    def __init__(self, head: int, tail: int) -> None:
+        self._head: list[T] = []
+        self._tail: deque[T] = deque(maxlen=tail)
+        self._cap = head
+        self.count = 0
+
+    def append(self, item: T) -> None:
+        self.count += 1
+        if len(self._head) < self._cap:
+            self._head.append(item)
+        else:
+            self._tail.append(item)
+
+    def __iter__(self) -> Iterator[T]:
+        yield from self._head
+        yield from self._tail
+
+    def __len__(self) -> int:
+        return len(self._head) + len(self._tail)
+
+    @property
+    def dropped(self) -> int:
+        return self.count - len(self)
+
+
+@dataclass
+class HitStats:
+    """All hits of one pattern on one rank: count, first and last few."""
+
+    count: int = 0
+    kept: Bounded[LogHit] = field(default_factory=lambda: Bounded(MAX_HITS_KEPT, MAX_HITS_KEPT))
+
+    def add(self, hit: LogHit) -> None:
+        self.count += 1
+        self.kept.append(hit)
+
+
+@dataclass
+class RankEvidence:
+    """Everything known about one rank (``rank`` is -1 for evidence of unknown origin)."""
+
+    rank: int
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    pid: int | None = None
+    outcome: str | None = None
+    exits: list[ExitRecord] = field(default_factory=list)
+    threads: Bounded[ThreadStack] = field(default_factory=lambda: Bounded(MAX_THREADS, 0))
+    exceptions: Bounded[ExceptionRecord] = field(
+        default_factory=lambda: Bounded(MAX_EXCEPTIONS // 2, MAX_EXCEPTIONS // 2))
+    hits: dict[str, HitStats] = field(default_factory=dict)
+    collectives: dict[str, deque[Collective]] = field(default_factory=dict)
+    last_seq: dict[str, dict[str, int]] = field(default_factory=dict)
+    decisions: dict[tuple[str, str], list[Decision]] = field(default_factory=dict)
+    events: Bounded[tuple[str, dict[str, Any], SourceRef, int]] = field(
+        default_factory=lambda: Bounded(MAX_EVENTS // 2, MAX_EVENTS // 2))
+    samples: dict[str, deque[tuple[float, SourceRef]]] = field(default_factory=dict)
+    state: dict[str, Any] | None = None
+    state_source: SourceRef | None = None
+    kinds: set[str] = field(default_factory=set)
+    """Which kinds of artifact covered this rank (log, pyspy, faulthandler, fr, trace...)."""
+
+    @property
+    def role(self) -> str:
+        parts = [f"TP{self.tp}" if self.tp is not None else "",
+                 f"PP{self.pp}" if self.pp is not None else "",
+                 f"DP{self.dp}" if self.dp is not None else ""]
+        return " ".join(p for p in parts if p) or "-"
+
+    def add_collective(self, c: Collective) -> None:
+        ring = self.collectives.setdefault(c.group, deque(maxlen=MAX_COLLECTIVES_PER_GROUP))
+        ring.append(c)
+
+    def add_decision(self, d: Decision) -> None:
+        seq = self.decisions.setdefault((d.kind, d.key), [])
+        if len(seq) < MAX_DECISIONS_PER_KEY:
+            seq.append(d)
+
+    def add_sample(self, name: str, value: float, source: SourceRef) -> None:
+        self.samples.setdefault(name, deque(maxlen=MAX_SAMPLES)).append((value, source))
+
+    def merge(self, other: RankEvidence) -> None:
+        """Fold ``other`` (the same rank seen under another identity) into this one."""
+        self.tp = self.tp if self.tp is not None else other.tp
+        self.pp = self.pp if self.pp is not None else other.pp
+        self.dp = self.dp if self.dp is not None else other.dp
+        self.pid = self.pid if self.pid is not None else other.pid
+        self.outcome = self.outcome or other.outcome
+        self.exits.extend(other.exits)
+        for t in other.threads:
+            self.threads.append(t)
+        for e in other.exceptions:
+            self.exceptions.append(e)
+        for pid, stats in other.hits.items():
+            mine = self.hits.setdefault(pid, HitStats())
+            mine.count += stats.count - len(stats.kept)
+            for h in stats.kept:
+                mine.add(h)
+        for ring in other.collectives.values():
+            for c in ring:
+                self.add_collective(c)
+        for g, v in other.last_seq.items():
+            self.last_seq.setdefault(g, {}).update(v)
+        for seq in other.decisions.values():
+            for d in seq:
+                self.add_decision(d)
+        for ev in other.events:
+            self.events.append(ev)
+        for name, ring2 in other.samples.items():
+            for value, src in ring2:
+                self.add_sample(name, value, src)
+        if self.state is None:
+            self.state, self.state_source = other.state, other.state_source
+        self.kinds |= other.kinds
+
+
+@dataclass
+class InputRecord:
+    """One input artifact and what became of it."""
+
+    path: str
+    kind: str
+    status: str
+    """``read`` | ``skipped`` | ``error``"""
+    message: str = ""
+    rank: int | None = None
+    bytes: int = 0

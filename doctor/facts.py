@@ -1,0 +1,242 @@
+"""Deriving structural facts (:class:`signatures.facts.Fact`) from the evidence.
+
+Each ``_fact_*`` function reads one part of the evidence and adds facts with witnesses. This
+module covers outcomes, stacks, collectives, exits and exceptions; :mod:`doctor.facts_trace`
+covers the runtime's traces and state snapshots. ``derive_facts`` runs them all; a function that
+fails on odd evidence is reported as a problem and the others still run.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+
+from doctor.builder import Evidence
+from doctor.evidence import ExceptionRecord, RankEvidence
+from doctor.facts_trace import TRACE_FACTS
+from doctor.factset import FactSet, witness
+from doctor.frames import FrameClassifier
+from doctor.report import BlockedSite, CollectiveFinding, Divergence, RankRow
+from doctor.stacks import failing_exception, is_comm_error, site_label
+from signatures.facts import Fact
+from signatures.matching import Witness
+
+_CONFIG_FRAMES = re.compile(r"server_args|__post_init__|check_server_args|load_config|"
+                            r"parse_args|from_cli_args|prepare_server_args|validate_config")
+_CONFIG_TYPES = re.compile(r"(ConfigError|ValueError|TypeError|ArgumentError|ArgumentTypeError|"
+                           r"AssertionError|SystemExit)$")
+_INVARIANT_TYPES = re.compile(r"(InvariantViolation|DoubleAllocation|DoubleFree)$")
+
+
+def derive_facts(evidence: Evidence, frames: FrameClassifier, rows: list[RankRow],
+                 sites: list[BlockedSite], findings: list[CollectiveFinding],
+                 divergences: list[Divergence], problem: Callable[[str], None]) -> FactSet:
+    facts = FactSet()
+    steps: list[Callable[[], None]] = [
+        lambda: _fact_outcome(evidence, frames, rows, facts),
+        lambda: _fact_stacks(evidence, sites, rows, facts),
+        lambda: _fact_collectives(findings, facts),
+        lambda: _fact_exits(evidence, frames, facts),
+        lambda: _fact_exceptions(evidence, frames, facts),
+        lambda: _fact_logs(evidence, facts),
+    ]
+    steps += [functools.partial(f, evidence, divergences, facts) for f in TRACE_FACTS]
+    for step in steps:
+        try:
+            step()
+        except Exception as exc:  # one analyzer's bug must not stop the others
+            problem(f"a fact analyzer failed ({type(exc).__name__}: {exc}); its facts are missing")
+    return facts
+
+
+def _fact_outcome(ev: Evidence, frames: FrameClassifier, rows: list[RankRow],
+                  facts: FactSet) -> None:
+    src = ev.outcome_source
+    if ev.outcome == "hang":
+        facts.add(Fact.HANG, witness("the bundle records a hang", src, -1))
+    if ev.outcome == "crash":
+        facts.add(Fact.CRASH, witness("the bundle records a crash", src, -1))
+    if ev.outcome == "wrong-output" or ev.mismatches:
+        facts.add(Fact.WRONG_OUTPUT, witness(
+            f"outputs differ from the cache-disabled run ({ev.mismatches} request(s))", src, -1))
+    for r in ev.all_ranks():
+        for pid in ("nccl-watchdog-timeout", "gloo-timeout", "scheduler-watchdog",
+                    "hicache-watchdog", "nccl-watchdog-stuck"):
+            for h in r.hits.get(pid, _EMPTY).kept:
+                facts.add(Fact.HANG, witness(h.text, h.source, r.rank))
+    crashed = [row for row in rows if row.state == "crashed"]
+    for row in crashed:
+        facts.add(Fact.CRASH, Witness(f"rank {row.rank}: {row.error}", rank=row.rank))
+    blocked = [row for row in rows if row.state == "blocked"]
+    if blocked and not crashed and len(blocked) == len([r for r in rows if r.state != "missing"]):
+        facts.add(Fact.HANG, Witness(f"every rank with stacks is blocked in a collective "
+                                     f"({[r.rank for r in blocked]})"))
+
+
+def _fact_stacks(ev: Evidence, sites: list[BlockedSite], rows: list[RankRow],
+                 facts: FactSet) -> None:
+    main = [s for s in sites if s.role == "main"]
+    if len({s.site for s in main}) >= 2:
+        summary = "blocked at different call sites: " + "; ".join(
+            f"ranks {s.ranks} in {s.op} from {s.site}" for s in main)
+        for i, s in enumerate(main):
+            e = s.evidence[0] if s.evidence else None
+            text = summary if i == 0 else (e.text if e else s.site)
+            facts.add(Fact.BLOCKED_SITES_DIVERGE, Witness(
+                text, e.file if e else None, e.line if e else None, s.ranks[0]))
+    elif main:
+        blocked = set(main[0].ranks)
+        absent = [r.rank for r in rows if r.rank not in blocked and r.state in ("idle", "active")]
+        if absent:
+            facts.add(Fact.BLOCKED_SITES_DIVERGE, Witness(
+                f"ranks {sorted(blocked)} wait in {main[0].op} from {main[0].site}; "
+                f"ranks {absent} are not in any collective"))
+    for s in sites:
+        if s.role == "prefetch":
+            e = s.evidence[0] if s.evidence else None
+            facts.add(Fact.BLOCKED_IN_PREFETCH_VOTE, Witness(
+                f"ranks {s.ranks}: a prefetch thread is blocked in {s.op} from {s.site}",
+                e.file if e else None, e.line if e else None, s.ranks[0]))
+    with_stacks = [r for r in rows if r.state in ("idle", "active", "blocked", "crashed")]
+    if with_stacks and all(r.state == "idle" for r in with_stacks):
+        facts.add(Fact.ALL_RANKS_IDLE, Witness(
+            f"ranks {[r.rank for r in with_stacks]}: every thread waits for work; none is "
+            "inside a collective"))
+
+
+def _fact_collectives(findings: list[CollectiveFinding], facts: FactSet) -> None:
+    kinds = {"missing-ranks": Fact.RANK_MISSING_FROM_COLLECTIVE,
+             "seq-behind": Fact.RANK_MISSING_FROM_COLLECTIVE,
+             "op-mismatch": Fact.COLLECTIVE_OP_MISMATCH,
+             "site-mismatch": Fact.COLLECTIVE_OP_MISMATCH,
+             "size-mismatch": Fact.COLLECTIVE_SIZE_MISMATCH}
+    for f in findings:
+        ev = f.evidence[0] if f.evidence else None
+        facts.add(kinds[f.kind], Witness(f"group {f.group} {f.detail}", ev.file if ev else None,
+                                         ev.line if ev else None, -1))
+
+
+def _fact_exits(ev: Evidence, frames: FrameClassifier, facts: FactSet) -> None:
+    died: list[int] = []
+    for r in ev.ranks.values():
+        for x in r.exits:
+            if x.exit_code == -9 or x.signal == "SIGKILL":
+                facts.add(Fact.OOM_KILLED, witness(f"rank {r.rank} exit {x.exit_code} (SIGKILL)",
+                                                   x.source, r.rank))
+            if x.signal in ("SIGSEGV", "SIGABRT", "SIGBUS"):
+                facts.add(Fact.PROCESS_SEGFAULT, witness(
+                    f"rank {r.rank} died of {x.signal} (exit {x.exit_code})", x.source, r.rank))
+            if x.root_cause or x.signal in ("SIGSEGV", "SIGABRT", "SIGBUS", "SIGKILL"):
+                died.append(r.rank)  # a plain non-zero exit is usually a peer's consequence
+        for t in r.threads:
+            if t.fatal:
+                facts.add(Fact.PROCESS_SEGFAULT, witness(
+                    f"rank {r.rank}: Fatal Python error: {t.fatal} in thread {t.tid} at "
+                    f"{site_label(frames.innermost_in_app(t.frames))}", t.source, r.rank))
+                died.append(r.rank)
+        exc = failing_exception(r, frames)
+        if exc is not None and not is_comm_error(exc) and frames.in_app_frames(exc.frames):
+            died.append(r.rank)
+    _peer_exited(ev, set(died), facts)
+
+
+def _peer_exited(ev: Evidence, died: set[int], facts: FactSet) -> None:
+    for r in ev.ranks.values():
+        if r.rank in died:
+            continue
+        closed = list(r.hits.get("gloo-connection-closed", _EMPTY).kept)
+        if closed and died:
+            h = closed[0]
+            facts.add(Fact.PEER_EXITED_FIRST, witness(
+                f"rank {r.rank} lost its peer ({h.groups.get('what', 'connection closed')}) "
+                f"after ranks {sorted(died)} died", h.source, r.rank))
+
+
+def _fact_exceptions(ev: Evidence, frames: FrameClassifier, facts: FactSet) -> None:
+    for r in ev.all_ranks():
+        for e in r.exceptions:
+            _one_exception(r, e, frames, facts)
+        exc = failing_exception(r, frames)
+        if exc is not None and (r.pp or 0) >= 1 and not is_comm_error(exc):
+            facts.add(Fact.EXCEPTION_ON_DOWNSTREAM_STAGE, witness(
+                f"rank {r.rank} ({r.role}) raised {exc.short_type}: {exc.message}", exc.source,
+                r.rank))
+
+
+def _one_exception(r: RankEvidence, e: ExceptionRecord, frames: FrameClassifier,
+                   facts: FactSet) -> None:
+    text = f"{e.short_type}: {e.message}"
+    in_cache = any(re.search(r"lock_ref|radix|pool|tree|allocator", f.file + f.func)
+                   for f in frames.in_app_frames(e.frames))
+    lost_key = e.short_type == "KeyError" and e.message.strip("'\"").isdigit()
+    if _INVARIANT_TYPES.search(e.type) or (in_cache and (e.short_type == "AssertionError"
+                                                         or lost_key)):
+        facts.add(Fact.INVARIANT_BROKEN, witness(text, e.source, r.rank))
+    if re.search(r"Double-?(alloc|free)|DoubleAllocation|DoubleFree", e.type + e.message, re.I):
+        facts.add(Fact.HOST_POOL_DOUBLE_USE, witness(text, e.source, r.rank))
+    if e.short_type == "RankDivergence":
+        facts.add(Fact.CONSENSUS_FIRED, witness(text, e.source, r.rank))
+    if e.short_type == "StorageUnavailable":
+        facts.add(Fact.STORAGE_ERRORS, witness(text, e.source, r.rank))
+    if _CONFIG_TYPES.search(e.type) and any(
+            _CONFIG_FRAMES.search(f.func) or _CONFIG_FRAMES.search(f.file) for f in e.frames):
+        facts.add(Fact.STARTUP_CONFIG_ERROR, witness(text, e.source, r.rank))
+
+
+def _fact_logs(ev: Evidence, facts: FactSet) -> None:
+    table = {
+        "host-pool-double-use": Fact.HOST_POOL_DOUBLE_USE,
+        "glibc-double-free": Fact.HOST_POOL_DOUBLE_USE,
+        "oom-kill": Fact.OOM_KILLED,
+        "rank-divergence": Fact.CONSENSUS_FIRED,
+        "duplicate-reclaim-diverged": Fact.CONSENSUS_FIRED,
+        "hicache-consensus": Fact.CONSENSUS_FIRED,
+        "backup-failed": Fact.STORAGE_ERRORS,
+        "prefetch-page-failed": Fact.STORAGE_ERRORS,
+        "storage-connect-error": Fact.STORAGE_ERRORS,
+        "storage-threads-stuck": Fact.STORAGE_ERRORS,
+        "cuda-device-fault": Fact.DEVICE_FAULT,
+        "startup-usage-error": Fact.STARTUP_CONFIG_ERROR,
+    }
+    for r in ev.all_ranks():
+        _abort_in_flight(r, facts)
+        for pid in ("host-alloc-failed", "prefetch-dropped"):
+            stats = r.hits.get(pid)
+            if stats is not None and stats.count >= 3:
+                h = next(iter(stats.kept))
+                facts.add(Fact.HOST_ALLOC_FAILING, witness(
+                    f"rank {r.rank}: {stats.count} host allocation failures ({pid}), first: "
+                    f"{h.text}", h.source, r.rank))
+        for pid, fact in table.items():
+            for h in r.hits.get(pid, _EMPTY).kept:
+                facts.add(fact, witness(h.text, h.source, r.rank))
+        sig = r.hits.get("fatal-signal")
+        for h in (sig.kept if sig else []):
+            if h.groups.get("what") or h.groups.get("name") in ("SIGSEGV", "SIGABRT", "SIGBUS"):
+                facts.add(Fact.PROCESS_SEGFAULT, witness(h.text, h.source, r.rank))
+
+
+def _abort_in_flight(r: RankEvidence, facts: FactSet) -> None:
+    """An ``Abort request`` for a rid whose prefetch started and had not settled yet."""
+    started = {h.groups.get("rid"): h for h in r.hits.get("prefetch-start", _EMPTY).kept}
+    settled = {h.groups.get("rid") or h.groups.get("rid2"): h
+               for h in r.hits.get("prefetch-result", _EMPTY).kept}
+    for h in r.hits.get("request-aborted", _EMPTY).kept:
+        rid = h.groups.get("rid")
+        start = started.get(rid)
+        if start is None or start.source.file != h.source.file:
+            continue
+        done = settled.get(rid)
+        if (start.source.line or 0) < (h.source.line or 0) and (
+                done is None or (done.source.line or 0) > (h.source.line or 0)):
+            facts.add(Fact.ABORT_DURING_PREFETCH, witness(
+                f"rank {r.rank}: request {rid} aborted while its prefetch was in flight "
+                f"(started at line {start.source.line})", h.source, r.rank))
+
+
+class _Empty:
+    kept: tuple[()] = ()
+
+
+_EMPTY = _Empty()

@@ -1,0 +1,216 @@
+"""Facts from the runtime's traces, state snapshots and samples.
+
+What the analyzers read (the contract with the runtime's event attributes):
+
+* divergences of drain counts / prefix lengths / evictions (:mod:`doctor.divergence`);
+* ``req.abort`` {rid} between ``l3.prefetch.submit`` {rid} and ``l3.prefetch.settle`` {rid}
+  on a rank: an abort during prefetch; also a fired ``mid-prefetch-abort`` fault;
+* ``l3.prefetch.ack`` {rid} counts per rank: fewer acks on one rank for the same op;
+* ``l3.prefetch.settle`` {rid, pages_ok: [bool], pages|committed}: a hole committed when the
+  committed pages exceed the leading run of ``pages_ok``; or wrong output after a fired
+  ``storage-shortfall`` fault with ``mode=holes``;
+* ``l2.write.skip`` {parent_backed_up: true}: an allocation refused a backup;
+* ``check.integrity`` {ok: false}, ``consensus.check`` {ok: false} or {divergent},
+  ``l3.storage`` {ok: false}, ``thread.died`` {error};
+* samples ``rss_mb`` and ``pending_sends`` (event attributes or log lines) per rank;
+* state snapshots: ``cache.host.capacity``, ``prefetch_tokens_occupied`` with no prefetch in
+  flight, ``pending_sends``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from doctor.builder import Evidence
+from doctor.divergence import DRAIN_KINDS, EVICT_KINDS, PREFIX_KINDS
+from doctor.evidence import RankEvidence, SourceRef
+from doctor.factset import FactSet, witness
+from doctor.report import Divergence
+from signatures.facts import Fact
+from signatures.matching import Witness
+
+_DIVERGENCE_FACT = {**dict.fromkeys(DRAIN_KINDS, Fact.DRAIN_COUNT_DIVERGENCE),
+                    **dict.fromkeys(PREFIX_KINDS, Fact.PREFIX_LENGTH_DIVERGENCE),
+                    **dict.fromkeys(EVICT_KINDS, Fact.EVICTION_DIVERGENCE)}
+_MIN_SAMPLES = 4
+
+
+def divergence_fact(d: Divergence) -> Fact | None:
+    """The fact a divergence of this kind supports (None for kinds no signature reads)."""
+    if d.kind == "sync.vote" and "drain" in d.key:
+        return Fact.DRAIN_COUNT_DIVERGENCE
+    return _DIVERGENCE_FACT.get(d.kind)
+
+
+def _divergences(ev: Evidence, divs: list[Divergence], facts: FactSet) -> None:
+    for d in divs:
+        fact = divergence_fact(d)
+        if fact is None:
+            continue
+        e = d.evidence[0] if d.evidence else None
+        values = ", ".join(f"rank {r}: {v}" for r, v in sorted(d.values.items()))
+        facts.add(fact, Witness(f"{d.label} #{d.index}: {values}"[:300],
+                                e.file if e else None, e.line if e else None, -1))
+
+
+def _prefetch_lifecycle(ev: Evidence, divs: list[Divergence], facts: FactSet) -> None:
+    acks: dict[str, dict[int, int]] = {}
+    for r in ev.ranks.values():
+        in_flight: dict[str, SourceRef] = {}
+        for kind, attrs, src, _step in r.events:
+            rid = str(attrs.get("rid", ""))
+            if kind == "l3.prefetch.submit":
+                in_flight[rid] = src
+            elif kind in ("l3.prefetch.settle", "l3.prefetch.revoke"):
+                in_flight.pop(rid, None)
+            elif kind == "req.abort" and rid in in_flight:
+                facts.add(Fact.ABORT_DURING_PREFETCH, witness(
+                    f"rank {r.rank}: {rid} aborted while its prefetch was in flight", src, r.rank))
+            elif kind == "l3.prefetch.ack":
+                acks.setdefault(rid, {}).setdefault(r.rank, 0)
+                acks[rid][r.rank] += 1
+            elif kind == "fault.fired" and "mid-prefetch-abort" in str(attrs.get("kind", "")) + \
+                    str(attrs.get("spec", "")):
+                facts.add(Fact.ABORT_DURING_PREFETCH, witness(
+                    f"rank {r.rank}: fault {attrs.get('spec', 'mid-prefetch-abort')} fired "
+                    f"(request {attrs.get('rid')})", src, r.rank))
+    for rid, per_rank in acks.items():
+        if len(per_rank) >= 2 and len(set(per_rank.values())) > 1:
+            facts.add(Fact.PREFETCH_ACKS_STOPPED, Witness(
+                f"prefetch {rid}: acks per rank {dict(sorted(per_rank.items()))}"))
+
+
+def _holes(ev: Evidence, divs: list[Divergence], facts: FactSet) -> None:
+    holes_fault = None
+    for r in ev.ranks.values():
+        for kind, attrs, src, _step in r.events:
+            if kind == "l3.prefetch.settle" and isinstance(attrs.get("pages_ok"), list):
+                ok = [bool(x) for x in attrs["pages_ok"]]
+                lead = next((i for i, x in enumerate(ok) if not x), len(ok))
+                committed = attrs.get("committed", attrs.get("pages"))
+                if isinstance(committed, int) and committed > lead:
+                    facts.add(Fact.PREFETCH_HOLE_COMMITTED, witness(
+                        f"rank {r.rank}: {attrs.get('rid')} committed {committed} pages but only "
+                        f"the first {lead} loaded (pages_ok={ok})", src, r.rank))
+            if kind == "fault.fired" and "holes" in str(attrs.get("spec", "")):
+                holes_fault = holes_fault or witness(
+                    f"rank {r.rank}: fault {attrs.get('spec')} fired", src, r.rank)
+    if holes_fault is not None and (ev.outcome == "wrong-output" or ev.mismatches):
+        facts.add(Fact.PREFETCH_HOLE_COMMITTED, Witness(
+            f"outputs differ after {holes_fault.text} (pages failed in the middle of a "
+            "prefetch)", holes_fault.file, holes_fault.line, holes_fault.rank))
+
+
+def _allocation_and_checks(ev: Evidence, divs: list[Divergence], facts: FactSet) -> None:
+    for r in ev.ranks.values():
+        skips = [(a, s) for k, a, s, _ in r.events
+                 if k == "l2.write.skip" and a.get("parent_backed_up", True)]
+        if len(skips) >= 3:
+            facts.add(Fact.HOST_ALLOC_FAILING, witness(
+                f"rank {r.rank}: {len(skips)} backups refused by the host pool", skips[0][1],
+                r.rank))
+        for kind, attrs, src, _step in r.events:
+            fact = None
+            if attrs.get("ok") is False:
+                fact = {"check.integrity": Fact.INVARIANT_BROKEN,
+                        "consensus.check": Fact.CONSENSUS_FIRED,
+                        "l3.storage": Fact.STORAGE_ERRORS}.get(kind)
+            elif kind == "consensus.check" and "divergent" in attrs:
+                fact = Fact.CONSENSUS_FIRED
+            elif kind == "thread.died":
+                fact = Fact.HOST_POOL_DOUBLE_USE if "Double" in str(attrs.get("error")) \
+                    else Fact.CRASH
+            if fact is not None:
+                facts.add(fact, witness(f"rank {r.rank}: {kind} {attrs}"[:300], src, r.rank))
+
+
+def _samples(ev: Evidence, divs: list[Divergence], facts: FactSet) -> None:
+    for r in ev.ranks.values():
+        for name, fact, floor in (("rss_mb", Fact.MEMORY_GROWS, 0.0),
+                                  ("pending_sends", Fact.PENDING_SENDS_GROW, 32.0)):
+            series = list(r.samples.get(name, ()))
+            if _grows(series, floor):
+                first, last = series[0], series[-1]
+                facts.add(fact, witness(
+                    f"rank {r.rank} ({r.role}): {name} {first[0]:g} -> {last[0]:g} over "
+                    f"{len(series)} samples", last[1], r.rank))
+
+
+def _grows(series: list[tuple[float, SourceRef]], floor: float) -> bool:
+    """Steady growth: enough samples, mostly rising, ending well above the start."""
+    if len(series) < _MIN_SAMPLES:
+        return False
+    values = [v for v, _ in series]
+    rises = sum(b > a for a, b in itertools.pairwise(values))
+    return (values[-1] >= max(values[0] * 1.3, floor) and values[-1] > values[0]
+            and rises >= 0.75 * (len(values) - 1))
+
+
+def _state(ev: Evidence, divs: list[Divergence], facts: FactSet) -> None:
+    capacities: dict[int, tuple[int, SourceRef | None]] = {}
+    pending: dict[int, tuple[float, SourceRef | None]] = {}
+    for r in ev.ranks.values():
+        _capacity_from_logs(r, capacities)
+        if r.state is None:
+            continue
+        cap = _dig(r.state, ("cache", "host", "capacity"))
+        if isinstance(cap, int) and cap > 0:
+            capacities.setdefault(r.rank, (cap, r.state_source))
+        occupied = _find_key(r.state, "prefetch_tokens_occupied")
+        flight = _find_key(r.state, "ongoing_prefetch")
+        n_flight = len(flight) if isinstance(flight, (list, dict)) else flight
+        if isinstance(occupied, int) and occupied > 0 and n_flight in (0, None):
+            facts.add(Fact.RESERVATION_LEAKED, witness(
+                f"rank {r.rank}: prefetch_tokens_occupied={occupied} with no prefetch in flight",
+                r.state_source, r.rank))
+        sends = _find_key(r.state, "pending_sends")
+        n_sends = len(sends) if isinstance(sends, list) else sends
+        if isinstance(n_sends, (int, float)) and not isinstance(n_sends, bool):
+            pending[r.rank] = (float(n_sends), r.state_source)
+    if len({c for c, _ in capacities.values()}) > 1:
+        text = ", ".join(f"rank {k}: {c}" for k, (c, _) in sorted(capacities.items()))
+        src = next(iter(capacities.values()))[1]
+        facts.add(Fact.HOST_CAPACITY_DIFFERS, witness(f"host token capacity differs: {text}",
+                                                      src, -1))
+    for rank, (n, src) in pending.items():
+        others = [m for k, (m, _) in pending.items() if k != rank]
+        if n >= 64 and n >= 8 * max(others or [0]):
+            facts.add(Fact.PENDING_SENDS_GROW, witness(
+                f"rank {rank}: {n:g} pending sends (other ranks: {others})", src, rank))
+
+
+def _capacity_from_logs(r: RankEvidence, out: dict[int, tuple[int, SourceRef | None]]) -> None:
+    stats = r.hits.get("host-capacity")
+    if stats is None or r.rank < 0:
+        return
+    for h in stats.kept:
+        value = h.groups.get("tokens") or h.groups.get("capacity")
+        if value and value.isdigit() and len(value) <= 12:
+            out.setdefault(r.rank, (int(value), h.source))
+
+
+def _dig(data: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        if not isinstance(data, dict):
+            return None
+        data = data.get(key)
+    return data
+
+
+def _find_key(data: Any, key: str, depth: int = 0) -> Any:
+    """The first value stored under ``key`` anywhere in a nested snapshot."""
+    if depth > 6:
+        return None
+    if isinstance(data, dict):
+        if key in data:
+            return data[key]
+        for v in data.values():
+            found = _find_key(v, key, depth + 1)
+            if found is not None:
+                return found
+    return None
+
+
+TRACE_FACTS = (_divergences, _prefetch_lifecycle, _holes, _allocation_and_checks, _samples,
+               _state)

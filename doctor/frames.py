@@ -1,0 +1,126 @@
+"""Frame classification from the catalog's frame rules.
+
+* **in-app**: first matching ``+app``/``-app`` path rule wins (Sentry style), so SGLang frames
+  under ``site-packages/sglang/`` count while torch and the standard library do not;
+* **collective**: the frame is a collective or p2p primitive (``FUNC@FILE`` rules);
+* **call site** of a blocked thread: going outwards from the innermost collective frame, the
+  first in-app frame that is not a mere wrapper (``_all_reduce_attn_groups``, the runtime's
+  ``sync`` module) — the place whose branch decided to call the collective;
+* **thread state**: ``crashed`` (fatal signal), ``blocked`` (inside a collective), ``idle``
+  (waiting for work), ``active``.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+from doctor.evidence import Frame, ThreadStack
+from signatures.models import FrameRules
+
+#: Thread roles told apart by what their stack runs (names differ between SGLang and us).
+_PREFETCH_ROLE = re.compile(
+    r"prefetch_sync_thread_func|_reduce_prefetch_ack|progress_vote|hit_vote|prefetch_thread_func|"
+    r"prefetch_io_aux_func|_sync_storage_hit_count|_sync_prefetch_hit_query|_prefetch_\w+_loop|"
+    r"backup_thread_func")
+
+
+@dataclass(frozen=True)
+class _Rule:
+    func: re.Pattern[str] | None
+    file: re.Pattern[str] | None
+
+    def match(self, frame: Frame) -> bool:
+        return ((self.func is None or bool(self.func.search(frame.func)))
+                and (self.file is None or bool(self.file.search(frame.file))))
+
+
+class FrameClassifier:
+    """Applies one catalog's frame rules; cheap to call per frame (results are cached)."""
+
+    def __init__(self, rules: FrameRules) -> None:
+        self._in_app = [(r.split(" ", 1)[0] == "+app", re.compile(r.split(" ", 1)[1]))
+                        for r in rules.in_app]
+        self._collective = [_parse(r) for r in rules.collective]
+        self._wrappers = [_parse(r) for r in rules.comm_wrappers]
+        self._idle = [_parse(r) for r in rules.idle_waits]
+        self.in_app_file = functools.lru_cache(maxsize=4096)(self._in_app_file)
+
+    def _in_app_file(self, path: str) -> bool:
+        for plus, rx in self._in_app:
+            if rx.search(path):
+                return plus
+        return True
+
+    def in_app(self, frame: Frame) -> bool:
+        return self.in_app_file(frame.file)
+
+    def is_collective(self, frame: Frame) -> bool:
+        return any(r.match(frame) for r in self._collective)
+
+    def is_wrapper(self, frame: Frame) -> bool:
+        return any(r.match(frame) for r in self._wrappers)
+
+    def in_app_frames(self, frames: list[Frame]) -> list[Frame]:
+        return [f for f in frames if self.in_app(f)]
+
+    def collective_index(self, frames: list[Frame]) -> int | None:
+        """Index (innermost first) of the innermost collective frame, if any."""
+        for i, f in enumerate(frames):
+            if self.is_collective(f):
+                return i
+        return None
+
+    def call_site(self, frames: list[Frame]) -> Frame | None:
+        """For a stack inside a collective: the in-app frame that decided to call it."""
+        idx = self.collective_index(frames)
+        if idx is None:
+            return None
+        for f in frames[idx + 1:]:
+            if self.in_app(f) and not self.is_wrapper(f) and not self.is_collective(f):
+                return f
+        return None
+
+    def innermost_in_app(self, frames: list[Frame]) -> Frame | None:
+        for f in frames:
+            if self.in_app(f):
+                return f
+        return None
+
+    def state(self, t: ThreadStack) -> str:
+        """``crashed`` | ``blocked`` | ``idle`` | ``active`` (see the module docstring)."""
+        if t.fatal:
+            return "crashed"
+        if self.collective_index(t.frames) is not None:
+            return "blocked"
+        py = [f for f in t.frames if f.line is not None]
+        if py and any(r.match(py[0]) for r in self._idle):
+            return "idle"
+        if t.idle:
+            return "idle"
+        return "active"
+
+    def role(self, t: ThreadStack) -> str:
+        """``prefetch`` for storage/prefetch threads, ``main`` for the scheduler, else the name."""
+        if any(_PREFETCH_ROLE.search(f.func) for f in t.frames):
+            return "prefetch"
+        if t.name in ("MainThread", "", "(traceback)") or t.current:
+            return "main"
+        return re.sub(r"[-_ ]?\d+$", "", t.name) or t.name
+
+
+def _parse(rule: str) -> _Rule:
+    func, _, file = rule.partition("@")
+    return _Rule(re.compile(func) if func else None, re.compile(file) if file else None)
+
+
+_CLASSIFIERS: dict[int, tuple[FrameRules, FrameClassifier]] = {}
+
+
+def classifier_for(rules: FrameRules) -> FrameClassifier:
+    """One classifier per catalog (frame rules are immutable; keyed by identity)."""
+    hit = _CLASSIFIERS.get(id(rules))
+    if hit is None or hit[0] is not rules:
+        hit = _CLASSIFIERS[id(rules)] = (rules, FrameClassifier(rules))
+    return hit[1]

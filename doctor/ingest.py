@@ -1,0 +1,227 @@
+"""Reading inputs: files, directories, tar archives, gzip files and stdin.
+
+Every artifact goes through ``_read_one``, which sniffs it and hands it to its reader inside a
+guard: any error (malformed, truncated, binary, hostile, huge) becomes an
+:class:`~doctor.evidence.InputRecord` with a plain message and the next artifact is read — one
+bad file never stops the analysis (flutter-doctor style: a failing check is a result).
+
+Archives are streamed member by member and never extracted to disk; nested archives are read
+one level deep. Directories are walked without following symlinks.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import sys
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from doctor.builder import EvidenceBuilder
+from doctor.evidence import InputRecord, RankHint
+from doctor.frames import classifier_for
+from doctor.lines import LineHandler
+from doctor.logscan import LogScanner
+from doctor.parse_bundle import read_capture, read_manifest
+from doctor.parse_dumps import read_pyspy_json, read_runtime_fr, read_torch_fr
+from doctor.parse_trace import read_events, read_state
+from doctor.rankid import path_hint
+from doctor.safe_pickle import MAX_PICKLE_BYTES, load_plain
+from doctor.sniff import HEAD_BYTES, Kind, sniff
+from hicache_runtime.errors import DumpFormatError
+from signatures.models import Catalog
+
+MAX_JSON_BYTES = 64 << 20
+MAX_FILES = 100_000
+MAX_DEPTH = 16
+_SKIP_DIRS = {".git", "__pycache__", ".venv", "node_modules"}
+
+
+class _Prefixed(io.RawIOBase):
+    """A stream that yields ``head`` (already read for sniffing) and then the rest."""
+
+    def __init__(self, head: bytes, rest: BinaryIO) -> None:
+        self._head, self._rest = head, rest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: bytearray) -> int:  # type: ignore[override]
+        if self._head:
+            n = min(len(b), len(self._head))
+            b[:n] = self._head[:n]
+            self._head = self._head[n:]
+            return n
+        data = self._rest.read(len(b))
+        b[:len(data)] = data
+        return len(data)
+
+
+class Ingester:
+    """Reads every input into one :class:`EvidenceBuilder`."""
+
+    def __init__(self, catalog: Catalog, sink: EvidenceBuilder) -> None:
+        self.catalog = catalog
+        self.sink = sink
+        self.frames = classifier_for(catalog.frames)
+        self.bytes = 0
+
+    def add_path(self, arg: str) -> None:
+        """A command-line input: ``-`` (stdin), a file, or a directory."""
+        if arg == "-":
+            self._read_one("<stdin>", sys.stdin.buffer, depth=0)
+            return
+        path = Path(arg)
+        if path.is_dir():
+            for f in _walk(path, self.sink):
+                self._read_file(f, display=str(f))
+        elif path.is_file():
+            self._read_file(path, display=arg)
+        else:
+            self.sink.inputs.append(InputRecord(arg, "?", "error", "no such file or directory"))
+
+    def add_stream(self, name: str, stream: BinaryIO) -> None:
+        """An already open stream (tests, stdin)."""
+        self._read_one(name, stream, depth=0)
+
+    def _read_file(self, path: Path, display: str) -> None:
+        try:
+            with path.open("rb") as fh:
+                self._read_one(display, fh, depth=0)
+        except OSError as exc:
+            self.sink.inputs.append(InputRecord(display, "?", "error",
+                                                f"cannot open: {exc.strerror or exc}"))
+
+    def _read_one(self, name: str, stream: BinaryIO, depth: int) -> None:
+        try:
+            head = stream.read(HEAD_BYTES)
+        except (OSError, EOFError, tarfile.TarError, gzip.BadGzipFile) as exc:
+            self.sink.inputs.append(InputRecord(name, "?", "error", f"cannot read: {exc}"))
+            return
+        kind = sniff(name, head)
+        record = InputRecord(name, kind.value, "read", rank=path_hint(name).rank)
+        self.sink.inputs.append(record)
+        body = _rewound(stream, head)
+        try:
+            record.message = self._dispatch(kind, name, head, body, depth) or ""
+        except DumpFormatError as exc:
+            record.status, record.message = "error", str(exc)
+        except (OSError, EOFError, tarfile.TarError, gzip.BadGzipFile, UnicodeError,
+                ValueError, RecursionError, MemoryError) as exc:
+            record.status, record.message = "error", f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # a reader bug must not hide the other inputs' evidence
+            record.status = "error"
+            record.message = f"internal error reading this input ({type(exc).__name__}: {exc})"
+
+    def _dispatch(self, kind: Kind, name: str, head: bytes, body: BinaryIO,
+                  depth: int) -> str | None:
+        hint = path_hint(name)
+        if kind is Kind.TEXT:
+            scanner = LogScanner(LineHandler(self.catalog, self.sink, name, hint,
+                                             kind=_text_kind(name)))
+            scanner.scan(body)
+            self.bytes += scanner.bytes
+            return f"{scanner.lines} lines" + (
+                f", {scanner.long_lines} over-long line(s) cut" if scanner.long_lines else "")
+        if kind is Kind.BINARY:
+            raise DumpFormatError("binary file that is not a known dump; skipped")
+        if kind is Kind.DIAGNOSIS:
+            return "a doctor report (output, not evidence); skipped"
+        if kind in (Kind.TAR, Kind.GZIP):
+            return self._archive(kind, name, body, depth)
+        if kind is Kind.EVENTS:
+            return f"{read_events(body, name, hint, self.sink)} events kept"
+        return self._structured(kind, name, body, hint)
+
+    def _structured(self, kind: Kind, name: str, body: BinaryIO, hint: RankHint) -> str | None:
+        limit = MAX_PICKLE_BYTES if kind is Kind.TORCH_FR else MAX_JSON_BYTES
+        raw = body.read(limit + 1)
+        if len(raw) > limit:
+            raise DumpFormatError(f"larger than {limit >> 20} MiB; skipped")
+        if kind is Kind.MANIFEST:
+            read_manifest(raw, name, self.sink)
+            return None
+        if kind is Kind.CAPTURE:
+            cap = read_capture(raw, name, self.sink)
+            return f"{len(cap.targets)} process(es)"
+        if kind is Kind.TORCH_FR:
+            data = load_plain(raw) if raw[:1] == b"\x80" else _json(raw)
+            if hint.rank is None:
+                raise DumpFormatError("Flight Recorder dump whose file name names no rank "
+                                      "(expected e.g. nccl_trace_rank_3)")
+            return f"{read_torch_fr(data, name, hint, self.sink, self.frames)} entries"
+        data = _json(raw)
+        if kind is Kind.PYSPY_JSON:
+            return f"{read_pyspy_json(data, name, hint, self.sink)} threads"
+        if kind is Kind.RUNTIME_FR:
+            return f"{read_runtime_fr(data, name, hint, self.sink)} records"
+        read_state(data, name, hint, self.sink)
+        return None
+
+    def _archive(self, kind: Kind, name: str, body: BinaryIO, depth: int) -> str:
+        if depth >= 2:
+            raise DumpFormatError("archive nested too deeply; skipped")
+        if kind is Kind.GZIP:
+            inner = name[:-3] if name.endswith(".gz") else name + "!gunzip"
+            self._read_one(inner, gzip.GzipFile(fileobj=body), depth + 1)
+            return "gzip stream"
+        count = 0
+        with tarfile.open(fileobj=body, mode="r|*") as tar:
+            for member in tar:
+                if not member.isfile() or count >= MAX_FILES:
+                    continue
+                fh = tar.extractfile(member)
+                if fh is not None:
+                    count += 1
+                    self._read_one(f"{name}!{member.name}", fh, depth + 1)
+        return f"{count} member(s)"
+
+
+def _rewound(stream: BinaryIO, head: bytes) -> BinaryIO:
+    """The whole stream again: seek back when possible (no extra copy), else replay ``head``."""
+    try:
+        if stream.seekable():
+            stream.seek(0)
+            return stream
+    except (OSError, ValueError, AttributeError):  # tar members in stream mode cannot seek
+        pass
+    return io.BufferedReader(_Prefixed(head, stream), buffer_size=1 << 20)
+
+
+def _walk(root: Path, sink: EvidenceBuilder) -> Iterator[Path]:
+    count = 0
+    base_depth = len(root.parts)
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS
+                             and len(Path(dirpath).parts) - base_depth < MAX_DEPTH)
+        for f in sorted(filenames):
+            p = Path(dirpath) / f
+            if p.is_symlink() or not p.is_file():
+                continue
+            count += 1
+            if count > MAX_FILES:
+                sink.problem(f"{root}: more than {MAX_FILES} files; the rest were not read")
+                return
+            yield p
+
+
+def _json(raw: bytes) -> object:
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise DumpFormatError(f"invalid JSON ({exc})") from None
+
+
+def _text_kind(name: str) -> str:
+    lower = name.lower()
+    if "pyspy" in lower or "py-spy" in lower:
+        return "pyspy"
+    if "stacks" in lower or "faulthandler" in lower:
+        return "faulthandler"
+    if "traceback" in lower:
+        return "traceback"
+    return "log"

@@ -1,0 +1,191 @@
+"""The slow path of log scanning: everything that happens to one selected line.
+
+:class:`LineHandler` strips rank prefixes, keeps one set of block parsers (traceback,
+faulthandler, py-spy text, torchrun failures) per rank stream so interleaved ``[rank3]:`` lines
+never mix, runs the catalog's log patterns on the line (trigger substrings first, then the
+regex), reads the job's topology from server arguments, and files every record into the
+:class:`~doctor.builder.EvidenceBuilder` slot of the rank that wrote it.
+
+Unprefixed lines continue the record of the last prefixed line (SGLang prints a traceback as
+one multi-line log record).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from doctor.builder import EvidenceBuilder
+from doctor.evidence import (
+    ExceptionRecord,
+    ExitRecord,
+    HitStats,
+    LogHit,
+    RankHint,
+    SourceRef,
+    ThreadStack,
+)
+from doctor.parse_stacks import FaulthandlerParser, PySpyTextParser
+from doctor.parse_torchrun import TorchrunParser
+from doctor.parse_traceback import TracebackParser
+from doctor.rankid import strip_prefixes
+from signatures.models import Catalog
+
+#: Literal triggers of the block parsers and topology lines (besides the catalog's patterns).
+BLOCK_TRIGGERS = ["Traceback (most recent call last)", "(most recent call first)",
+                  "Fatal Python error", "ChildFailedError", "Root Cause (first observed",
+                  "Python v3.", "tp_size=", "pp_size=", "dp_size=", "world_size=",
+                  "WORLD_SIZE", "--tp-size", "--pp-size", "Failures:", "Timeout (0:"]
+_TOPO = re.compile(r"\b(?P<k>tp|pp|dp|world)_size=(?P<v>\d{1,6})\b|--(?P<k2>tp|pp|dp)-size[ =]"
+                   r"(?P<v2>\d{1,6})\b|\bWORLD_SIZE[=:]\s*(?P<v3>\d{1,6})\b")
+_UNITS = {"k": 1 / 1024, "m": 1.0, "g": 1024.0, "t": 1024.0 * 1024}
+MAX_LINE_CHARS = 8192
+MAX_BLOCK_LINES = 20000
+
+
+@dataclass
+class _Stream:
+    """The block parsers of one rank stream."""
+
+    tb: TracebackParser
+    fh: FaulthandlerParser
+    ps: PySpyTextParser
+    tr: TorchrunParser
+    opened_at: int = 0
+
+    @property
+    def open(self) -> bool:
+        return self.tb.open or self.fh.open or self.ps.open or self.tr.open
+
+    def close(self) -> None:
+        for p in (self.tb, self.fh, self.ps, self.tr):
+            p.close()
+
+
+@dataclass
+class _Compiled:
+    id: str
+    triggers: tuple[str, ...]
+    regex: re.Pattern[str]
+
+
+@dataclass
+class LineHandler:
+    """Processes selected lines of one input. ``default`` is what the file path says."""
+
+    catalog: Catalog
+    sink: EvidenceBuilder
+    name: str
+    default: RankHint = field(default_factory=RankHint)
+    kind: str = "log"
+    _streams: dict[RankHint, _Stream] = field(default_factory=dict)
+    _current: RankHint = field(default_factory=RankHint)
+    _style: str = ""
+    _by_rank: dict[int, RankHint] = field(default_factory=dict)
+    _patterns: list[_Compiled] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._patterns = [_Compiled(p.id, tuple(p.triggers), re.compile(p.regex))
+                          for p in self.catalog.patterns]
+
+    @property
+    def triggers(self) -> list[str]:
+        return [t for p in self._patterns for t in p.triggers] + BLOCK_TRIGGERS
+
+    @property
+    def blocks_open(self) -> bool:
+        return any(s.open for s in self._streams.values())
+
+    def line(self, raw: bytes, lineno: int, triggered: bool = True) -> None:
+        """Process one line (``raw`` without its newline). ``triggered``: the prefilter saw a
+        trigger in it; patterns only run then (a line without any trigger cannot match)."""
+        text = raw[:MAX_LINE_CHARS].decode("utf-8", errors="replace").rstrip("\r")
+        rest, hint, style = strip_prefixes(text)
+        if style == "torch" and hint.rank is not None:
+            # torchrun prefixes every line of a rank; the SGLang tags are only on the record's
+            # first line, so remember them per torch rank
+            if hint.tp is not None or hint.pp is not None:
+                self._by_rank[hint.rank] = hint
+            hint = hint.merged(self._by_rank.get(hint.rank, RankHint()))
+        if style:
+            self._current = hint
+        else:
+            hint = self._current if self._style == "sglang" else RankHint()
+        self._style = style or self._style
+        hint = hint.merged(self.default)
+        src = SourceRef(self.name, lineno)
+        stream = self._stream(hint, lineno)
+        self._blocks(stream, rest, src, lineno)
+        if triggered:
+            self._match_patterns(rest, hint, src)
+            if "_size" in rest or "--" in rest or "WORLD_SIZE" in rest:
+                self._topology(rest)
+
+    def finish(self) -> None:
+        for s in self._streams.values():
+            s.close()
+
+    def _stream(self, hint: RankHint, lineno: int) -> _Stream:
+        s = self._streams.get(hint)
+        if s is None:
+            slot = self.sink.slot(hint)
+            slot.kinds.add(self.kind)
+
+            def on_exc(e: ExceptionRecord) -> None:
+                slot.exceptions.append(e)
+                slot.kinds.add("traceback")
+
+            holder: list[PySpyTextParser] = []
+
+            def on_thread(t: ThreadStack) -> None:
+                if t.origin == "pyspy" and holder and holder[0].pid is not None:
+                    t.pid = holder[0].pid  # "Process 6481: ..." names the pid
+                elif t.origin == "pyspy" and t.name == "MainThread" and t.tid.isdigit():
+                    t.pid = int(t.tid)  # on Linux the main thread's id is the pid
+                slot.threads.append(t)
+                slot.kinds.add(t.origin)
+
+            def on_exit(rank: int, rec: ExitRecord) -> None:
+                self.sink.slot(RankHint(rank=rank)).exits.append(rec)
+                self.sink.expected_ranks.add(rank)
+
+            holder.append(PySpyTextParser(on_thread))
+            s = self._streams[hint] = _Stream(
+                TracebackParser(on_exc), FaulthandlerParser(on_thread),
+                holder[0], TorchrunParser(on_exit))
+        if s.open and lineno - s.opened_at > MAX_BLOCK_LINES:
+            s.close()  # a block that never ends is not a block
+        return s
+
+    def _blocks(self, s: _Stream, rest: str, src: SourceRef, lineno: int) -> None:
+        was_open = s.open
+        for parser in (s.tb, s.fh, s.ps, s.tr):
+            if parser.open and parser.feed(rest, src):
+                return
+        for parser in (s.tb, s.fh, s.tr, s.ps):
+            if parser.starts(rest) and parser.feed(rest, src):
+                if not was_open:
+                    s.opened_at = lineno
+                return
+
+    def _match_patterns(self, rest: str, hint: RankHint, src: SourceRef) -> None:
+        for p in self._patterns:
+            if not any(t in rest for t in p.triggers):
+                continue
+            m = p.regex.search(rest)
+            if m is None:
+                continue
+            groups = {k: v for k, v in m.groupdict().items() if v is not None}
+            slot = self.sink.slot(hint)
+            slot.hits.setdefault(p.id, HitStats()).add(
+                LogHit(p.id, groups, rest.strip()[:300], src))
+            if p.id == "memory-sample":
+                unit = groups.get("unit", "MB")[:1].lower()
+                slot.add_sample("rss_mb", float(groups["value"]) * _UNITS.get(unit, 1.0), src)
+
+    def _topology(self, rest: str) -> None:
+        for m in _TOPO.finditer(rest):
+            key = m["k"] or m["k2"] or "world"
+            value = m["v"] or m["v2"] or m["v3"]
+            self.sink.topology.set(key, int(value), self.name)
+

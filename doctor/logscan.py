@@ -1,0 +1,106 @@
+"""Streaming log scanner: large buffered reads, a vectorised prefilter, then the slow path.
+
+Memory is flat whatever the input size: the scanner holds one chunk (``CHUNK`` bytes) plus the
+unfinished last line, and everything it keeps is bounded per rank (see :mod:`doctor.evidence`).
+
+Which lines reach the slow path (:class:`~doctor.lines.LineHandler`):
+
+* the first ``HEAD_LINES`` lines of the input, and the first ``CHUNK_HEAD_LINES`` lines of every
+  chunk (the rank prefixes in use) — for their prefixes and blocks only;
+* every line holding a trigger (a catalog pattern's literal, or a block opener such as
+  ``Traceback (most recent call last)``), found by :class:`~doctor.prefilter.TriggerIndex`;
+* every line while a block (traceback, thread dump, torchrun summary) is open, so multi-line
+  records are read whole even when ranks interleave.
+
+Line numbers are exact (newlines are counted in C with ``bytes.count``).
+"""
+
+from __future__ import annotations
+
+from typing import BinaryIO
+
+from doctor.lines import LineHandler
+from doctor.prefilter import TriggerIndex
+
+CHUNK = 4 << 20
+HEAD_LINES = 500
+CHUNK_HEAD_LINES = 8
+MAX_LINE = 1 << 20
+"""A "line" longer than this is cut (binary junk, minified JSON) and reported once."""
+
+
+class LogScanner:
+    """Scans one input stream into a :class:`LineHandler`."""
+
+    def __init__(self, handler: LineHandler) -> None:
+        self.handler = handler
+        self.index = TriggerIndex([t.encode() for t in handler.triggers])
+        self.bytes = 0
+        self.lines = 0
+        self.long_lines = 0
+        self._planned = False
+        self._hits: set[int] = set()
+
+    def scan(self, stream: BinaryIO) -> None:
+        """Read ``stream`` to its end; never raises on content (I/O errors propagate)."""
+        carry = b""
+        skipping = False  # inside the rest of an over-long line
+        while True:
+            chunk = stream.read(CHUNK)
+            if not chunk:
+                break
+            self.bytes += len(chunk)
+            if skipping:
+                nl = chunk.find(b"\n")
+                if nl < 0:
+                    continue
+                chunk, skipping = chunk[nl + 1:], False
+            buf = carry + chunk if carry else chunk
+            if not self._planned:
+                self.index.plan(buf)
+                self._planned = True
+            cut = buf.rfind(b"\n") + 1
+            if cut == 0:
+                carry = buf
+                if len(buf) >= MAX_LINE:  # keep its head as one line, drop the rest of it
+                    self.long_lines += 1
+                    self._scan(buf[:MAX_LINE] + b"\n", MAX_LINE + 1)
+                    carry, skipping = b"", True
+                continue
+            self._scan(buf, cut)
+            carry = buf[cut:]
+        if carry:
+            self._scan(carry + b"\n", len(carry) + 1)
+        self.handler.finish()
+
+    def _scan(self, buf: bytes, end: int) -> None:
+        """Process the complete lines of ``buf[:end]`` (``end`` is just past a newline)."""
+        pos, lineno = 0, self.lines + 1
+        hits = self.index.lines(buf, end)
+        self._hits = set(hits)
+        head = max(HEAD_LINES - self.lines, CHUNK_HEAD_LINES)
+        pos, lineno = self._sequential(buf, end, pos, lineno, limit=head)
+        if self.handler.blocks_open:  # a record that started in the previous chunk
+            pos, lineno = self._sequential(buf, end, pos, lineno, limit=None)
+        for start in hits:
+            if start < pos:
+                continue
+            lineno += buf.count(b"\n", pos, start)
+            pos, lineno = self._sequential(buf, end, start, lineno, limit=1)
+            if self.handler.blocks_open:
+                pos, lineno = self._sequential(buf, end, pos, lineno, limit=None)
+        self.lines += buf.count(b"\n", 0, end)
+
+    def _sequential(self, buf: bytes, end: int, pos: int, lineno: int,
+                    limit: int | None) -> tuple[int, int]:
+        """Process lines one by one from ``pos``: ``limit`` lines, or (``None``) while a block
+        is open. Returns the new position and line number. Only lines the prefilter selected
+        are matched against the log patterns; the others feed prefixes and open blocks."""
+        handler, hits = self.handler, self._hits
+        done = 0
+        while pos < end and (done < limit if limit is not None else handler.blocks_open):
+            nl = buf.find(b"\n", pos, end)
+            nl = end - 1 if nl < 0 else nl
+            handler.line(buf[pos:nl], lineno, pos in hits)
+            pos, lineno, done = nl + 1, lineno + 1, done + 1
+        return pos, lineno

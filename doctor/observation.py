@@ -1,0 +1,59 @@
+"""Reducing resolved evidence to the :class:`signatures.matching.Observation` the catalog scores.
+
+Exceptions keep their in-app function names (innermost first); stacks are the failing stacks
+(exceptions, threads that died of a signal) and the stacks of threads blocked in collectives;
+log hits are counted over all ranks; facts and legacy switches come with their witnesses.
+"""
+
+from __future__ import annotations
+
+from doctor.builder import Evidence
+from doctor.evidence import ExceptionRecord, RankEvidence
+from doctor.factset import FactSet
+from doctor.frames import FrameClassifier
+from doctor.stacks import blocked_threads, is_comm_error, site_label
+from signatures.matching import Observation, ObservedException, ObservedStack, Witness
+
+
+def observe(ev: Evidence, frames: FrameClassifier, facts: FactSet) -> Observation:
+    obs = Observation(facts=dict(facts))
+    for r in ev.all_ranks():
+        _rank(r, frames, obs)
+    for switch, src in ev.legacy.items():
+        obs.legacy[switch] = Witness(f"the run had legacy switch {switch} on", src.file,
+                                     src.line)
+    return obs
+
+
+def _rank(r: RankEvidence, frames: FrameClassifier, obs: Observation) -> None:
+    for e in r.exceptions:
+        funcs = [f.func for f in frames.in_app_frames(e.frames)]
+        wit = _exc_witness(e, r.rank, frames)
+        secondary = is_comm_error(e)
+        obs.exceptions.append(ObservedException(e.type, e.message, funcs, wit, secondary))
+        if funcs and not secondary:
+            obs.stacks.append(ObservedStack("exception", funcs, wit))
+    for t in r.threads:
+        if t.fatal:
+            funcs = [f.func for f in t.frames if frames.in_app(f)]
+            obs.stacks.append(ObservedStack("exception", funcs, Witness(
+                f"rank {r.rank} thread {t.name or t.tid}: Fatal Python error: {t.fatal}",
+                t.source.file, t.source.line, r.rank)))
+    for t in blocked_threads(r, frames):
+        funcs = [f.func for f in frames.in_app_frames(t.frames)]
+        site = site_label(frames.call_site(t.frames))
+        obs.stacks.append(ObservedStack("blocked", funcs, Witness(
+            f"rank {r.rank} thread {t.name or t.tid} blocked in a collective from {site}",
+            t.source.file, t.source.line, r.rank)))
+    for pid, stats in r.hits.items():
+        count, wits = obs.log_hits.get(pid, (0, []))
+        wits = wits + [Witness(h.text, h.source.file, h.source.line, r.rank)
+                       for h in stats.kept][: max(0, 6 - len(wits))]
+        obs.log_hits[pid] = (count + stats.count, wits)
+
+
+def _exc_witness(e: ExceptionRecord, rank: int, frames: FrameClassifier) -> Witness:
+    where = site_label(frames.innermost_in_app(e.frames))
+    text = f"{e.short_type}: {e.message}" + (f" at {where}" if where else "")
+    who = f"rank {rank}: " if rank >= 0 else ""
+    return Witness(who + text, e.source.file, e.source.line, rank)

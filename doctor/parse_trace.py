@@ -1,0 +1,115 @@
+"""The runtime's own traces: ``events.jsonl`` (event ring or ``--trace`` file) and ``state.json``.
+
+From events the doctor keeps two things per rank:
+
+* **decisions** — events whose values must be identical on every rank (the batch a step runs,
+  the prefix a request was admitted with, an eviction, an agreed vote, a drain count, a prefetch
+  settlement), reduced to the attributes that must agree (``DECISIONS``);
+* **notable events** — aborts, prefetch lifecycle, skipped backups, fired faults, consensus and
+  integrity checks — which the fact analyzers read.
+
+Lines are filtered on their ``"kind"`` value before any JSON parsing, so huge traces stream at
+disk speed; malformed lines are counted, never fatal.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, BinaryIO
+
+from doctor.builder import EvidenceBuilder
+from doctor.evidence import Decision, RankHint, SourceRef
+from hicache_runtime.tracing import Ev
+
+#: kind -> (attribute naming the decision's subject or None, attributes that must agree)
+DECISIONS: dict[str, tuple[str | None, tuple[str, ...]]] = {
+    Ev.BATCH: (None, ("rids", "extend", "prefix")),
+    Ev.REQ_ADMIT: ("rid", ("prefix", "extend")),
+    Ev.MATCH: ("rid", ("device", "host")),
+    Ev.EVICT: (None, ("evicted",)),
+    Ev.EVICT_HOST: (None, ("evicted",)),
+    Ev.WRITE_DRAIN: (None, ("count",)),
+    Ev.LOAD_DRAIN: (None, ("count",)),
+    Ev.VOTE: ("site", ("agreed",)),
+    Ev.PREFETCH_HIT: ("rid", ("agreed",)),
+    Ev.PREFETCH_SETTLE: ("rid", ("tokens", "pages", "completed", "committed")),
+}
+NOTABLE = frozenset({
+    Ev.REQ_ABORT, Ev.PREFETCH_SUBMIT, Ev.PREFETCH_ACK, Ev.PREFETCH_SETTLE, Ev.PREFETCH_HIT,
+    Ev.PREFETCH_TERMINATE, Ev.PREFETCH_REVOKE, Ev.WRITE_SKIP, Ev.FAULT, Ev.CONSENSUS,
+    Ev.INTEGRITY, Ev.WATCHDOG, Ev.STORAGE, Ev.VOTE, Ev.WORKER_DIED,
+})
+_SAMPLE_ATTRS = {"rss_mb": "rss_mb", "rss": "rss_mb", "pending_sends": "pending_sends",
+                 "host_free": "host_free"}
+_WANTED = {k.encode() for k in (*DECISIONS, *NOTABLE)}
+_SAMPLE_BYTES = tuple(f'"{a}"'.encode() for a in _SAMPLE_ATTRS)
+_KIND = b'"kind":'
+MAX_TRACE_LINE = 1 << 20
+
+
+def read_events(stream: BinaryIO, name: str, hint: RankHint, sink: EvidenceBuilder) -> int:
+    """Stream one JSONL trace; returns the events kept. Each event names its own rank."""
+    kept = bad = 0
+    for lineno, raw in enumerate(stream, start=1):
+        if len(raw) > MAX_TRACE_LINE:
+            bad += 1
+            continue
+        i = raw.find(_KIND)
+        if i < 0:
+            bad += raw.strip() != b""
+            continue
+        q = raw.find(b'"', i + len(_KIND))
+        kind = raw[q + 1:raw.find(b'"', q + 1)] if q >= 0 else b""
+        if kind not in _WANTED and not any(a in raw for a in _SAMPLE_BYTES):
+            continue
+        try:
+            ev = json.loads(raw)
+        except ValueError:
+            bad += 1
+            continue
+        if isinstance(ev, dict) and _file_event(ev, SourceRef(name, lineno), hint, sink):
+            kept += 1
+    if bad:
+        sink.problem(f"{name}: skipped {bad} malformed trace line(s)")
+    return kept
+
+
+def _file_event(ev: dict[str, Any], src: SourceRef, hint: RankHint,
+                sink: EvidenceBuilder) -> bool:
+    kind, attrs = ev.get("kind"), ev.get("attrs")
+    if not isinstance(kind, str) or not isinstance(attrs, dict):
+        return False
+    own = RankHint(rank=_int(ev.get("rank")), tp=_int(ev.get("tp")), pp=_int(ev.get("pp")))
+    slot = sink.slot(own.merged(hint))
+    slot.kinds.add("trace")
+    step = _int(ev.get("step")) or 0
+    for attr, sample in _SAMPLE_ATTRS.items():
+        value = attrs.get(attr)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            slot.add_sample(sample, float(value), src)
+    if kind in NOTABLE:
+        slot.events.append((kind, attrs, src, step))
+    spec = DECISIONS.get(kind)
+    if spec is not None:
+        key_attr, fields = spec
+        key = str(attrs.get(key_attr, "")) if key_attr else ""
+        value = {f: attrs[f] for f in fields if f in attrs}
+        if value:
+            slot.add_decision(Decision(kind, key, json.dumps(value, sort_keys=True, default=str),
+                                       step, src))
+    return True
+
+
+def read_state(data: Any, name: str, hint: RankHint, sink: EvidenceBuilder) -> None:
+    """A ``state.json`` snapshot (``bundle.RankState``: rank, tp_rank, pp_rank, step, ...)."""
+    if not isinstance(data, dict):
+        return
+    own = RankHint(rank=_int(data.get("rank")), tp=_int(data.get("tp_rank")),
+                   pp=_int(data.get("pp_rank")))
+    slot = sink.slot(own.merged(hint))
+    slot.kinds.add("state")
+    slot.state, slot.state_source = data, SourceRef(name, None)
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

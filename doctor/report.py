@@ -1,0 +1,152 @@
+"""The diagnosis: the doctor's one output, a versioned pydantic model.
+
+``hicache doctor --json`` prints :class:`Diagnosis` with ``model_dump_json``; the rich report,
+the Markdown report and incident runbooks are all drawn from it and nothing else. The schema is
+stable within a major ``schema_version``: fields are only added. The top verdict is
+``verdicts[0]`` (``signature``, ``confidence``, ``evidence`` with input file and line).
+
+Exit codes (``Diagnosis.exit_code``): 0 a known signature was named; 1 the inputs were read but
+no known signature fits; 2 bad usage or no readable input.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+DIAGNOSIS_SCHEMA_VERSION = "1.0"
+DIAGNOSIS_KIND = "hicache-diagnosis"
+EXIT_DIAGNOSED, EXIT_NO_SIGNATURE, EXIT_UNREADABLE = 0, 1, 2
+
+
+class EvidenceItem(BaseModel):
+    """One cited piece of evidence: what, where (input file and line), which rank."""
+
+    text: str
+    file: str | None = None
+    line: int | None = None
+    rank: int | None = None
+    rule: str = Field("", description="the recogniser it supports")
+
+
+class Mitigation(BaseModel):
+    text: str
+    flags: list[str] = []
+    env: list[str] = []
+
+
+class Verdict(BaseModel):
+    """A named signature with its confidence and the evidence that supports it."""
+
+    signature: str
+    title: str
+    severity: str
+    confidence: float = Field(ge=0, le=1)
+    evidence: list[EvidenceItem]
+    root_cause: str
+    upstream_fix: list[str]
+    mitigations: list[Mitigation]
+    campaign_cell: str | None = None
+    runbook: str = Field(description="the command that prints this signature's runbook")
+
+
+class NearMiss(BaseModel):
+    signature: str
+    score: float
+    because: str
+
+
+class RankRow(BaseModel):
+    """One line of the per-rank table."""
+
+    rank: int
+    role: str
+    state: str
+    """crashed | blocked | idle | active | exited | missing | unknown"""
+    thread: str | None = None
+    frame: str | None = None
+    """Innermost in-app frame of the failing or blocked thread (``func (file:line)``)."""
+    site: str | None = None
+    """For a thread inside a collective: the in-app call site that entered it."""
+    error: str | None = None
+    last_seq: dict[str, str] = {}
+    sources: list[str] = []
+
+
+class BlockedSite(BaseModel):
+    """Ranks whose thread of one role is blocked at the same collective call site."""
+
+    role: str
+    site: str
+    op: str
+    ranks: list[int]
+    evidence: list[EvidenceItem] = []
+
+
+class CollectiveFinding(BaseModel):
+    """A cross-rank disagreement of the flight recorders (or watchdog sequence numbers)."""
+
+    group: str
+    seq: int
+    kind: str
+    """missing-ranks | op-mismatch | site-mismatch | size-mismatch | seq-behind"""
+    detail: str
+    ranks: list[int]
+    evidence: list[EvidenceItem] = []
+
+
+class Divergence(BaseModel):
+    """The first decision on which ranks that must agree did not."""
+
+    kind: str
+    key: str
+    index: int
+    steps: dict[int, int]
+    values: dict[int, str]
+    ranks: list[int]
+    evidence: list[EvidenceItem] = []
+
+    @property
+    def label(self) -> str:
+        """``kind key`` (``sched.batch`` has no key)."""
+        return f"{self.kind} {self.key}" if self.key else self.kind
+
+
+class MissingItem(BaseModel):
+    rank: int | None
+    what: str
+    command: str
+
+
+class InputSummary(BaseModel):
+    path: str
+    kind: str
+    status: str
+    message: str = ""
+    rank: int | None = None
+
+
+class Diagnosis(BaseModel):
+    """Everything ``hicache doctor`` concluded, in one stable, versioned record."""
+
+    schema_version: str = DIAGNOSIS_SCHEMA_VERSION
+    kind: str = DIAGNOSIS_KIND
+    catalog_version: str
+    status: str
+    """diagnosed | no-known-signature | unreadable"""
+    exit_code: int
+    summary: str
+    verdicts: list[Verdict] = []
+    near_misses: list[NearMiss] = []
+    observations: list[str] = []
+    ranks: list[RankRow] = []
+    blocked_sites: list[BlockedSite] = []
+    collectives: list[CollectiveFinding] = []
+    first_divergence: Divergence | None = None
+    missing: list[MissingItem] = []
+    missing_ranks: list[int] = []
+    topology: dict[str, Any] = {}
+    inputs: list[InputSummary] = []
+    problems: list[str] = []
+    rule_log: list[str] = []

@@ -1,0 +1,165 @@
+"""Runbooks in Markdown (and a minimal HTML rendering of it).
+
+* ``signature_runbook(sig)``: the playbook of one catalog signature — overview, severity, how
+  to confirm, diagnosis path from the error back to the cause, mitigation commands, upstream
+  fix, the campaign cell that reproduces it and its fixed twin that verifies the fix,
+  escalation;
+* ``incident_runbook(diagnosis)``: the same for one incident, filled with that incident's
+  verdict, evidence (file:line), rank table, missing evidence and collect commands.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+
+from doctor.markdown import cite, md_escape
+from doctor.report import Diagnosis
+from signatures.models import Catalog, Signature
+
+
+def signature_runbook(sig: Signature) -> str:
+    return "\n".join(_sections(sig)).rstrip() + "\n"
+
+
+def catalog_index(catalog: Catalog) -> str:
+    out = [f"# HiCache crash signature runbooks (catalog {catalog.version})", "",
+           "| signature | severity | kind | title |", "|---|---|---|---|"]
+    out += [f"| [{s.id}]({s.id}.md) | {s.severity.value} | {s.kind.value} | {md_escape(s.title)} |"
+            for s in catalog.signatures]
+    return "\n".join(out) + "\n"
+
+
+def _sections(sig: Signature, level: int = 1) -> list[str]:
+    h = "#" * level
+    rec = sig.recognisers
+    out = [f"{h} {sig.id}: {sig.title}", "", f"{h}# Overview", "", _para(sig.meaning), "",
+           f"{h}# Severity", "", f"**{sig.severity.value}** ({sig.kind.value}): "
+           + _severity_note(sig.severity.value), "", f"{h}# How to confirm", ""]
+    out += [f"{i}. {c}" for i, c in enumerate(sig.runbook.confirm, 1)]
+    out += ["", "Run the doctor on everything you have (logs, py-spy dumps, Flight Recorder "
+            "dumps, crash bundles) and check that it names this signature:", "", "```bash",
+            "hicache doctor logs/ dumps/ --markdown > diagnosis.md", "```", ""]
+    if rec.stack_shape:
+        out += [f"Stack shape: {_para(rec.stack_shape)}", ""]
+    if rec.trace_evidence:
+        out += [f"Trace evidence: {_para(rec.trace_evidence)}", ""]
+    out += [f"{h}# Diagnosis path", ""]
+    out += [f"{i}. {c}" for i, c in enumerate(sig.runbook.diagnosis_path, 1)]
+    out += ["", f"Root cause: {_para(sig.root_cause)}", "", f"{h}# Mitigation", ""]
+    for m in sig.mitigations:
+        out.append(f"- {m.text}")
+        cmds = [*m.flags, *(f"export {e}" if "=" in e else e for e in m.env)]
+        if cmds:
+            out += ["", "  ```bash", *(f"  {c}" for c in cmds), "  ```"]
+    out += ["", f"{h}# Upstream fix", ""] + [f"- {f.ref}: {f.summary}" for f in sig.upstream_fix]
+    out += ["", f"{h}# Verify with a campaign cell", "", *_campaign(sig)]
+    out += ["", f"{h}# Escalation", "", _para(sig.runbook.escalation), ""]
+    if sig.related:
+        out += [f"Related: {', '.join(f'[{r}]({r}.md)' for r in sig.related)}", ""]
+    return out
+
+
+def _campaign(sig: Signature) -> list[str]:
+    if sig.campaign is None:
+        return ["No campaign cell reproduces this signature yet; reproduce it from the incident's "
+                "evidence and add one."]
+    topo, _legacy, fault = sig.campaign.parts
+    fixed = f"{topo}/fixed/{fault}"
+    out = [f"Campaign cell `{sig.campaign.cell}` reproduces it (expects "
+           f"`{sig.campaign.expect}`); its twin `{fixed}` verifies the fix (expects `healthy`).",
+           "", "```bash", f"# reproduce: {sig.campaign.cell}", sig.campaign.run_command(),
+           f"# verify the fix: {fixed}", sig.campaign.run_command(fixed=True), "```"]
+    if sig.campaign.note:
+        out += ["", sig.campaign.note]
+    return out
+
+
+def _severity_note(severity: str) -> str:
+    return {"critical": "the server dies or hangs; page the on-call now.",
+            "high": "wrong output or a failure within hours; fix today.",
+            "medium": "degraded service; schedule the fix.",
+            "low": "informational."}.get(severity, "")
+
+
+def _para(text: str) -> str:
+    return " ".join(text.split())
+
+
+def incident_runbook(d: Diagnosis, catalog: Catalog) -> str:
+    """The runbook of one incident from a stored diagnosis (``hicache doctor --json``)."""
+    out = [f"# Incident runbook: {d.summary}", "", f"Diagnosis status **{d.status}**, catalog "
+           f"{d.catalog_version}.", ""]
+    out += _incident_evidence(d)
+    if not d.verdicts:
+        out += ["## No known signature", "", "The doctor named no signature. What it sees:", ""]
+        out += [f"- {o}" for o in d.observations] or ["- nothing specific"]
+        out += [""] + [f"- similar to `{n.signature}` ({n.score:.2f}): {n.because}"
+                       for n in d.near_misses]
+        return "\n".join(out).rstrip() + "\n"
+    try:
+        sig = catalog.get(d.verdicts[0].signature)
+    except KeyError:
+        return "\n".join([*out, f"Signature {d.verdicts[0].signature} is not in catalog "
+                                 f"{catalog.version}."]) + "\n"
+    out += ["## Playbook", "", *_sections(sig, level=2)[2:]]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _incident_evidence(d: Diagnosis) -> list[str]:
+    out: list[str] = []
+    if d.verdicts:
+        v = d.verdicts[0]
+        out += [f"## Verdict: {v.signature} (confidence {v.confidence:.2f})", "", v.title, "",
+                "### Evidence in this incident", ""]
+        out += [f"- `{cite(e)}`: {e.text}" if cite(e) else f"- {e.text}" for e in v.evidence]
+        out.append("")
+    if d.ranks:
+        out += ["### Ranks", ""] + [f"- rank {r.rank} ({r.role}): {r.state}"
+                                    + (f" at {r.frame}" if r.frame else "")
+                                    + (f", {r.error}" if r.error else "") for r in d.ranks] + [""]
+    if d.first_divergence is not None:
+        fd = d.first_divergence
+        out += [f"First divergent decision: `{fd.label}` #{fd.index}: "
+                + ", ".join(f"rank {r}: {v}" for r, v in sorted(fd.values.items())), ""]
+    if d.missing:
+        out += ["### Collect what is missing", ""] + [f"- {m.what}: `{m.command}`"
+                                                      for m in d.missing] + [""]
+    return out
+
+
+_ITEM = re.compile(r"^\s*(-|\d+\.) ")
+
+
+def to_html(markdown: str, title: str) -> str:
+    """A small, dependency-free Markdown-to-HTML rendering (headings, lists, code, tables as
+    preformatted text, links, bold and code spans)."""
+    body: list[str] = []
+    in_code = False
+    for line in markdown.splitlines():
+        if line.strip().startswith("```"):
+            body.append("</pre>" if in_code else "<pre>")
+            in_code = not in_code
+            continue
+        if in_code:
+            body.append(html.escape(line))
+            continue
+        m = re.match(r"^(#{1,6}) (.*)$", line)
+        if m:
+            n = len(m[1])
+            body.append(f"<h{n}>{_inline(m[2])}</h{n}>")
+        elif _ITEM.match(line):
+            body.append(f"<li>{_inline(_ITEM.sub('', line))}</li>")
+        elif line.startswith("|"):
+            body.append(f"<pre>{html.escape(line)}</pre>")
+        elif line.strip():
+            body.append(f"<p>{_inline(line)}</p>")
+    return ("<!doctype html><html><head><meta charset='utf-8'><title>"
+            f"{html.escape(title)}</title></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+
+
+def _inline(text: str) -> str:
+    text = html.escape(text)
+    text = re.sub(r"`([^`]+)`", r"<code>\1</code>", text)
+    text = re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", text)
+    return re.sub(r"\[([^\]]+)\]\(([^)]+)\)", r"<a href='\2'>\1</a>", text)

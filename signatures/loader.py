@@ -1,0 +1,89 @@
+"""Loading and validating the catalog shipped in ``signatures/catalog/``.
+
+``load_catalog()`` reads ``catalog.yaml`` (version, order, frame rules), ``patterns.yaml`` and one
+``<id>.yaml`` per signature, validates them against :mod:`signatures.models`, and checks the
+cross-references (log pattern ids, legacy switch names, the order list). It is cached: the
+catalog is immutable data.
+
+Raises :class:`hicache_runtime.errors.ConfigError` naming the file and field when the catalog is
+broken (a packaging or editing mistake, never user input).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from hicache_runtime.errors import ConfigError
+from hicache_runtime.legacy import LegacySwitch
+from signatures.models import Catalog, Signature
+
+_INDEX = "catalog.yaml"
+_PATTERNS = "patterns.yaml"
+
+
+@functools.lru_cache(maxsize=4)
+def load_catalog(directory: Path | None = None) -> Catalog:
+    """The validated catalog from ``directory`` (default: the packaged one)."""
+    root = directory or Path(__file__).resolve().parent / "catalog"
+    index = _read(root / _INDEX)
+    patterns = _read(root / _PATTERNS).get("patterns", [])
+    order = index.get("order") or []
+    sigs = [_read(root / f"{sig_id}.yaml") for sig_id in order]
+    extra = sorted({p.stem for p in root.glob("*.yaml")} - set(order) - {"catalog", "patterns"})
+    if extra:
+        raise ConfigError("catalog.order", f"signature files not listed in order: {extra}")
+    try:
+        catalog = Catalog(version=str(index.get("version", "")), frames=index.get("frames", {}),
+                          patterns=patterns, signatures=sigs)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise ConfigError(f"catalog.{where}", err["msg"]) from None
+    _check_references(catalog)
+    return catalog
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"catalog:{path.name}", f"cannot read: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"catalog:{path.name}", "must hold a mapping")
+    return data
+
+
+def _check_references(catalog: Catalog) -> None:
+    pattern_ids = [p.id for p in catalog.patterns]
+    if len(set(pattern_ids)) != len(pattern_ids):
+        raise ConfigError("catalog.patterns", "duplicate pattern id")
+    known_switches = {s.value for s in LegacySwitch}
+    ids = [s.id for s in catalog.signatures]
+    if len(set(ids)) != len(ids):
+        raise ConfigError("catalog.signatures", "duplicate signature id")
+    for sig in catalog.signatures:
+        _check_signature(sig, set(pattern_ids), known_switches, set(ids))
+
+
+def _check_signature(sig: Signature, patterns: set[str], switches: set[str],
+                     ids: set[str]) -> None:
+    for log in sig.recognisers.logs:
+        if log.pattern not in patterns:
+            raise ConfigError(f"{sig.id}.recognisers.logs", f"unknown pattern {log.pattern!r}")
+    for leg in sig.recognisers.legacy:
+        if leg.switch not in switches:
+            raise ConfigError(f"{sig.id}.recognisers.legacy", f"unknown switch {leg.switch!r}")
+    for rel in sig.related:
+        if rel not in ids:
+            raise ConfigError(f"{sig.id}.related", f"unknown signature {rel!r}")
+    if sig.campaign is not None:
+        _, legacy, _ = sig.campaign.parts
+        if legacy not in switches | {"fixed"}:
+            raise ConfigError(f"{sig.id}.campaign", f"unknown legacy switch {legacy!r}")
+        if sig.campaign.expect not in ids | {"healthy"}:
+            raise ConfigError(f"{sig.id}.campaign.expect", f"unknown {sig.campaign.expect!r}")

@@ -1,0 +1,250 @@
+"""Pydantic models of the signature catalog (the YAML files under ``signatures/catalog/``).
+
+A catalog has a version; each signature has a stable id, its meaning, its recognisers (what the
+doctor must see), its root cause, fix, mitigations, the campaign cell that reproduces it and its
+runbook text. Log patterns and frame rules are shared by all signatures and live beside them.
+
+Recogniser weights add up to a score in [0, 1]. Which recognisers are *structural* (frames,
+facts, a bundle's legacy switch, a log pattern marked ``specific``) matters: a signature is never
+named on a message alone.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from signatures.facts import Fact
+
+CELL_RE = re.compile(r"^(?P<topology>tp\d+(?:pp\d+)?|pp\d+)/(?P<legacy>[a-z-]+)/"
+                     r"(?P<fault>[a-z-]+(?::\S+)?)$")
+
+
+class Severity(str, Enum):
+    """How bad the failure is for a serving deployment."""
+
+    CRITICAL = "critical"
+    """The server dies or hangs; every request fails until it is restarted."""
+    HIGH = "high"
+    """Silent wrong output, or a failure that will kill the server within hours."""
+    MEDIUM = "medium"
+    """Degraded service (cache disabled, lower hit rate, slow) without data loss."""
+    LOW = "low"
+    """A symptom worth knowing about; no user impact on its own."""
+
+
+class FailureKind(str, Enum):
+    """The production shape the signature shows."""
+
+    CRASH = "crash"
+    HANG = "hang"
+    WRONG_OUTPUT = "wrong-output"
+    LEAK = "leak"
+    DEGRADATION = "degradation"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _check_regex(value: str) -> str:
+    try:
+        re.compile(value)
+    except re.error as exc:
+        raise ValueError(f"bad regex {value!r}: {exc}") from None
+    return value
+
+
+class ExceptionRecogniser(_Strict):
+    """An exception type (regex on the class name, dotted or short) and a message template."""
+
+    type: str = Field(description="regex, full match on the short or dotted class name")
+    message: str = Field(".*", description="regex searched in the exception message")
+    weight: float = Field(ge=0, le=1)
+
+    @field_validator("type", "message")
+    @classmethod
+    def _regex(cls, v: str) -> str:
+        return _check_regex(v)
+
+
+class FrameRecogniser(_Strict):
+    """In-app functions that must be on the failing (``exception``) or blocked (``blocked``)
+    stack. Each entry is a regex searched in the frame's function name (py-spy qualifies it
+    with the class: ``HiCache._writing_check``)."""
+
+    any: list[str] = Field(min_length=1)
+    where: str = Field("any", pattern="^(exception|blocked|any)$")
+    weight: float = Field(ge=0, le=1)
+
+    @field_validator("any")
+    @classmethod
+    def _regexes(cls, v: list[str]) -> list[str]:
+        return [_check_regex(x) for x in v]
+
+
+class LogRecogniser(_Strict):
+    """A shared log pattern (by id, see ``patterns.yaml``) seen in the inputs."""
+
+    pattern: str
+    weight: float = Field(ge=-1, le=1)
+    min_count: int = Field(1, ge=1, description="how many hits are needed")
+
+
+class FactRecogniser(_Strict):
+    """A structural fact the doctor derived. Negative weights mark facts that point elsewhere."""
+
+    fact: Fact
+    weight: float = Field(ge=-1, le=1)
+
+
+class LegacyRecogniser(_Strict):
+    """A crash bundle written by a run with this legacy switch on."""
+
+    switch: str
+    weight: float = Field(ge=0, le=1)
+
+
+class Recognisers(_Strict):
+    exceptions: list[ExceptionRecogniser] = []
+    frames: FrameRecogniser | None = None
+    logs: list[LogRecogniser] = []
+    facts: list[FactRecogniser] = []
+    legacy: list[LegacyRecogniser] = []
+    stack_shape: str = Field("", description="the cross-rank stack shape, in words")
+    trace_evidence: str = Field("", description="what the event trace shows, in words")
+
+
+class Fix(_Strict):
+    ref: str = Field(description="upstream PR or issue, e.g. sgl-project/sglang#26923")
+    summary: str
+
+
+class Mitigation(_Strict):
+    text: str
+    flags: list[str] = []
+    env: list[str] = []
+
+
+class CampaignCell(_Strict):
+    """``<topology>/<legacy-switch|fixed>/<fault-spec|none>`` plus config overrides."""
+
+    cell: str
+    expect: str = Field(description="the signature id the cell shows, or 'healthy'")
+    config: dict[str, str | int | float | bool] = {}
+    note: str = ""
+
+    @field_validator("cell")
+    @classmethod
+    def _shape(cls, v: str) -> str:
+        if not CELL_RE.match(v):
+            raise ValueError(f"campaign cell {v!r} is not <topology>/<legacy>/<fault>")
+        return v
+
+    @property
+    def parts(self) -> tuple[str, str, str]:
+        m = CELL_RE.match(self.cell)
+        assert m is not None  # validated at construction
+        return m.group("topology"), m.group("legacy"), m.group("fault")
+
+    def run_command(self, fixed: bool = False) -> str:
+        """The ``hicache run`` line that runs this cell (``fixed``: without its legacy switch)."""
+        topo, legacy, fault = self.parts
+        args = ["hicache run"]
+        args += [f"--{k} {n}" for k, n in re.findall(r"(tp|pp)(\d+)", topo) if n != "1"]
+        if legacy != "fixed" and not fixed:
+            args.append(f"--legacy {legacy}")
+        if fault != "none":
+            args.append(f"--fault '{fault}'")
+        line = " ".join(args)
+        if self.config:
+            line += "  # config: " + ", ".join(f"{k}={v}" for k, v in self.config.items())
+        return line
+
+
+class RunbookText(_Strict):
+    confirm: list[str] = Field(min_length=1, description="how to confirm it is this signature")
+    diagnosis_path: list[str] = Field(min_length=1, description="from the error back to the cause")
+    escalation: str
+
+
+class Signature(_Strict):
+    """One known failure. ``id`` is stable forever; everything else may be improved."""
+
+    id: str = Field(pattern=r"^[a-z][a-z0-9-]+$")
+    title: str
+    severity: Severity
+    kind: FailureKind
+    meaning: str
+    recognisers: Recognisers
+    threshold: float = Field(0.6, gt=0, le=1, description="score at which it is named")
+    root_cause: str
+    upstream_fix: list[Fix] = Field(min_length=1)
+    mitigations: list[Mitigation] = Field(min_length=1)
+    campaign: CampaignCell | None = None
+    runbook: RunbookText
+    related: list[str] = []
+
+
+class LogPattern(_Strict):
+    """A named log pattern. ``triggers`` are literal substrings, one of which must occur in the
+    line before ``regex`` runs (the scanner's cheap prefilter). ``specific`` patterns are
+    texts only HiCache/SGLang emits, so a hit counts as structure; generic ones (``pop from empty
+    list``, ``Connection closed by peer``) never name a signature on their own."""
+
+    id: str
+    triggers: list[str] = Field(min_length=1)
+    regex: str
+    specific: bool = False
+    meaning: str
+    examples: list[str] = Field(min_length=1, description="real-shaped lines it must match")
+
+    @field_validator("regex")
+    @classmethod
+    def _regex(cls, v: str) -> str:
+        return _check_regex(v)
+
+
+class FrameRules(_Strict):
+    """Which frames are in-app (Sentry-style ``+app``/``-app`` path rules, first match wins),
+    which functions are collective primitives, and which only wrap one."""
+
+    in_app: list[str] = Field(min_length=1, description="'+app REGEX' or '-app REGEX'")
+    collective: list[str] = Field(min_length=1)
+    comm_wrappers: list[str] = []
+    idle_waits: list[str] = []
+
+    @field_validator("in_app")
+    @classmethod
+    def _rules(cls, v: list[str]) -> list[str]:
+        for rule in v:
+            action, _, rx = rule.partition(" ")
+            if action not in ("+app", "-app"):
+                raise ValueError(f"frame rule {rule!r} must start with +app or -app")
+            _check_regex(rx)
+        return v
+
+
+class Catalog(_Strict):
+    """The whole catalog: version, shared patterns and rules, and every signature."""
+
+    version: str = Field(pattern=r"^\d+\.\d+\.\d+$")
+    frames: FrameRules
+    patterns: list[LogPattern]
+    signatures: list[Signature]
+
+    def get(self, sig_id: str) -> Signature:
+        """The signature ``sig_id``; ``KeyError`` naming the known ids otherwise."""
+        for sig in self.signatures:
+            if sig.id == sig_id:
+                return sig
+        raise KeyError(f"unknown signature {sig_id!r}; known: "
+                       + ", ".join(s.id for s in self.signatures))
+
+    def pattern(self, pattern_id: str) -> LogPattern:
+        for pat in self.patterns:
+            if pat.id == pattern_id:
+                return pat
+        raise KeyError(f"unknown log pattern {pattern_id!r}")

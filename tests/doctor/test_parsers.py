@@ -1,0 +1,221 @@
+"""Parsers of text artifacts: tracebacks (chains, groups, carets), faulthandler (real dumps),
+py-spy text/JSON (real dumps, --native, --locals), torchrun failure summaries, prefixes."""
+
+from __future__ import annotations
+
+import faulthandler
+import io
+import json
+import threading
+import traceback
+from pathlib import Path
+
+from doctor.builder import EvidenceBuilder
+from doctor.evidence import ExceptionRecord, RankHint, SourceRef, ThreadStack
+from doctor.lines import LineHandler
+from doctor.logscan import LogScanner
+from doctor.parse_dumps import read_pyspy_json
+from doctor.parse_stacks import FaulthandlerParser, PySpyTextParser
+from doctor.parse_traceback import TracebackParser
+from doctor.rankid import path_hint, strip_prefixes
+from signatures.loader import load_catalog
+from tests.doctor.conftest import FIXTURES
+
+
+def _tb(text: str) -> list[ExceptionRecord]:
+    out: list[ExceptionRecord] = []
+    p = TracebackParser(out.append)
+    for i, line in enumerate(text.splitlines(), 1):
+        if p.open or p.starts(line):
+            p.feed(line, SourceRef("t", i))
+    return out
+
+
+def _scan(name: str, text: str) -> EvidenceBuilder:
+    sink = EvidenceBuilder()
+    LogScanner(LineHandler(load_catalog(), sink, name)).scan(io.BytesIO(text.encode()))
+    return sink
+
+
+def _raise_chain() -> str:
+    def inner() -> None:
+        [].pop()
+
+    try:
+        try:
+            inner()
+        except IndexError as exc:
+            raise RuntimeError("drain failed") from exc
+    except RuntimeError:
+        return traceback.format_exc()
+    raise AssertionError("unreachable")
+
+
+def test_chained_traceback_keeps_both_exceptions_innermost_first() -> None:
+    excs = _tb(_raise_chain())
+    assert [e.type for e in excs] == ["IndexError", "RuntimeError"]
+    assert excs[0].message == "pop from empty list"
+    assert excs[0].frames[0].func == "inner"
+    assert excs[1].chain == "cause"
+
+
+def test_context_chain_and_caret_lines() -> None:
+    text = ("Traceback (most recent call last):\n  File \"a.py\", line 3, in f\n    x[1]\n"
+            "    ~^^^\nKeyError: 1\n\nDuring handling of the above exception, another exception "
+            "occurred:\n\nTraceback (most recent call last):\n  File \"a.py\", line 5, in f\n"
+            "    raise ValueError('v')\nValueError: v\n")
+    excs = _tb(text)
+    assert [(e.type, e.chain) for e in excs] == [("KeyError", ""), ("ValueError", "context")]
+
+
+EXCEPTION_GROUP = """\
+  + Exception Group Traceback (most recent call last):
+  |   File "/srv/sglang/srt/managers/cache_controller.py", line 19, in <module>
+  |     raise ExceptionGroup("storage", [ValueError(1), TypeError("two")])
+  | ExceptionGroup: storage (2 sub-exceptions)
+  +-+---------------- 1 ----------------
+    | ValueError: 1
+    +---------------- 2 ----------------
+    | Traceback (most recent call last):
+    |   File "/srv/sglang/srt/mem_cache/hiradix_cache.py", line 7, in writing_check
+    |     raise TypeError("two")
+    | TypeError: two
+    +------------------------------------
+"""
+
+
+def test_exception_group_members_are_records() -> None:
+    types = {e.type: e for e in _tb(EXCEPTION_GROUP)}
+    assert {"ExceptionGroup", "ValueError", "TypeError"} <= set(types)
+    assert types["TypeError"].chain == "group"
+    assert types["TypeError"].frames[0].func == "writing_check"
+
+
+def test_truncated_traceback_emits_nothing_and_does_not_raise() -> None:
+    assert _tb("Traceback (most recent call last):\n  File \"a.py\", line 3, in f\n") == []
+
+
+def test_sglang_prefix_and_continuation_lines_belong_to_the_rank() -> None:
+    text = ("[2026-01-15 05:44:28 TP1 PP1] Scheduler hit an exception: Traceback (most recent "
+            "call last):\n  File \"/x/sglang/srt/mem_cache/hiradix_cache.py\", line 9, in "
+            "writing_check\n    q.pop(0)\nIndexError: pop from empty list\n"
+            "[2026-01-15 05:44:29] SIGQUIT received. signum=None, frame=None. It usually means "
+            "one child failed.\n")
+    ev = _scan("s.log", text).finish()
+    (rank,) = list(ev.ranks.values())
+    assert (rank.tp, rank.pp) == (1, 1)
+    (exc,) = list(rank.exceptions)
+    assert exc.source == SourceRef("s.log", 4)
+    assert exc.frames[0].func == "writing_check"
+    assert ev.unranked.hits["sigquit"].count == 1
+
+
+def test_torchrun_interleaving_keeps_ranks_apart() -> None:
+    text = "\n".join([
+        "[rank1]:Traceback (most recent call last):",
+        "[rank0]:Traceback (most recent call last):",
+        '[rank1]:  File "/w/sglang/srt/mem_cache/hiradix_cache.py", line 2, in writing_check',
+        '[rank0]:  File "/w/x.py", line 3, in f',
+        "[rank1]:    q.pop(0)",
+        "[rank0]:RuntimeError: [pair.cc:534] Connection closed by peer [10.0.0.2]:4",
+        "[rank1]:IndexError: pop from empty list", ""])
+    ev = _scan("torchrun.out", text).finish()
+    assert [e.type for e in ev.ranks[1].exceptions] == ["IndexError"]
+    assert [e.type for e in ev.ranks[0].exceptions] == ["RuntimeError"]
+    assert ev.ranks[0].hits["gloo-connection-closed"].count == 1
+
+
+def test_torchrun_failure_block_names_root_cause_and_signal() -> None:
+    text = (FIXTURES / "prefetch-abort-use-after-free/torchrun-segfault/torchrun.log").read_text()
+    ev = _scan("torchrun.log", text).finish()
+    (x,) = [x for x in ev.ranks[1].exits if x.root_cause]
+    assert (x.exit_code, x.signal, x.pid) == (-11, "SIGSEGV", 6175)
+
+
+def test_real_faulthandler_dump_all_threads() -> None:
+    buf = io.StringIO()
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait, name="waiter", daemon=True)
+    worker.start()
+    path = Path(__import__("tempfile").mkdtemp()) / "stacks.txt"
+    with path.open("w") as fh:
+        faulthandler.dump_traceback(file=fh, all_threads=True)
+    stop.set()
+    threads: list[ThreadStack] = []
+    p = FaulthandlerParser(threads.append)
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if p.open or p.starts(line):
+            p.feed(line, SourceRef("stacks.txt", i))
+    p.close()
+    assert buf.getvalue() == ""
+    current = [t for t in threads if t.current]
+    assert len(current) == 1
+    assert current[0].frames[0].func == "test_real_faulthandler_dump_all_threads"
+    assert any(f.func == "wait" for t in threads if not t.current for f in t.frames)
+
+
+def test_fatal_faulthandler_marks_the_crashed_thread() -> None:
+    text = ("Fatal Python error: Segmentation fault\n\nCurrent thread 0x00007fc593084b80 (most "
+            "recent call first):\n  File \"/x/ctypes/__init__.py\", line 519 in string_at\n"
+            "  File \"<string>\", line 1 in <module>\n\nExtension modules: numpy (total: 2)\n")
+    threads: list[ThreadStack] = []
+    p = FaulthandlerParser(threads.append)
+    for i, line in enumerate(text.splitlines(), 1):
+        if p.open or p.starts(line):
+            p.feed(line, SourceRef("f", i))
+    p.close()
+    assert [(t.current, t.fatal, t.frames[0].func) for t in threads] == [
+        (True, "Segmentation fault", "string_at")]
+
+
+def _pyspy_text(text: str) -> list[ThreadStack]:
+    threads: list[ThreadStack] = []
+    p = PySpyTextParser(threads.append)
+    for i, line in enumerate(text.splitlines(), 1):
+        if p.open or p.starts(line):
+            p.feed(line, SourceRef("p", i))
+    p.close()
+    return threads
+
+
+def test_real_pyspy_text_dump() -> None:
+    text = (FIXTURES / "collective-order-deadlock/gloo-tp4-real/rank1.pyspy.txt").read_text()
+    (main,) = _pyspy_text(text)
+    assert main.name == "MainThread"
+    assert main.idle is True
+    assert main.frames[0].func == "broadcast"
+    assert main.frames[0].line == 3151
+    assert main.frames[2].file == "sglang/srt/managers/scheduler.py"
+
+
+def test_pyspy_native_and_locals_blocks() -> None:
+    text = ("Process 8149: python hung.py\nPython v3.11.7 (/usr/bin/python3.11)\n\n"
+            'Thread 8149 (active+gil): "MainThread"\n    clock_nanosleep (libc.so.6)\n'
+            "    0x7f2fed44524a (libc.so.6)\n    all_reduce_stub (hung.py:5)\n"
+            "        Arguments:\n            tensor: [128]\n        Locals:\n"
+            "            completed_tokens: 128\n    check_prefetch_progress (hung.py:8)\n")
+    (t,) = _pyspy_text(text)
+    assert t.idle is False
+    assert [(f.func, f.line) for f in t.frames] == [
+        ("clock_nanosleep", None), ("0x7f2fed44524a", None), ("all_reduce_stub", 5),
+        ("check_prefetch_progress", 8)]
+
+
+def test_real_pyspy_json_dump() -> None:
+    data = json.loads((FIXTURES / "collective-order-deadlock/gloo-tp4-real/rank0.pyspy.json")
+                      .read_text())
+    sink = EvidenceBuilder()
+    assert read_pyspy_json(data, "rank0.pyspy.json", RankHint(rank=0), sink) == 1
+    (t,) = list(sink.finish().ranks[0].threads)
+    assert t.frames[0].func == "all_reduce"
+    assert t.pid is not None
+
+
+def test_prefixes_and_path_hints() -> None:
+    assert strip_prefixes("[default0]:[2026-01-01 00:00:00 DP1 TP3] x")[1] == RankHint(
+        rank=0, tp=3, dp=1)
+    assert strip_prefixes("[PG 0 Rank 2] Timeout at NCCL work: 1")[1].rank == 2
+    assert strip_prefixes("ERROR 02-12 03:41:17 engine.py:135] y")[0] == "y"
+    assert path_hint("bundle/rank3/stacks.txt").rank == 3
+    assert path_hint("run-tp8/server.log") == RankHint()
+    assert path_hint("logs/tp1_pp0.log") == RankHint(tp=1, pp=0)

@@ -1,0 +1,51 @@
+"""Bundles written by the runtime itself are read by the doctor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from doctor.diagnose import diagnose
+from faults.spec import parse_fault
+from hicache_runtime.legacy import LegacySwitch
+from hicache_runtime.run import run, run_single
+from tests.helpers import small_config
+
+
+def test_crash_bundle_from_run_single(tmp_path: Path) -> None:
+    cfg = small_config(faults=(parse_fault("crash:point=model.forward,step=5"),))
+    summary = run_single(cfg, compare=False, bundle_root=tmp_path)
+    assert summary.bundle is not None
+    d = diagnose([summary.bundle])
+    assert all(i.status == "read" for i in d.inputs), d.inputs
+    assert d.topology["outcome"] == "crash"
+    assert d.topology["faults"] == ["crash:steps=5-5,point=model.forward"]
+    (row,) = d.ranks
+    assert row.state == "crashed"
+    assert row.error is not None
+    assert "InjectedFault" in row.error
+    assert row.frame is not None
+    assert "engine.py" in row.frame
+    assert {"bundle", "trace", "state", "faulthandler", "traceback"} <= set(row.sources)
+    # an injected crash is no known signature: said plainly, nothing forced
+    assert d.status == "no-known-signature"
+    assert d.exit_code == 1
+    assert any("InjectedFault" in o for o in d.observations)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_legacy_run_bundle_names_the_switch_signature(tmp_path: Path) -> None:
+    """tp2 + skip-empty-sync + host-alloc-fail on TP1: the ack-count all_reduce is skipped on
+    one rank and the run hangs; the doctor names collective-order-deadlock."""
+    cfg = small_config(**{"topology.tp": 2, "workload.requests": 24,
+                          "observability.watchdog_timeout_s": 8.0},
+                       faults=(parse_fault("host-alloc-fail:tp=1"),),
+                       legacy=frozenset({LegacySwitch.SKIP_EMPTY_SYNC}))
+    summary = run(cfg, compare=True, bundle_root=tmp_path)
+    if summary.bundle is None:
+        pytest.skip(f"the runtime did not reproduce the bug this time ({summary.outcome.value})")
+    d = diagnose([summary.bundle])
+    assert d.verdicts[0].signature == "collective-order-deadlock"
+    assert "skip-empty-sync" in d.topology["legacy"]

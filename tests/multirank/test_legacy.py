@@ -1,0 +1,68 @@
+"""Legacy switches restore the pre-fix protocols, and each fails the way production did."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from faults.spec import parse_fault
+from hicache_runtime.bundle import RunOutcome, load_manifest
+from hicache_runtime.legacy import LegacySwitch
+from hicache_runtime.run import run
+from tests.multirank.conftest import mr_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
+
+
+def test_skip_empty_sync_deadlocks_at_different_collective_sites(bundle_root: Path) -> None:
+    cfg = mr_config(**{"topology.tp": 2, "legacy": frozenset({LegacySwitch.SKIP_EMPTY_SYNC}),
+                       "faults": (parse_fault("host-alloc-fail:tp=1"),)})
+    s = run(cfg, bundle_root=bundle_root)
+    assert s.outcome is RunOutcome.HANG, s.error
+    assert s.bundle is not None
+    assert "Timed out waiting" in (s.error or "")
+    bundle = Path(s.bundle)
+    m = load_manifest(bundle)
+    sites = set()
+    for entry in m.ranks:
+        records = json.loads((bundle / (entry.files.flight_recorder or "")).read_text())
+        stuck = [r for r in records if r["state"] != "completed" and r["op"] != "isend"]
+        assert stuck, f"rank {entry.rank} is blocked in a collective"
+        sites.add((stuck[-1]["group"], stuck[-1]["site"]))
+    assert len(sites) == 2, f"ranks blocked at different sites: {sites}"
+    assert any("_classic_writing_check" in site for _, site in sites)
+
+
+def test_local_ack_drain_breaks_the_downstream_batch(bundle_root: Path) -> None:
+    cfg = mr_config(**{"topology.pp": 2, "workload.requests": 48, "cache.device_tokens": 256,
+                       "legacy": frozenset({LegacySwitch.LOCAL_ACK_DRAIN}),
+                       "faults": (parse_fault("dma-lag:pp=1,ms=30"),)})
+    s = run(cfg, bundle_root=bundle_root)
+    assert s.outcome is RunOutcome.CRASH, s.error
+    err = s.error or ""
+    assert "rank 1" in err
+    assert "pop from empty list" in err or "shape" in err
+    bundle = Path(s.bundle or "")
+    events = [json.loads(x) for x in (bundle / "rank1" / "events.jsonl").read_text().splitlines()]
+    recv = [e["attrs"] for e in events if e["kind"] == "pp.recv"]
+    assert any(r["sender_rids"] != r["local_rids"] or r["sender_tokens"] != r["local_tokens"]
+               for r in recv), "the stage's own batch disagreed with what PP0 sent"
+    assert load_manifest(bundle).legacy == ["local-ack-drain"]
+
+
+def test_fixed_protocols_survive_the_same_faults(bundle_root: Path, tmp_path: Path) -> None:
+    faults = ("host-alloc-fail:tp=1,p=0.3;dma-lag:pp=1,ms=30;"
+              "storage-shortfall:rank=3,mode=short,pages=2;mid-prefetch-abort:batch=1")
+    from faults.spec import parse_faults
+
+    cfg = mr_config(**{"topology.tp": 2, "topology.pp": 2, "workload.requests": 32,
+                       "cache.device_tokens": 256, "storage.backend": "file",
+                       "storage.path": tmp_path / "l3", "storage.io_batch_pages": 2,
+                       "faults": tuple(parse_faults([faults])),
+                       "observability.consensus_check": True})
+    s = run(cfg, bundle_root=bundle_root)
+    assert s.outcome is RunOutcome.HEALTHY, s.error
+    assert s.output_match is True
+    assert s.faults_fired > 0

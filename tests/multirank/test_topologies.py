@@ -1,0 +1,31 @@
+"""TP, PP and TP x PP runs as real processes: identical outputs to the cache-disabled run of
+the same topology, with L1, L2 and L3 hits all exercised, and every decision checked for
+cross-rank consensus."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hicache_runtime.bundle import RunOutcome
+from hicache_runtime.run import run
+from tests.multirank.conftest import mr_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2xpp2"])
+def test_outputs_match_with_every_tier(tp: int, pp: int, tmp_path: Path,
+                                       bundle_root: Path) -> None:
+    cfg = mr_config(**{
+        "topology.tp": tp, "topology.pp": pp, "workload.requests": 48,
+        "cache.host_tokens": 768, "storage.backend": "file", "storage.path": tmp_path / "l3",
+        "observability.consensus_check": True})
+    s = run(cfg, bundle_root=bundle_root)
+    assert s.outcome is RunOutcome.HEALTHY, s.error
+    assert s.output_match is True, s.mismatches[:2]
+    assert s.cached_tokens.device > 0
+    assert s.cached_tokens.host > 0
+    assert s.cached_tokens.storage > 0
+    assert not list(bundle_root.iterdir()), "a healthy run leaves no bundle"
