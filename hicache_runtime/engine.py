@@ -190,6 +190,11 @@ def rank_state(rt: RankRuntime, step: int, extra: dict[str, Any] | None = None) 
         threads=sorted(t.name for t in threading.enumerate()),
     )
     data = state.model_dump()
+    pending = getattr(rt.sync, "pending_sends", None)
+    if pending is not None:
+        data["pending_sends_by_group"] = _safe(pending)
+        data["pending_sends"] = sum(v for v in data["pending_sends_by_group"].values()
+                                    if isinstance(v, int))
     if extra:
         data.update(extra)
     if rt.faults is not None:

@@ -48,6 +48,7 @@ ProgressFn = Callable[[int, int, int], None]
 _POLL_S = 0.05
 _PYSPY_TIMEOUT_S = 15.0
 _KILL_GRACE_S = 3.0
+_SELF_EXIT_S = 3.0
 _STARTUP_ALLOWANCE_S = 60.0
 
 
@@ -183,6 +184,15 @@ def _kill_all(procs: dict[int, subprocess.Popen[bytes]]) -> None:
             p.wait()
 
 
+def _wait_exit(procs: dict[int, subprocess.Popen[bytes]], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for p in procs.values():
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return
+
+
 def _codes(procs: dict[int, subprocess.Popen[bytes]]) -> dict[int, int | None]:
     return {r: p.poll() for r, p in procs.items()}
 
@@ -203,7 +213,10 @@ def _collect_bundle(procs: dict[int, subprocess.Popen[bytes]], run_dir: Path,
                for r in procs):
             break
         time.sleep(_POLL_S)
-    time.sleep(0.2)  # a rank that just failed may still be adding its traceback
+    # Ranks unwind once their dump is done (the listener interrupts them); give them a moment
+    # to exit on their own, so exit codes say how each ended. Ranks stuck inside a collective
+    # do not return until its timeout; those are stopped (-15 after a complete dump).
+    _wait_exit(procs, _SELF_EXIT_S)
     _kill_all(procs)
     info = read_dump(run_dir) or {"outcome": "crash", "reason": "unknown failure"}
     dest = _write_bundle(run_dir, cfg, bundle_root, RunOutcome(info.get("outcome", "crash")),

@@ -248,7 +248,7 @@ class DistributedSync(RankSync):
         if self.unbounded and self._next is not None:
             pending = self.groups.pp_sync.reap_completed()
             size = self.groups.pp_sync.pending_bytes()
-            self.tracer.emit(Ev.PP_PENDING, pending=pending, bytes=size)
+            self.tracer.emit(Ev.PP_PENDING, pending_sends=pending, bytes=size)
             if self.pending_send_limit and pending > self.pending_send_limit:
                 raise ResourceLeak(
                     f"PP{self.rank.pp_rank} holds {pending} unfinished pp_sync sends "
@@ -288,6 +288,10 @@ class DistributedSync(RankSync):
 
     def flight_records(self) -> list[dict[str, Any]]:
         return self.groups.recorder.records()
+
+    def pending_sends(self) -> dict[str, int]:
+        """Async sends not yet known complete, per group (for state snapshots)."""
+        return {g.name: len(g.pending) for g in self.groups.all() if g.pending}
 
     def close(self) -> None:
         for g in self.groups.all():
