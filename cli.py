@@ -97,6 +97,9 @@ def run(
         help="Hash decisions that must agree and compare them across ranks.")] = False,
     compare: Annotated[bool, typer.Option(
         help="Compare outputs with a cache-disabled run.")] = True,
+    torchrun_dir: Annotated[Path | None, typer.Option(
+        help="Do not run: write DIR/config.json and print the torchrun command that runs "
+             "the same ranks (env:// rendezvous, e.g. across nodes).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Run the runtime on a seeded workload and judge it against a cache-disabled run."""
@@ -125,6 +128,12 @@ def run(
     if legacy:
         data["legacy"] = parse_legacy(legacy)
     cfg = load_config(data)
+    if torchrun_dir is not None:
+        torchrun_dir.mkdir(parents=True, exist_ok=True)
+        (torchrun_dir / "config.json").write_text(cfg.model_dump_json(indent=1))
+        print(f"torchrun --nproc-per-node {cfg.topology.world_size} "
+              f"-m hicache_runtime.rank_main --run-dir {torchrun_dir}")
+        raise typer.Exit(EXIT_OK)
     summary = _execute(cfg, compare, progress=not json_out)
     if json_out:
         print(summary.model_dump_json(indent=2))

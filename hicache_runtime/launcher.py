@@ -224,9 +224,17 @@ def _collect_bundle(procs: dict[int, subprocess.Popen[bytes]], run_dir: Path,
     return dest, info
 
 
-def _write_bundle(run_dir: Path, cfg: RuntimeConfig, bundle_root: Path, outcome: RunOutcome,
-                  reason: str, procs: dict[int, Any], pyspy: dict[int, str | None],
-                  mismatches: list[dict[str, Any]]) -> Path:
+def write_manifest_in_place(run_dir: Path, cfg: RuntimeConfig, outcome: RunOutcome,
+                            reason: str) -> Path:
+    """Without a launcher (``torchrun``): turn ``<run>/bundle`` into a bundle where it lies,
+    from whatever rank dumps are there (exit codes unknown)."""
+    procs = {r: _Exited(r, None) for r in range(cfg.topology.world_size)}
+    return _write_bundle(run_dir, cfg, None, outcome, reason, procs, {}, [])
+
+
+def _write_bundle(run_dir: Path, cfg: RuntimeConfig, bundle_root: Path | None,
+                  outcome: RunOutcome, reason: str, procs: dict[int, Any],
+                  pyspy: dict[int, str | None], mismatches: list[dict[str, Any]]) -> Path:
     bundle = run_dir / "bundle"
     entries, missing = [], []
     for r, p in sorted(procs.items()):
@@ -234,11 +242,13 @@ def _write_bundle(run_dir: Path, cfg: RuntimeConfig, bundle_root: Path, outcome:
         if entry.files.stacks is None and entry.files.pyspy is None:
             missing.append(r)
         entries.append(entry)
-    dest = new_bundle_dir(bundle_root, outcome)
-    if bundle.exists():
-        shutil.copytree(bundle, dest, dirs_exist_ok=True)
-        for stale in dest.glob("rank*/entry.json"):  # folded into the manifest
-            stale.unlink()
+    dest = bundle
+    if bundle_root is not None:
+        dest = new_bundle_dir(bundle_root, outcome)
+        if bundle.exists():
+            shutil.copytree(bundle, dest, dirs_exist_ok=True)
+    for stale in dest.glob("rank*/entry.json"):  # folded into the manifest
+        stale.unlink()
     fired = [FiredFaultRecord(**f) for r in procs for f in _fired(run_dir, bundle, r)]
     write_manifest(dest, Manifest(
         created_at=now_iso(), outcome=outcome, reason=reason,

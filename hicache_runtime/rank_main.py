@@ -92,6 +92,7 @@ class RankDumper:
     rt: RankRuntime
     engine: PipelineEngine | None = None
     dumped: bool = False
+    manifest_written: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -131,10 +132,30 @@ class RankDumper:
             if info is None:
                 continue
             self.dump(RunOutcome(info.get("outcome", "crash")))
+            self.finish_without_launcher(info)
             _wait_for(self.run_dir / "PYSPY_DONE", _PYSPY_WAIT_S, self.stop)
             if not self.stop.is_set():
                 interrupt_main_thread()
             return
+
+    def finish_without_launcher(self, info: dict[str, Any]) -> None:
+        """Under ``torchrun`` nobody else writes the manifest: rank 0 does, once the other
+        ranks' dumps are in (or a timeout passed)."""
+        if os.environ.get("HICACHE_LAUNCHER") or self.rt.rank.rank != 0:
+            return
+        with self.lock:
+            if self.manifest_written:
+                return
+            self.manifest_written = True
+        from hicache_runtime.launcher import write_manifest_in_place
+
+        cfg = self.rt.cfg
+        deadline = time.monotonic() + cfg.observability.protocol_timeout_s + 5.0
+        want = [self.bundle / f"rank{r}" / "entry.json" for r in range(cfg.topology.world_size)]
+        while time.monotonic() < deadline and not all(p.exists() for p in want):
+            time.sleep(_POLL_S)
+        write_manifest_in_place(self.run_dir, cfg, RunOutcome(info.get("outcome", "crash")),
+                                str(info.get("reason", "")))
 
 
 def run_rank(run_dir: Path, rank: RankInfo, cfg: RuntimeConfig) -> int:
@@ -182,6 +203,8 @@ def run_rank(run_dir: Path, rank: RankInfo, cfg: RuntimeConfig) -> int:
         # the result first: the launcher stops ranks soon after their dump is complete
         _write_result(run_dir, rt, outcome, error, result, engine.step)
         dumper.dump(outcome, exc)
+        dumper.finish_without_launcher(read_dump(run_dir) or {})
+        _linger_without_launcher(run_dir, cfg)
     finally:
         dumper.stop.set()
         watchdog.stop()
@@ -193,6 +216,16 @@ def run_rank(run_dir: Path, rank: RankInfo, cfg: RuntimeConfig) -> int:
         rt.close()
         dist.destroy_process_group()
     return {RunOutcome.HEALTHY: EXIT_OK, RunOutcome.HANG: EXIT_HANG}.get(outcome, EXIT_CRASH)
+
+
+def _linger_without_launcher(run_dir: Path, cfg: RuntimeConfig) -> None:
+    """Under ``torchrun`` a failed rank's exit makes the agent kill every other rank at once:
+    stay until rank 0 has written the manifest (or a timeout), so the bundle is complete."""
+    if os.environ.get("HICACHE_LAUNCHER"):
+        return
+    deadline = time.monotonic() + cfg.observability.protocol_timeout_s + 10.0
+    while time.monotonic() < deadline and not (run_dir / "bundle" / "manifest.json").exists():
+        time.sleep(_POLL_S)
 
 
 def _final_barrier(groups: RankGroups) -> None:
