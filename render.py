@@ -125,7 +125,8 @@ from rich.markup import escape as esc  # noqa: E402 - evidence text is data, nev
 
 SEVERITY_STYLE = {"critical": STYLE_BAD, "high": STYLE_BAD, "medium": STYLE_WARN, "low": STYLE_DIM}
 STATE_STYLE = {"crashed": STYLE_BAD, "blocked": STYLE_WARN, "missing": STYLE_BAD,
-               "exited": STYLE_BAD, "failed": STYLE_WARN, "idle": STYLE_DIM}
+               "exited": STYLE_BAD, "failed": STYLE_WARN, "idle": STYLE_DIM,
+               "finished": STYLE_DIM}
 
 
 def doctor_report(d: Any, verbose: bool = False) -> None:

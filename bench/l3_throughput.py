@@ -14,11 +14,33 @@ both. Ratios are backend bandwidth / raw bandwidth (1.0 = no overhead). Redis ru
 ``--redis-url`` or, by default, a throwaway local ``redis-server``; without one the Redis
 ratios are ``null``.
 
-More sections (TTFT with L2/L3 hits vs full recompute) append themselves to ``SECTIONS``; each
-returns a dict merged into the final JSON line, which is always the last line printed.
+Section "TTFT": time to first token of a multi-turn chat workload served with L1/L2/L3 hits
+vs full recompute (the cache-disabled twin), on a model large enough that prefill compute
+dominates (``--ttft-hidden`` x ``--ttft-layers``, float32). The runtime runs with a file L3 and
+pools too small for the working set. Before timing, one untimed pass of the same chats with
+1-token replies stores every chat's opening context in L3 (conversations seen before a restart);
+the timed pass generates full replies, so a first turn finds its context in L3 (or in L1/L2
+once an earlier request brought it back) and each later turn, whose history holds a reply no
+tier has seen, hits about 90% of its prompt (printed as ``ttft_prefix_hit``, with the tokens
+each tier served). Requests enter one at a time (the next once every earlier one has its
+first token), so TTFT measures serving a request, not queueing behind others. TTFT is measured
+per request, from its arrival at the scheduler to the step that appends its first output token,
+without touching the runtime: the workload's ``poll`` is extended to pace and stamp arrivals
+and the engine's step callback stamps first tokens. Cached and recompute passes alternate
+``--ttft-repeat`` times (each cached pass on a fresh copy of the warm L3) and each request
+keeps its best TTFT, which damps noise from a shared machine. Outputs of the two sides must
+be identical. The figure: mean TTFT cached / mean TTFT recompute
+(goal <= 0.2 at ~90% prefix hit).
+
+Each section returns a dict merged into the final JSON line, which is always the last line
+printed; more sections append themselves to ``SECTIONS``.
 
 Usage: python bench/l3_throughput.py [--pages N] [--batch B] [--repeat R] [--dir DIR]
                                      [--redis-url URL | --no-redis]
+                                     [--ttft-requests N] [--ttft-hidden H] [--ttft-layers L]
+                                     [--ttft-prompt P] [--ttft-turn T] [--ttft-repeat R]
+                                     [--ttft-device-tokens N] [--ttft-policy POLICY]
+                                     [--no-ttft | --ttft-only]
 """
 
 from __future__ import annotations
@@ -26,20 +48,28 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hicache_runtime.config import RuntimeConfig, load_config
+from hicache_runtime.engine import Engine, EngineResult
 from hicache_runtime.pools import HostKVPool, KVShape
+from hicache_runtime.rank import build_rank
+from hicache_runtime.request import Req
+from hicache_runtime.run import compare_outputs
 from hicache_runtime.storage.base import StorageBackend
 from hicache_runtime.storage.file import FileBackend
 from hicache_runtime.storage.keys import KeyScheme, chain_hashes
 from hicache_runtime.storage.pages import PageCodec
 from hicache_runtime.storage.redis_server import LocalRedisServer, redis_server_binary
+from hicache_runtime.workload import Workload
 
 SCHEME = KeyScheme("_bench_0_1")
 
@@ -247,7 +277,179 @@ def redis_bandwidth(pages: list[bytes], args: argparse.Namespace) -> dict[str, A
             server.close()
 
 
-SECTIONS: list[Callable[[argparse.Namespace], dict[str, Any]]] = [backend_bandwidth]
+# --- TTFT with L2/L3 hits vs full recompute -------------------------------------------------
+
+
+def ttft_config(args: argparse.Namespace, l3_dir: Path) -> RuntimeConfig:
+    """The cached side: a model where prefill compute dominates, multi-turn chats with long
+    contexts, L1/L2 smaller than the working set, a file L3 at ``l3_dir``."""
+    h = args.ttft_hidden
+    return load_config({
+        "model.hidden_size": h, "model.num_layers": args.ttft_layers,
+        "model.num_heads": h // 64, "model.head_dim": 64, "model.ffn_size": 4 * h,
+        "model.vocab_size": 512, "model.dtype": "float32",
+        "cache.page_size": 16, "cache.device_tokens": args.ttft_device_tokens,
+        "cache.host_tokens": 2 * args.ttft_device_tokens,
+        "workload.kind": "multi_turn", "workload.requests": args.ttft_requests,
+        # multi_turn gives each chat half of system_prompt_tokens as its opening context
+        "workload.system_prompt_tokens": 2 * args.ttft_prompt,
+        "workload.turn_tokens": args.ttft_turn, "workload.max_new_tokens": 8,
+        "workload.arrival_gap_steps": 8,
+        "scheduler.chunked_prefill_size": 512, "scheduler.max_prefill_tokens": 2048,
+        "storage.backend": "file", "storage.path": l3_dir,
+        "storage.prefetch_policy": args.ttft_policy, "storage.io_batch_pages": 32,
+        "observability.watchdog_timeout_s": 600.0,
+    })
+
+
+@dataclass
+class PacedWorkload(Workload):
+    """The workload's request stream, released one request at a time: the next request enters
+    the scheduler only once every earlier one has its first token. Records per-request arrival
+    and first-token times (``time.perf_counter``).
+
+    Why paced: the workload schedules arrivals in scheduler steps, and a step that waits on a
+    prefetch lasts a fraction of a millisecond while a recompute step lasts hundreds, so
+    step-based arrivals would reach the cached side in a burst the recompute side never sees,
+    and queueing would dominate both. With one prefill in flight at a time, TTFT is the cost of
+    serving that one request (plus at most the decode step it arrives during), on either side,
+    however fast the machine is.
+
+    Arrival: when a request is handed to the scheduler. First token: the end of the step whose
+    results appended its first output token (``on_step`` is the engine's step callback, which
+    runs right after ``process_result``). Observation only: the runtime is unchanged.
+    """
+
+    arrived: dict[str, float] = field(default_factory=dict)
+    first: dict[str, float] = field(default_factory=dict)
+    _held: list[Req] = field(default_factory=list)
+    _no_token: dict[str, Req] = field(default_factory=dict)
+
+    def poll(self, step: int, finished: dict[str, Req]) -> list[Req]:
+        self._held.extend(super().poll(step, finished))
+        if not self._held or self._no_token:
+            return []
+        req = self._held.pop(0)
+        self.arrived[req.rid] = time.perf_counter()
+        self._no_token[req.rid] = req
+        return [req]
+
+    def exhausted(self) -> bool:
+        return super().exhausted() and not self._held
+
+    def on_step(self, step: int, finished: int, total: int) -> None:
+        now = time.perf_counter()
+        for rid in [rid for rid, r in self._no_token.items() if r.output_ids or r.done]:
+            if self._no_token.pop(rid).output_ids:
+                self.first[rid] = now
+
+    def ttft(self) -> dict[str, float]:
+        """Seconds from arrival to first token, per request that produced one."""
+        return {rid: t - self.arrived[rid] for rid, t in self.first.items()}
+
+
+def timed_run(cfg: RuntimeConfig) -> tuple[EngineResult, dict[str, float]]:
+    """One engine run of ``cfg``'s workload, paced; its result and per-request TTFT."""
+    rt = build_rank(cfg)
+    try:
+        workload = PacedWorkload(cfg.workload, cfg.model.vocab_size, cfg.seed)
+        result = Engine(rt, workload, on_step=workload.on_step).run()
+        return result, workload.ttft()
+    finally:
+        rt.close()
+
+
+def prefix_hit(result: EngineResult) -> float:
+    """Fraction of prompt tokens served from a cache tier instead of being computed."""
+    prompt = sum(len(r.input_ids) for r in result.reqs.values())
+    return sum(result.cached_tokens().values()) / max(prompt, 1)
+
+
+@dataclass
+class TtftSide:
+    """One side of the comparison: its passes' per-request TTFT and its last result."""
+
+    runs: list[dict[str, float]] = field(default_factory=list)
+    result: EngineResult | None = None
+
+    def add(self, result: EngineResult, ttft: dict[str, float]) -> None:
+        self.result = result
+        self.runs.append(ttft)
+
+    def best(self) -> dict[str, float]:
+        """Per request, its lowest TTFT over the passes."""
+        return {rid: min(run[rid] for run in self.runs) for rid in self.runs[0]}
+
+
+def ttft_figures(name: str, ttft: dict[str, float]) -> dict[str, float]:
+    values = list(ttft.values())
+    return {f"ttft_{name}_mean_ms": round(statistics.mean(values) * 1e3, 1),
+            f"ttft_{name}_p50_ms": round(statistics.median(values) * 1e3, 1)}
+
+
+def ttft_section(args: argparse.Namespace) -> dict[str, Any]:
+    """TTFT of a multi-turn workload with L1/L2/L3 hits vs full recompute."""
+    if args.no_ttft:
+        print("ttft: skipped (--no-ttft)")
+        return {"ttft_ratio": None}
+    root = Path(tempfile.mkdtemp(prefix="l3-ttft-"))
+    try:
+        cfg = ttft_config(args, root / "warm")
+        params = layer_params(cfg)
+        print(f"ttft: model {args.ttft_hidden}x{args.ttft_layers} ({params / 1e6:.0f}M layer "
+              f"params, float32), {args.ttft_requests} multi-turn requests, "
+              f"{args.ttft_prompt}-token contexts, {args.ttft_turn}-token turns, one prefill "
+              f"at a time, L1 {args.ttft_device_tokens} / L2 {2 * args.ttft_device_tokens} "
+              f"tokens, file L3, {args.ttft_policy}; best of {args.ttft_repeat}")
+        # Untimed: warms torch, and stores every chat's opening context in L3 (1-token replies,
+        # so later turns of the timed passes extend beyond what L3 holds).
+        timed_run(cfg.with_overrides(**{"workload.max_new_tokens": 1}))
+        cached, ref = TtftSide(), TtftSide()
+        for r in range(args.ttft_repeat):
+            l3_copy = root / f"l3-{r}"
+            shutil.copytree(root / "warm", l3_copy)  # each cached pass starts from the warm L3
+            passes = [(cached, cfg.with_overrides(**{"storage.path": l3_copy})),
+                      (ref, cfg.reference())]
+            for side, side_cfg in passes if r % 2 == 0 else passes[::-1]:
+                side.add(*timed_run(side_cfg))
+            shutil.rmtree(l3_copy, ignore_errors=True)
+        assert cached.result is not None
+        assert ref.result is not None
+        if compare_outputs(cached.result.reqs, ref.result.reqs):
+            raise AssertionError("ttft: cached outputs differ from the recompute outputs")
+        return ttft_report(cached.best(), ref.best(), cached.result)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def ttft_report(cached: dict[str, float], ref: dict[str, float],
+                result: EngineResult) -> dict[str, Any]:
+    """Print and return the TTFT figures (ratios of means and of medians)."""
+    out: dict[str, Any] = {"ttft_requests": len(cached),
+                           "ttft_prefix_hit": round(prefix_hit(result), 3),
+                           "ttft_cached_tokens": result.cached_tokens()}
+    out |= ttft_figures("cached", cached) | ttft_figures("recompute", ref)
+    out["ttft_ratio"] = round(out["ttft_cached_mean_ms"] / out["ttft_recompute_mean_ms"], 3)
+    out["ttft_p50_ratio"] = round(out["ttft_cached_p50_ms"] / out["ttft_recompute_p50_ms"], 3)
+    tiers = ", ".join(f"{k} {v}" for k, v in out["ttft_cached_tokens"].items())
+    print(f"ttft: prefix hit {out['ttft_prefix_hit']:.1%} (tokens from {tiers})")
+    for side in ("cached", "recompute"):
+        print(f"ttft {side:9s}: mean {out[f'ttft_{side}_mean_ms']:7.1f} ms   "
+              f"p50 {out[f'ttft_{side}_p50_ms']:7.1f} ms")
+    print(f"ttft ratio (cached / recompute): mean {out['ttft_ratio']:.3f}   "
+          f"p50 {out['ttft_p50_ratio']:.3f}   (goal <= 0.2)")
+    return out
+
+
+def layer_params(cfg: RuntimeConfig) -> int:
+    """Weights in the model's layers (Q, K, V, O projections and the gated MLP)."""
+    m = cfg.model
+    qkv = m.num_heads * m.head_dim
+    return m.num_layers * (4 * m.hidden_size * qkv + 3 * m.hidden_size * m.ffn_size)
+
+
+SECTIONS: list[Callable[[argparse.Namespace], dict[str, Any]]] = [backend_bandwidth,
+                                                                   ttft_section]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -264,6 +466,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--redis-url", default=None,
                     help="an existing server (default: start a local redis-server)")
     ap.add_argument("--no-redis", action="store_true")
+    ttft = ap.add_argument_group("TTFT (scale down with smaller values)")
+    ttft.add_argument("--ttft-requests", type=int, default=12, help="multi-turn requests")
+    ttft.add_argument("--ttft-hidden", type=int, default=768, help="model hidden size "
+                      "(a multiple of 64; heads are 64 wide)")
+    ttft.add_argument("--ttft-layers", type=int, default=4)
+    ttft.add_argument("--ttft-prompt", type=int, default=1024,
+                      help="tokens of each chat's opening context")
+    ttft.add_argument("--ttft-turn", type=int, default=160, help="new tokens per user turn")
+    ttft.add_argument("--ttft-device-tokens", type=int, default=4096,
+                      help="L1 pool (L2 is twice this)")
+    ttft.add_argument("--ttft-policy", default="wait_complete",
+                      choices=["best_effort", "wait_complete", "timeout"])
+    ttft.add_argument("--ttft-repeat", type=int, default=2, choices=range(1, 10),
+                      metavar="R",
+                      help="cached/recompute pass pairs; each request keeps its best TTFT")
+    only = ap.add_mutually_exclusive_group()
+    only.add_argument("--no-ttft", action="store_true", help="skip the TTFT section")
+    only.add_argument("--ttft-only", action="store_true", help="run only the TTFT section")
     return ap.parse_args(argv)
 
 
@@ -271,6 +491,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     result: dict[str, Any] = {"bench": "l3_throughput"}
     for section in SECTIONS:
+        if args.ttft_only and section is not ttft_section:
+            continue
         result |= section(args)
     print(json.dumps(result))
 

@@ -63,6 +63,8 @@ class Evidence:
     mismatches: int
     expected_ranks: set[int]
     pid_ranks: dict[int, int] = field(default_factory=dict)
+    mismatch_examples: list[dict[str, object]] = field(default_factory=list)
+    """The first few output mismatches a manifest lists (rid, index, expected, got, note)."""
 
     def all_ranks(self) -> list[RankEvidence]:
         """Every rank record, the unranked one last."""
@@ -83,6 +85,7 @@ class EvidenceBuilder:
         self.outcome: str | None = None
         self.outcome_source: SourceRef | None = None
         self.mismatches = 0
+        self.mismatch_examples: list[dict[str, object]] = []
         self.expected_ranks: set[int] = set()
         self.pid_ranks: dict[int, int] = {}
         """pid -> global rank, from bundles and capture manifests (py-spy dumps name pids)."""
@@ -140,7 +143,8 @@ class EvidenceBuilder:
                         problems=self.problems, legacy=self.legacy, faults=self.faults,
                         outcome=self.outcome, outcome_source=self.outcome_source,
                         mismatches=self.mismatches, expected_ranks=expected,
-                        pid_ranks=dict(self.pid_ranks))
+                        pid_ranks=dict(self.pid_ranks),
+                        mismatch_examples=list(self.mismatch_examples))
 
 
     def _assign_by_pid(self, ranks: dict[int, RankEvidence]) -> None:

@@ -1,15 +1,21 @@
-"""Cross-rank alignment of collectives (flight recorders and NCCL watchdog sequence numbers).
+"""Cross-rank alignment of collectives and point-to-point ops (flight recorders, NCCL watchdog
+sequence numbers).
 
-Per group, ranks are lined up by sequence number, within the window every rank still holds
-(the recorders are rings, so the oldest entries may be gone on some ranks):
+Collectives: per communicator, ranks are lined up by sequence number, within the window every
+rank still holds (the recorders are rings, so the oldest entries may be gone on some ranks):
 
 * **missing-ranks**: some ranks entered seq N and others never did (their last seq is lower);
 * **op-mismatch**: at the same seq, ranks ran different ops (``all_reduce`` vs ``barrier``);
 * **site-mismatch**: same op, but entered from different in-app call sites;
 * **size-mismatch**: same op, different input sizes (for ops whose sizes must agree).
 
-Unlike torch's ``fr_trace`` this works on gloo dumps, on partial rank sets (it reports what it
-can decide), and names the call sites. Only the first finding of each kind per group is kept.
+Point-to-point ops (``isend``/``recv`` on the pipeline groups) are not collectives: rank A's
+k-th send to B pairs with B's k-th receive from A (:mod:`doctor.p2p`).
+
+A group name is not a communicator: every pipeline stage has its own ``tp_compute``, so the
+runtime's stage-local groups are split by stage. Unlike torch's ``fr_trace`` this works on gloo
+dumps, on partial rank sets (it reports what it can decide), and names the call sites. Only the
+first finding of each kind per communicator is kept.
 """
 
 from __future__ import annotations
@@ -17,30 +23,62 @@ from __future__ import annotations
 from collections import defaultdict
 
 from doctor.builder import Evidence
-from doctor.evidence import Collective
+from doctor.evidence import Collective, RankEvidence
+from doctor.p2p import P2P_OPS, p2p_findings
 from doctor.report import CollectiveFinding, EvidenceItem
 from doctor.stacks import site_label
 
 _SIZE_FREE = {"all_to_all", "alltoall", "all_to_all_single", "gather", "scatter", "send", "recv",
               "coalesced", "batch_isend_irecv", "barrier", "broadcast_object_list"}
+#: The runtime's groups that exist once per pipeline stage (same name, different members).
+_STAGE_LOCAL = ("tp_compute", "tp_cpu")
+
+Rings = dict[int, dict[int, Collective]]
+"""rank -> seq -> op, for one communicator."""
 
 
 def align(evidence: Evidence) -> list[CollectiveFinding]:
-    """Findings for every group recorded by at least two ranks, plus watchdog seq findings."""
-    by_group: dict[str, dict[int, dict[int, Collective]]] = defaultdict(dict)
-    for ev in evidence.ranks.values():
-        for group, ring in ev.collectives.items():
-            by_group[group][ev.rank] = {c.seq: c for c in ring}
+    """Findings for every communicator recorded by at least two ranks, plus watchdog seq
+    findings. Runtime-named groups come before torch's numbered process groups (the same ops
+    seen twice: the runtime's names say what the group carries)."""
     findings: list[CollectiveFinding] = []
-    for group, per_rank in sorted(by_group.items()):
-        if len(per_rank) >= 2 and not group.startswith("p2p:"):
+    for group, per_rank in sorted(_communicators(evidence).items(),
+                                  key=lambda kv: (_numbered(kv[0]), kv[0])):
+        if len(per_rank) < 2 or group.startswith("p2p:"):
+            continue
+        if any(c.op in P2P_OPS for ring in per_rank.values() for c in ring.values()):
+            findings.extend(p2p_findings(group, per_rank))
+        else:
             findings.extend(_group_findings(group, per_rank))
     findings.extend(_watchdog_findings(evidence))
     return findings
 
 
-def _group_findings(group: str, per_rank: dict[int, dict[int, Collective]]
-                    ) -> list[CollectiveFinding]:
+def _communicators(evidence: Evidence) -> dict[str, Rings]:
+    """Rings per communicator; a stage-local group gets its stage in the key when the ranks
+    that recorded it sit on more than one stage."""
+    stages: dict[str, set[int | None]] = defaultdict(set)
+    for ev in evidence.ranks.values():
+        for group in ev.collectives:
+            stages[group].add(ev.pp)
+    out: dict[str, Rings] = defaultdict(dict)
+    for ev in evidence.ranks.values():
+        for group, ring in ev.collectives.items():
+            out[_key(group, ev, stages[group])][ev.rank] = {c.seq: c for c in ring}
+    return out
+
+
+def _key(group: str, ev: RankEvidence, stages: set[int | None]) -> str:
+    if group in _STAGE_LOCAL and len(stages) > 1 and ev.pp is not None:
+        return f"{group} (PP{ev.pp})"
+    return group
+
+
+def _numbered(group: str) -> bool:
+    return group.removeprefix("p2p:").removeprefix("pg").isdigit()
+
+
+def _group_findings(group: str, per_rank: Rings) -> list[CollectiveFinding]:
     lasts = {r: max(seqs) for r, seqs in per_rank.items() if seqs}
     firsts = {r: min(seqs) for r, seqs in per_rank.items() if seqs}
     if len(lasts) < 2:

@@ -127,14 +127,15 @@ def _status(readable: bool, verdicts: list[Verdict]) -> tuple[str, int]:
 def _verdict(s: Score) -> Verdict:
     sig = s.signature
     items: list[EvidenceItem] = []
-    seen: set[tuple[str, str | None, int | None]] = set()
+    seen: set[tuple[str, int]] = set()
     for rule in sorted(s.matched, key=lambda r: -r.weight):
         if rule.weight <= 0:
             continue
         for w in rule.witnesses:
-            key = (w.text, w.file, w.line)
-            if key not in seen:
-                seen.add(key)
+            # one line per finding and rank: the same exception read from a rank's log and
+            # from its traceback file is cited once (the first source wins)
+            if (w.text, w.rank) not in seen:
+                seen.add((w.text, w.rank))
                 items.append(EvidenceItem(text=w.text, file=w.file, line=w.line,
                                           rank=w.rank if w.rank >= 0 else None,
                                           rule=rule.recogniser))
@@ -154,10 +155,22 @@ def _summary(status: str, verdicts: list[Verdict], near: list[NearMiss], ev: Evi
     if verdicts:
         v = verdicts[0]
         return f"{v.signature} ({v.confidence:.2f}): {v.title}"
+    seen = _seen(ev)
     if near:
-        return (f"no known signature fits; closest: {near[0].signature} ({near[0].score:.2f}), "
-                "not enough evidence to name it")
-    return "no known signature fits"
+        return (f"no known signature fits{seen}; closest: {near[0].signature} "
+                f"({near[0].score:.2f}), not enough evidence to name it")
+    return f"no known signature fits{seen}"
+
+
+def _seen(ev: Evidence) -> str:
+    """The run's recorded outcome, said in the summary when nothing is named."""
+    if ev.outcome == "wrong-output" or ev.mismatches:
+        return f" (wrong output: {ev.mismatches} request(s) differ from the reference)"
+    if ev.outcome == "healthy":
+        return " (the bundle records a healthy run)"
+    if any(e.short_type == "InjectedFault" for r in ev.all_ranks() for e in r.exceptions):
+        return " (an injected fault)"
+    return ""
 
 
 def _rule_log(scores: list[Score], facts: FactSet) -> list[str]:

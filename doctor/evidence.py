@@ -26,6 +26,7 @@ MAX_COLLECTIVES_PER_GROUP = 4096
 MAX_DECISIONS_PER_KEY = 20000
 MAX_EVENTS = 20000
 MAX_SAMPLES = 512
+MAX_ARRIVALS = 200_000
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,8 @@ class Collective:
     site: Frame | None
     source: SourceRef
     thread: str = ""
+    peer: int | None = None
+    """For point-to-point ops: the global rank sent to or received from."""
 
 
 @dataclass
@@ -148,6 +151,10 @@ class ExitRecord:
     root_cause: bool
     time: str | None
     source: SourceRef
+    dumped: bool | None = None
+    """Whether the rank wrote its own dump before it ended (None: unknown)."""
+    launcher: str | None = None
+    """Which launcher's exit-code conventions apply (``hicache`` for the runtime's bundles)."""
 
 
 class Bounded(Generic[T]):
@@ -215,6 +222,10 @@ class RankEvidence:
     state_source: SourceRef | None = None
     kinds: set[str] = field(default_factory=set)
     """Which kinds of artifact covered this rank (log, pyspy, faulthandler, fr, trace...)."""
+    trace_start: int | None = None
+    """The step of the earliest traced event: above 1, the event ring lost the run's start."""
+    arrived: set[str] = field(default_factory=set)
+    """Requests whose arrival is in the trace (their later decisions are all there too)."""
 
     @property
     def role(self) -> str:
@@ -268,6 +279,10 @@ class RankEvidence:
         if self.state is None:
             self.state, self.state_source = other.state, other.state_source
         self.kinds |= other.kinds
+        if other.trace_start is not None:
+            self.trace_start = min(self.trace_start if self.trace_start is not None
+                                   else other.trace_start, other.trace_start)
+        self.arrived |= other.arrived
 
 
 @dataclass

@@ -14,11 +14,12 @@ from collections.abc import Callable
 
 from doctor.builder import Evidence
 from doctor.evidence import ExceptionRecord, RankEvidence
+from doctor.facts_exits import fact_exits, fact_size_abort
 from doctor.facts_trace import TRACE_FACTS
 from doctor.factset import FactSet, witness
 from doctor.frames import FrameClassifier
 from doctor.report import BlockedSite, CollectiveFinding, Divergence, RankRow
-from doctor.stacks import failing_exception, is_comm_error, site_label
+from doctor.stacks import failing_exception, is_comm_error
 from signatures.facts import Fact
 from signatures.matching import Witness
 
@@ -37,7 +38,8 @@ def derive_facts(evidence: Evidence, frames: FrameClassifier, rows: list[RankRow
         lambda: _fact_outcome(evidence, frames, rows, facts),
         lambda: _fact_stacks(evidence, sites, rows, facts),
         lambda: _fact_collectives(findings, facts),
-        lambda: _fact_exits(evidence, frames, facts),
+        lambda: fact_exits(evidence, frames, rows, facts),
+        lambda: fact_size_abort(evidence, rows, facts),
         lambda: _fact_exceptions(evidence, frames, facts),
         lambda: _fact_logs(evidence, facts),
     ]
@@ -99,7 +101,8 @@ def _fact_stacks(ev: Evidence, sites: list[BlockedSite], rows: list[RankRow],
                 f"ranks {s.ranks}: a prefetch thread is blocked in {s.op} from {s.site}",
                 e.file if e else None, e.line if e else None, s.ranks[0]))
     with_stacks = [r for r in rows if r.state in ("idle", "active", "blocked", "crashed")]
-    if with_stacks and all(r.state == "idle" for r in with_stacks):
+    finished = ev.outcome in ("healthy", "wrong-output")  # idle after the end is no hang
+    if with_stacks and not finished and all(r.state == "idle" for r in with_stacks):
         facts.add(Fact.ALL_RANKS_IDLE, Witness(
             f"ranks {[r.rank for r in with_stacks]}: every thread waits for work; none is "
             "inside a collective"))
@@ -110,47 +113,16 @@ def _fact_collectives(findings: list[CollectiveFinding], facts: FactSet) -> None
              "seq-behind": Fact.RANK_MISSING_FROM_COLLECTIVE,
              "op-mismatch": Fact.COLLECTIVE_OP_MISMATCH,
              "site-mismatch": Fact.COLLECTIVE_OP_MISMATCH,
-             "size-mismatch": Fact.COLLECTIVE_SIZE_MISMATCH}
+             "size-mismatch": Fact.COLLECTIVE_SIZE_MISMATCH,
+             # a receive that waits for a send that never came is p2p's missing rank; a send
+             # nobody received is what any rank leaves behind when its peer fails: no fact
+             "unmatched-recv": Fact.RANK_MISSING_FROM_COLLECTIVE}
     for f in findings:
+        if f.kind not in kinds:
+            continue
         ev = f.evidence[0] if f.evidence else None
         facts.add(kinds[f.kind], Witness(f"group {f.group} {f.detail}", ev.file if ev else None,
                                          ev.line if ev else None, -1))
-
-
-def _fact_exits(ev: Evidence, frames: FrameClassifier, facts: FactSet) -> None:
-    died: list[int] = []
-    for r in ev.ranks.values():
-        for x in r.exits:
-            if x.exit_code == -9 or x.signal == "SIGKILL":
-                facts.add(Fact.OOM_KILLED, witness(f"rank {r.rank} exit {x.exit_code} (SIGKILL)",
-                                                   x.source, r.rank))
-            if x.signal in ("SIGSEGV", "SIGABRT", "SIGBUS"):
-                facts.add(Fact.PROCESS_SEGFAULT, witness(
-                    f"rank {r.rank} died of {x.signal} (exit {x.exit_code})", x.source, r.rank))
-            if x.root_cause or x.signal in ("SIGSEGV", "SIGABRT", "SIGBUS", "SIGKILL"):
-                died.append(r.rank)  # a plain non-zero exit is usually a peer's consequence
-        for t in r.threads:
-            if t.fatal:
-                facts.add(Fact.PROCESS_SEGFAULT, witness(
-                    f"rank {r.rank}: Fatal Python error: {t.fatal} in thread {t.tid} at "
-                    f"{site_label(frames.innermost_in_app(t.frames))}", t.source, r.rank))
-                died.append(r.rank)
-        exc = failing_exception(r, frames)
-        if exc is not None and not is_comm_error(exc) and frames.in_app_frames(exc.frames):
-            died.append(r.rank)
-    _peer_exited(ev, set(died), facts)
-
-
-def _peer_exited(ev: Evidence, died: set[int], facts: FactSet) -> None:
-    for r in ev.ranks.values():
-        if r.rank in died:
-            continue
-        closed = list(r.hits.get("gloo-connection-closed", _EMPTY).kept)
-        if closed and died:
-            h = closed[0]
-            facts.add(Fact.PEER_EXITED_FIRST, witness(
-                f"rank {r.rank} lost its peer ({h.groups.get('what', 'connection closed')}) "
-                f"after ranks {sorted(died)} died", h.source, r.rank))
 
 
 def _fact_exceptions(ev: Evidence, frames: FrameClassifier, facts: FactSet) -> None:

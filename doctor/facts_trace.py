@@ -14,7 +14,8 @@ What the analyzers read (the contract with the runtime's event attributes):
   ``l3.storage`` {ok: false}, ``thread.died`` {error};
 * samples ``rss_mb`` and ``pending_sends`` (event attributes or log lines) per rank;
 * state snapshots: ``cache.host.capacity``, ``prefetch_tokens_occupied`` with no prefetch in
-  flight, ``pending_sends``.
+  flight, ``pending_sends``;
+* pipeline stages' own records (:mod:`doctor.facts_stages`): ``pp.recv``, ``sync.host_capacity``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 from doctor.builder import Evidence
 from doctor.divergence import DRAIN_KINDS, EVICT_KINDS, PREFIX_KINDS
 from doctor.evidence import RankEvidence, SourceRef
+from doctor.facts_stages import host_capacity_events, stage_batches
 from doctor.factset import FactSet, witness
 from doctor.report import Divergence
 from signatures.facts import Fact
@@ -36,18 +38,30 @@ _DIVERGENCE_FACT = {**dict.fromkeys(DRAIN_KINDS, Fact.DRAIN_COUNT_DIVERGENCE),
 _MIN_SAMPLES = 4
 
 
+#: Votes on how many completed transfers to consume (the fixed chain and the legacy TP MINs).
+_DRAIN_VOTES = ("drain_counts", "writing_check", "loading_check")
+
+
 def divergence_fact(d: Divergence) -> Fact | None:
     """The fact a divergence of this kind supports (None for kinds no signature reads)."""
-    if d.kind == "sync.vote" and "drain" in d.key:
+    if d.kind == "sync.vote" and (d.key in _DRAIN_VOTES
+                                  or (d.key.startswith("drain_") and d.key != "drain_idle")):
         return Fact.DRAIN_COUNT_DIVERGENCE
     return _DIVERGENCE_FACT.get(d.kind)
 
 
 def _divergences(ev: Evidence, divs: list[Divergence], facts: FactSet) -> None:
-    for d in divs:
+    """One witness per divergence. An eviction that differs only after the ranks' histories
+    already differed (a prefix, hit or drain divergence came first) is a consequence, not
+    ranks evicting differently "from the same history": it supports no eviction fact."""
+    other_first = False
+    for d in divs:  # earliest first
         fact = divergence_fact(d)
         if fact is None:
             continue
+        if fact is Fact.EVICTION_DIVERGENCE and other_first:
+            continue
+        other_first |= fact is not Fact.EVICTION_DIVERGENCE
         e = d.evidence[0] if d.evidence else None
         values = ", ".join(f"rank {r}: {v}" for r, v in sorted(d.values.items()))
         facts.add(fact, Witness(f"{d.label} #{d.index}: {values}"[:300],
@@ -56,6 +70,7 @@ def _divergences(ev: Evidence, divs: list[Divergence], facts: FactSet) -> None:
 
 def _prefetch_lifecycle(ev: Evidence, divs: list[Divergence], facts: FactSet) -> None:
     acks: dict[str, dict[int, int]] = {}
+    last_ack: dict[tuple[str, int], SourceRef] = {}
     for r in ev.ranks.values():
         in_flight: dict[str, SourceRef] = {}
         for kind, attrs, src, _step in r.events:
@@ -70,6 +85,7 @@ def _prefetch_lifecycle(ev: Evidence, divs: list[Divergence], facts: FactSet) ->
             elif kind == "l3.prefetch.ack":
                 acks.setdefault(rid, {}).setdefault(r.rank, 0)
                 acks[rid][r.rank] += 1
+                last_ack[(rid, r.rank)] = src
             elif kind == "fault.fired" and "mid-prefetch-abort" in str(attrs.get("kind", "")) + \
                     str(attrs.get("spec", "")):
                 facts.add(Fact.ABORT_DURING_PREFETCH, witness(
@@ -77,8 +93,11 @@ def _prefetch_lifecycle(ev: Evidence, divs: list[Divergence], facts: FactSet) ->
                     f"(request {attrs.get('rid')})", src, r.rank))
     for rid, per_rank in acks.items():
         if len(per_rank) >= 2 and len(set(per_rank.values())) > 1:
-            facts.add(Fact.PREFETCH_ACKS_STOPPED, Witness(
-                f"prefetch {rid}: acks per rank {dict(sorted(per_rank.items()))}"))
+            short = min(per_rank, key=lambda k: (per_rank[k], k))
+            facts.add(Fact.PREFETCH_ACKS_STOPPED, witness(
+                f"prefetch {rid}: acks per rank {dict(sorted(per_rank.items()))}; rank {short} "
+                f"stopped after {per_rank[short]} (its last ack here)",
+                last_ack.get((rid, short)), short))
 
 
 def _holes(ev: Evidence, divs: list[Divergence], facts: FactSet) -> None:
@@ -164,7 +183,11 @@ def _state(ev: Evidence, divs: list[Divergence], facts: FactSet) -> None:
             facts.add(Fact.RESERVATION_LEAKED, witness(
                 f"rank {r.rank}: prefetch_tokens_occupied={occupied} with no prefetch in flight",
                 r.state_source, r.rank))
-        sends = _find_key(r.state, "pending_sends")
+        # the count chain's own group when the snapshot splits them (other groups' sends are
+        # reaped each step and say nothing about the chain)
+        sends = _dig(r.state, ("pending_sends_by_group", "pp_sync"))
+        if sends is None and not isinstance(r.state.get("pending_sends_by_group"), dict):
+            sends = _find_key(r.state, "pending_sends")
         n_sends = len(sends) if isinstance(sends, list) else sends
         if isinstance(n_sends, (int, float)) and not isinstance(n_sends, bool):
             pending[r.rank] = (float(n_sends), r.state_source)
@@ -177,7 +200,8 @@ def _state(ev: Evidence, divs: list[Divergence], facts: FactSet) -> None:
         others = [m for k, (m, _) in pending.items() if k != rank]
         if n >= 64 and n >= 8 * max(others or [0]):
             facts.add(Fact.PENDING_SENDS_GROW, witness(
-                f"rank {rank}: {n:g} pending sends (other ranks: {others})", src, rank))
+                f"rank {rank}: {n:g} pending count-chain sends in its state snapshot (other "
+                f"ranks: {others})", src, rank))
 
 
 def _capacity_from_logs(r: RankEvidence, out: dict[int, tuple[int, SourceRef | None]]) -> None:
@@ -213,4 +237,4 @@ def _find_key(data: Any, key: str, depth: int = 0) -> Any:
 
 
 TRACE_FACTS = (_divergences, _prefetch_lifecycle, _holes, _allocation_and_checks, _samples,
-               _state)
+               _state, stage_batches, host_capacity_events)

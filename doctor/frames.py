@@ -5,7 +5,10 @@
 * **collective**: the frame is a collective or p2p primitive (``FUNC@FILE`` rules);
 * **call site** of a blocked thread: going outwards from the innermost collective frame, the
   first in-app frame that is not a mere wrapper (``_all_reduce_attn_groups``, the runtime's
-  ``sync`` module) — the place whose branch decided to call the collective;
+  ``sync``/``comm``/``groups`` modules) — the place whose branch decided to call the collective;
+* **innermost caller** of any stack (the rank table's frame): the innermost in-app frame that is
+  not communication plumbing — a lambda inside ``Group._run`` or ``Group.recv`` says nothing,
+  its caller (``_result_tokens``, ``_classic_writing_check``) says where the rank was;
 * **thread state**: ``crashed`` (fatal signal), ``blocked`` (inside a collective), ``idle``
   (waiting for work), ``active``.
 """
@@ -87,6 +90,15 @@ class FrameClassifier:
             if self.in_app(f):
                 return f
         return None
+
+    def innermost_caller(self, frames: list[Frame]) -> Frame | None:
+        """The innermost in-app frame that is not communication plumbing (a wrapper rule of
+        the catalog); the innermost in-app frame when every in-app frame is plumbing (an error
+        raised inside the communication layer itself still names a place)."""
+        for f in frames:
+            if self.in_app(f) and not self.is_wrapper(f) and not self.is_collective(f):
+                return f
+        return self.innermost_in_app(frames)
 
     def state(self, t: ThreadStack) -> str:
         """``crashed`` | ``blocked`` | ``idle`` | ``active`` (see the module docstring)."""

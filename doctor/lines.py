@@ -25,6 +25,8 @@ from doctor.evidence import (
     SourceRef,
     ThreadStack,
 )
+from doctor.parse_native import TRIGGERS as NATIVE_TRIGGERS
+from doctor.parse_native import CppTerminateParser
 from doctor.parse_stacks import FaulthandlerParser, PySpyTextParser
 from doctor.parse_torchrun import TorchrunParser
 from doctor.parse_traceback import TracebackParser
@@ -35,7 +37,8 @@ from signatures.models import Catalog
 BLOCK_TRIGGERS = ["Traceback (most recent call last)", "(most recent call first)",
                   "Fatal Python error", "ChildFailedError", "Root Cause (first observed",
                   "Python v3.", "tp_size=", "pp_size=", "dp_size=", "world_size=",
-                  "WORLD_SIZE", "--tp-size", "--pp-size", "Failures:", "Timeout (0:"]
+                  "WORLD_SIZE", "--tp-size", "--pp-size", "Failures:", "Timeout (0:",
+                  *NATIVE_TRIGGERS]
 _TOPO = re.compile(r"\b(?P<k>tp|pp|dp|world)_size=(?P<v>\d{1,6})\b|--(?P<k2>tp|pp|dp)-size[ =]"
                    r"(?P<v2>\d{1,6})\b|\bWORLD_SIZE[=:]\s*(?P<v3>\d{1,6})\b")
 _UNITS = {"k": 1 / 1024, "m": 1.0, "g": 1024.0, "t": 1024.0 * 1024}
@@ -51,14 +54,15 @@ class _Stream:
     fh: FaulthandlerParser
     ps: PySpyTextParser
     tr: TorchrunParser
+    cpp: CppTerminateParser
     opened_at: int = 0
 
     @property
     def open(self) -> bool:
-        return self.tb.open or self.fh.open or self.ps.open or self.tr.open
+        return self.tb.open or self.fh.open or self.ps.open or self.tr.open or self.cpp.open
 
     def close(self) -> None:
-        for p in (self.tb, self.fh, self.ps, self.tr):
+        for p in (self.tb, self.fh, self.ps, self.tr, self.cpp):
             p.close()
 
 
@@ -152,17 +156,17 @@ class LineHandler:
             holder.append(PySpyTextParser(on_thread))
             s = self._streams[hint] = _Stream(
                 TracebackParser(on_exc), FaulthandlerParser(on_thread),
-                holder[0], TorchrunParser(on_exit))
+                holder[0], TorchrunParser(on_exit), CppTerminateParser(on_exc))
         if s.open and lineno - s.opened_at > MAX_BLOCK_LINES:
             s.close()  # a block that never ends is not a block
         return s
 
     def _blocks(self, s: _Stream, rest: str, src: SourceRef, lineno: int) -> None:
         was_open = s.open
-        for parser in (s.tb, s.fh, s.ps, s.tr):
+        for parser in (s.tb, s.fh, s.ps, s.tr, s.cpp):
             if parser.open and parser.feed(rest, src):
                 return
-        for parser in (s.tb, s.fh, s.tr, s.ps):
+        for parser in (s.cpp, s.tb, s.fh, s.tr, s.ps):
             if parser.starts(rest) and parser.feed(rest, src):
                 if not was_open:
                     s.opened_at = lineno

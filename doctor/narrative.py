@@ -15,10 +15,13 @@ from signatures.facts import Fact
 
 def observations(ev: Evidence, facts: FactSet, rows: list[RankRow], sites: list[BlockedSite],
                  findings: list[CollectiveFinding], first: Divergence | None) -> list[str]:
-    out = _outside_the_catalog(ev, facts)
+    out = _outcome(ev, first) + _outside_the_catalog(ev, facts)
     for r in [r for r in rows if r.state == "crashed"][:4]:
         out.append(f"Rank {r.rank} ({r.role}) crashed: {r.error}"
                    + (f" at {r.frame}" if r.frame else "") + ".")
+    if Fact.PEER_EXITED_FIRST in facts:
+        out.append("The other ranks' timeouts, lost connections and blocked collectives follow "
+                   "from that failure: " + facts[Fact.PEER_EXITED_FIRST][0].text + ".")
     for e in list(ev.unranked.exceptions)[-2:]:
         out.append(f"An exception from an unknown rank: {e.short_type}: {e.message}"[:300]
                    + f" ({e.source}).")
@@ -38,9 +41,52 @@ def observations(ev: Evidence, facts: FactSet, rows: list[RankRow], sites: list[
     return out
 
 
+def _outcome(ev: Evidence, first: Divergence | None) -> list[str]:
+    """What the run's own record says happened: a wrong output, or no failure at all."""
+    if ev.outcome == "healthy" and not ev.mismatches:
+        return ["The bundle records a healthy run: every rank finished and the outputs matched "
+                "the cache-disabled reference. There is nothing to diagnose."]
+    if ev.outcome != "wrong-output" and not ev.mismatches:
+        return []
+    text = (f"Wrong output: the run finished, but {ev.mismatches} request(s) differ from the "
+            "cache-disabled reference")
+    if ev.mismatch_examples:
+        text += " (" + "; ".join(_mismatch(m) for m in ev.mismatch_examples[:2]) + ")"
+    out = [text + "."]
+    traced = [r for r in ev.ranks.values() if "trace" in r.kinds]
+    if first is None and len(traced) >= 2:
+        out.append("No decision differs between the ranks' traces: the ranks agreed with each "
+                   "other, so the wrong tokens come from something every rank did alike (a "
+                   "corrupted copy or page, stale KV reused, a numeric difference), not from a "
+                   "cross-rank divergence.")
+    return out
+
+
+def _mismatch(m: dict[str, object]) -> str:
+    if m.get("note"):
+        return str(m["note"])
+    return (f"{m.get('rid', '?')} from token {m.get('index', '?')}: expected "
+            f"{m.get('expected', '?')}, got {m.get('got', '?')}")
+
+
+def _injected(ev: Evidence) -> list[str]:
+    """Exceptions the fault injector raised on purpose (``--fault crash:...``)."""
+    out: list[str] = []
+    for r in ev.all_ranks():
+        for e in r.exceptions:
+            if e.short_type == "InjectedFault":
+                who = f"Rank {r.rank}" if r.rank >= 0 else "A rank"
+                faults = f" (the run's --fault {', '.join(ev.faults)})" if ev.faults else ""
+                out.append(f"{who} raised an injected fault, {e.short_type}: {e.message}"
+                           f"{faults}: the test harness made it fail on purpose. This is not a "
+                           "cache protocol bug; whatever the other ranks show follows from it.")
+                return out
+    return out
+
+
 def _outside_the_catalog(ev: Evidence, facts: FactSet) -> list[str]:
     """What explains a failure that no signature covers."""
-    out: list[str] = []
+    out: list[str] = _injected(ev)
     if Fact.ALL_RANKS_IDLE in facts:
         out.append("A hang with every rank idle: no rank is inside a collective or busy, every "
                    "thread waits for work. The stall is outside the ranks (front-end, client, "

@@ -53,7 +53,7 @@ def _rank(r: RankEvidence, frames: FrameClassifier, obs: Observation) -> None:
 
 
 def _exc_witness(e: ExceptionRecord, rank: int, frames: FrameClassifier) -> Witness:
-    where = site_label(frames.innermost_in_app(e.frames))
+    where = site_label(frames.innermost_caller(e.frames))
     text = f"{e.short_type}: {e.message}" + (f" at {where}" if where else "")
     who = f"rank {rank}: " if rank >= 0 else ""
     return Witness(who + text, e.source.file, e.source.line, rank)

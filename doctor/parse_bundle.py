@@ -22,6 +22,7 @@ CAPTURE_KIND = "hicache-capture"
 CAPTURE_SCHEMA_VERSION = "1.0"
 _SIGNALS = {-9: "SIGKILL", -6: "SIGABRT", -11: "SIGSEGV", -7: "SIGBUS", -15: "SIGTERM"}
 _ERROR = re.compile(r"^(?P<type>[A-Za-z_][\w.]*): ?(?P<msg>.*)$")
+MAX_MISMATCH_EXAMPLES = 5
 
 
 class CaptureTarget(BaseModel):
@@ -72,12 +73,28 @@ def read_manifest(raw: bytes, name: str, sink: EvidenceBuilder) -> None:
         sink.legacy.setdefault(switch, src)
     sink.faults.extend(f for f in m.faults if f not in sink.faults)
     sink.mismatches += len(m.mismatches)
+    room = MAX_MISMATCH_EXAMPLES - len(sink.mismatch_examples)
+    sink.mismatch_examples.extend(_mismatch(x) for x in m.mismatches[:max(0, room)])
     sink.expected_ranks |= set(m.missing_ranks)
     for f in m.faults_fired:
         sink.slot(RankHint(rank=f.rank)).events.append(
             ("fault.fired", f.model_dump(), src, f.step))
     for i, r in enumerate(m.ranks):
         _rank_entry(r.model_dump(), SourceRef(name, None), sink, i)
+
+
+def _mismatch(raw: dict[str, Any]) -> dict[str, object]:
+    """One mismatch as plain, bounded values (a manifest is input: never trust its sizes)."""
+    out: dict[str, object] = {}
+    for key in ("rid", "index", "note"):
+        value = raw.get(key)
+        if isinstance(value, (str, int)) and not isinstance(value, bool):
+            out[key] = value if isinstance(value, int) else value[:200]
+    for key in ("expected", "got"):
+        value = raw.get(key)
+        if isinstance(value, list):
+            out[key] = [v for v in value[:8] if isinstance(v, int)]
+    return out
 
 
 def _rank_entry(r: dict[str, Any], src: SourceRef, sink: EvidenceBuilder, index: int) -> None:
@@ -88,10 +105,13 @@ def _rank_entry(r: dict[str, Any], src: SourceRef, sink: EvidenceBuilder, index:
         slot.pid = r["pid"]
         sink.pid_ranks[r["pid"]] = r["rank"]
     code = r.get("exit_code")
-    if code is not None:
-        slot.exits.append(ExitRecord(exit_code=code, pid=r.get("pid"), signal=_SIGNALS.get(code),
-                                     root_cause=False, time=None, source=src))
     error, files = r.get("error"), r.get("files") or {}
+    if code is not None:
+        # py-spy and the log are taken by the launcher; any other file is the rank's own dump
+        dumped = any(v for k, v in files.items() if k not in ("pyspy", "log"))
+        slot.exits.append(ExitRecord(exit_code=code, pid=r.get("pid"), signal=_SIGNALS.get(code),
+                                     root_cause=False, time=None, source=src, dumped=dumped,
+                                     launcher="hicache"))
     if error and not files.get("traceback"):
         m = _ERROR.match(error)
         if m:

@@ -93,9 +93,15 @@ def read_runtime_fr(data: Any, name: str, hint: RankHint, sink: EvidenceBuilder)
         slot.add_collective(Collective(
             group=str(e.get("group", "?")), seq=e["seq"], op=str(e.get("op", "?")),
             state=str(e.get("state", "?")), sizes=str(shapes), site=site,
-            source=SourceRef(name, i + 1), thread=str(e.get("thread", ""))))
+            source=SourceRef(name, i + 1), thread=str(e.get("thread", "")),
+            peer=_peer(e.get("peer"))))
         read += 1
     return read
+
+
+def _peer(value: Any) -> int | None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 16
+    return value if ok else None
 
 
 def _site(text: str) -> Frame | None:

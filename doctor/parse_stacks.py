@@ -54,6 +54,8 @@ class FaulthandlerParser:
         self._emit = emit
         self.open = False
         self._fatal: str | None = None
+        self._fatal_src: SourceRef | None = None
+        self._fatal_owned = False
         self._thread: ThreadStack | None = None
 
     @staticmethod
@@ -64,8 +66,9 @@ class FaulthandlerParser:
     def feed(self, line: str, src: SourceRef) -> bool:
         m = _FH_FATAL.search(line)
         if m:
-            self._flush()
+            self.close()
             self.open, self._fatal = True, m["what"].strip()
+            self._fatal_src, self._fatal_owned = src, False
             return True
         m = _FH_THREAD.match(line.lstrip()) or _FH_STACK.match(line.lstrip())
         if m:
@@ -76,6 +79,7 @@ class FaulthandlerParser:
                 name=(m.groupdict().get("name") or ""), tid=m.groupdict().get("tid") or "?",
                 frames=[], source=src, origin="faulthandler", current=cur,
                 fatal=self._fatal if cur else None)
+            self._fatal_owned |= cur
             return True
         if not self.open:
             return False
@@ -93,8 +97,15 @@ class FaulthandlerParser:
 
     def close(self) -> None:
         self._flush()
+        if self._fatal is not None and not self._fatal_owned and self._fatal_src is not None:
+            # The signal hit a thread without a Python stack (a C++ abort on a gloo or NCCL
+            # thread): no thread is "Current", so the fatal error gets a frameless thread of
+            # its own; the rank table then shows what the Python threads were doing.
+            self._emit(ThreadStack(name="(native thread)", tid="native", frames=[],
+                                   source=self._fatal_src, origin="faulthandler", current=True,
+                                   fatal=self._fatal))
         self.open = False
-        self._fatal = None
+        self._fatal, self._fatal_src, self._fatal_owned = None, None, False
 
     def _flush(self) -> None:
         if self._thread is not None:

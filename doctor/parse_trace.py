@@ -6,7 +6,8 @@ From events the doctor keeps two things per rank:
   the prefix a request was admitted with, an eviction, an agreed vote, a drain count, a prefetch
   settlement), reduced to the attributes that must agree (``DECISIONS``);
 * **notable events** — aborts, prefetch lifecycle, skipped backups, fired faults, consensus and
-  integrity checks — which the fact analyzers read.
+  integrity checks, the batch a downstream stage received (``pp.recv``), host capacities — which
+  the fact analyzers read.
 
 Lines are filtered on their ``"kind"`` value before any JSON parsing, so huge traces stream at
 disk speed; malformed lines are counted, never fatal.
@@ -18,7 +19,7 @@ import json
 from typing import Any, BinaryIO
 
 from doctor.builder import EvidenceBuilder
-from doctor.evidence import Decision, RankHint, SourceRef
+from doctor.evidence import MAX_ARRIVALS, Decision, RankHint, SourceRef
 from hicache_runtime.tracing import Ev
 
 #: kind -> (attribute naming the decision's subject or None, attributes that must agree)
@@ -26,8 +27,8 @@ DECISIONS: dict[str, tuple[str | None, tuple[str, ...]]] = {
     Ev.BATCH: (None, ("rids", "extend", "prefix")),
     Ev.REQ_ADMIT: ("rid", ("prefix", "extend")),
     Ev.MATCH: ("rid", ("device", "host")),
-    Ev.EVICT: (None, ("evicted",)),
-    Ev.EVICT_HOST: (None, ("evicted",)),
+    Ev.EVICT: (None, ("evicted", "victims")),
+    Ev.EVICT_HOST: (None, ("evicted", "victims")),
     Ev.WRITE_DRAIN: (None, ("count",)),
     Ev.LOAD_DRAIN: (None, ("count",)),
     Ev.VOTE: ("site", ("agreed",)),
@@ -37,11 +38,14 @@ DECISIONS: dict[str, tuple[str | None, tuple[str, ...]]] = {
 NOTABLE = frozenset({
     Ev.REQ_ABORT, Ev.PREFETCH_SUBMIT, Ev.PREFETCH_ACK, Ev.PREFETCH_SETTLE, Ev.PREFETCH_HIT,
     Ev.PREFETCH_TERMINATE, Ev.PREFETCH_REVOKE, Ev.WRITE_SKIP, Ev.FAULT, Ev.CONSENSUS,
-    Ev.INTEGRITY, Ev.WATCHDOG, Ev.STORAGE, Ev.VOTE, Ev.WORKER_DIED,
+    Ev.INTEGRITY, Ev.WATCHDOG, Ev.STORAGE, Ev.VOTE, Ev.WORKER_DIED, Ev.PP_RECV,
+    Ev.HOST_CAPACITY,
 })
 _SAMPLE_ATTRS = {"rss_mb": "rss_mb", "rss": "rss_mb", "pending_sends": "pending_sends",
                  "host_free": "host_free"}
-_WANTED = {k.encode() for k in (*DECISIONS, *NOTABLE)}
+#: Decisions about one request: comparable across ranks only if its arrival is traced.
+REQUEST_KEYED = frozenset({Ev.REQ_ADMIT, Ev.MATCH, Ev.PREFETCH_HIT, Ev.PREFETCH_SETTLE})
+_WANTED = {k.encode() for k in (*DECISIONS, *NOTABLE, Ev.REQ_ARRIVE)}
 _SAMPLE_BYTES = tuple(f'"{a}"'.encode() for a in _SAMPLE_ATTRS)
 _KIND = b'"kind":'
 MAX_TRACE_LINE = 1 << 20
@@ -83,6 +87,10 @@ def _file_event(ev: dict[str, Any], src: SourceRef, hint: RankHint,
     slot = sink.slot(own.merged(hint))
     slot.kinds.add("trace")
     step = _int(ev.get("step")) or 0
+    if slot.trace_start is None or step < slot.trace_start:
+        slot.trace_start = step
+    if kind == Ev.REQ_ARRIVE and len(slot.arrived) < MAX_ARRIVALS:
+        slot.arrived.add(str(attrs.get("rid", "")))
     for attr, sample in _SAMPLE_ATTRS.items():
         value = attrs.get(attr)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -90,7 +98,7 @@ def _file_event(ev: dict[str, Any], src: SourceRef, hint: RankHint,
     if kind in NOTABLE:
         slot.events.append((kind, attrs, src, step))
     spec = DECISIONS.get(kind)
-    if spec is not None:
+    if spec is not None and not _traced_conditionally(kind, attrs):
         key_attr, fields = spec
         key = str(attrs.get(key_attr, "")) if key_attr else ""
         value = {f: attrs[f] for f in fields if f in attrs}
@@ -98,6 +106,17 @@ def _file_event(ev: dict[str, Any], src: SourceRef, hint: RankHint,
             slot.add_decision(Decision(kind, key, json.dumps(value, sort_keys=True, default=str),
                                        step, src))
     return True
+
+
+def _traced_conditionally(kind: str, attrs: dict[str, Any]) -> bool:
+    """A decision some ranks trace and others do not, so its occurrences cannot be aligned:
+    the runtime traces a ``drain_counts`` round only when this rank's local or agreed counts
+    are non-zero, so an all-zero agreement shows up on the ranks that had something locally
+    and not on the others."""
+    if kind != Ev.VOTE or attrs.get("site") != "drain_counts":
+        return False
+    agreed = attrs.get("agreed")
+    return isinstance(agreed, list) and not any(agreed)
 
 
 def read_state(data: Any, name: str, hint: RankHint, sink: EvidenceBuilder) -> None:

@@ -63,7 +63,7 @@ class RankRow(BaseModel):
     rank: int
     role: str
     state: str
-    """crashed | blocked | idle | active | exited | missing | unknown"""
+    """crashed | blocked | idle | active | exited | finished | missing | unknown"""
     thread: str | None = None
     frame: str | None = None
     """Innermost in-app frame of the failing or blocked thread (``func (file:line)``)."""
@@ -90,7 +90,8 @@ class CollectiveFinding(BaseModel):
     group: str
     seq: int
     kind: str
-    """missing-ranks | op-mismatch | site-mismatch | size-mismatch | seq-behind"""
+    """missing-ranks | op-mismatch | site-mismatch | size-mismatch | seq-behind (collectives);
+    unreceived-send | unmatched-recv | size-mismatch (point-to-point pairs)"""
     detail: str
     ranks: list[int]
     evidence: list[EvidenceItem] = []

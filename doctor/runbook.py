@@ -94,8 +94,10 @@ def incident_runbook(d: Diagnosis, catalog: Catalog) -> str:
     if not d.verdicts:
         out += ["## No known signature", "", "The doctor named no signature. What it sees:", ""]
         out += [f"- {o}" for o in d.observations] or ["- nothing specific"]
-        out += [""] + [f"- similar to `{n.signature}` ({n.score:.2f}): {n.because}"
-                       for n in d.near_misses]
+        if d.near_misses:
+            out += ["", "Closest signatures (not named: too little evidence):", ""]
+            out += [f"- similar to `{n.signature}` ({n.score:.2f}): {n.because}"
+                    for n in d.near_misses]
         return "\n".join(out).rstrip() + "\n"
     try:
         sig = catalog.get(d.verdicts[0].signature)
@@ -120,8 +122,13 @@ def _incident_evidence(d: Diagnosis) -> list[str]:
                                     + (f", {r.error}" if r.error else "") for r in d.ranks] + [""]
     if d.first_divergence is not None:
         fd = d.first_divergence
-        out += [f"First divergent decision: `{fd.label}` #{fd.index}: "
-                + ", ".join(f"rank {r}: {v}" for r, v in sorted(fd.values.items())), ""]
+        steps = ", ".join(f"rank {r} at step {s}" for r, s in sorted(fd.steps.items()))
+        out += ["### First divergent decision", "",
+                f"`{fd.label}`, occurrence #{fd.index} ({steps}): "
+                + ", ".join(f"rank {r}: {v}" for r, v in sorted(fd.values.items())) + ".", "",
+                "The earliest decision on which ranks that must agree did not; later "
+                "differences (and the failure itself) are usually its consequences."]
+        out += [f"- `{cite(e)}`" for e in fd.evidence if cite(e)] + [""]
     if d.missing:
         out += ["### Collect what is missing", ""] + [f"- {m.what}: `{m.command}`"
                                                       for m in d.missing] + [""]

@@ -14,17 +14,23 @@ from collections import defaultdict
 
 from doctor.builder import Evidence
 from doctor.evidence import ExceptionRecord, Frame, RankEvidence, ThreadStack
+from doctor.exits import describe, stopped_after_dump
 from doctor.frames import FrameClassifier
 from doctor.report import BlockedSite, EvidenceItem, RankRow
 
 _COMM_ERROR = re.compile(r"Timed out waiting|Connection (closed|reset) by peer|NCCL|"
                          r"DistBackendError|DistNetworkError|ChildFailedError|SignalException|"
                          r"ProcessGroup|gloo|Socket Timeout|StepStalled|no scheduler progress")
+#: Communication errors that are this rank's own failure: the collective itself mismatched.
+_OWN_COMM_ERROR = re.compile(r"Received data size doesn't match|op\.preamble\.length <= "
+                             r"op\.nbytes|Detected mismatch between collectives")
 
 
 def is_comm_error(e: ExceptionRecord) -> bool:
-    """An error that reports a peer's problem (timeouts, lost connections, torchrun's wrapper)."""
-    return bool(_COMM_ERROR.search(e.type) or _COMM_ERROR.search(e.message))
+    """An error that reports a peer's problem (timeouts, lost connections, torchrun's wrapper).
+    A size mismatch inside a collective is not one: it is the failure itself."""
+    text = f"{e.type}: {e.message}"
+    return bool(_COMM_ERROR.search(text)) and not _OWN_COMM_ERROR.search(text)
 
 
 def failing_exception(ev: RankEvidence, frames: FrameClassifier) -> ExceptionRecord | None:
@@ -49,16 +55,36 @@ def site_label(f: Frame | None) -> str | None:
 
 
 def blocked_threads(ev: RankEvidence, frames: FrameClassifier) -> list[ThreadStack]:
-    """Threads inside a collective. Without thread dumps for the rank, the traceback of a
-    collective that timed out or lost its peer stands in: it shows where the rank waited."""
+    """Threads inside a collective. When no dumped thread is inside one (no dumps, or dumps
+    taken after the timeout unwound the stack), the traceback of a collective that timed out
+    or lost its peer stands in: it shows where the rank waited."""
     dumped = [t for t in ev.threads if frames.state(t) == "blocked"]
-    if dumped or list(ev.threads):
-        return dumped
-    for e in reversed(list(ev.exceptions)):
+    # py-spy is taken by the launcher at about the same moment on every rank; a rank's own
+    # faulthandler dump may come seconds later, after the rank moved on
+    pyspy = [t for t in dumped if t.origin == "pyspy"]
+    if dumped:
+        return pyspy or dumped
+    excs = list(ev.exceptions)
+    for i in range(len(excs) - 1, -1, -1):
+        e = excs[i]
         if is_comm_error(e) and frames.collective_index(e.frames) is not None:
-            return [ThreadStack(name="(traceback)", tid="-", frames=e.frames, source=e.source,
-                                origin="traceback")]
+            outer = excs[i + 1] if i + 1 < len(excs) else None
+            return [ThreadStack(name="(traceback)", tid="-", frames=_joined(e, outer),
+                                source=e.source, origin="traceback")]
     return []
+
+
+def _joined(inner: ExceptionRecord, outer: ExceptionRecord | None) -> list[Frame]:
+    """The inner exception's frames, continued outwards by the exception raised while handling
+    it: a timeout caught inside torch and turned into another error shows only torch frames,
+    and the outer traceback holds the callers from the frame that caught it onwards."""
+    if outer is None or outer.chain not in ("context", "cause") or not inner.frames:
+        return inner.frames
+    catcher = inner.frames[-1]
+    for i, f in enumerate(outer.frames):
+        if f.func == catcher.func and f.file == catcher.file:
+            return inner.frames + outer.frames[i + 1:]
+    return inner.frames
 
 
 def rank_rows(evidence: Evidence, frames: FrameClassifier) -> list[RankRow]:
@@ -76,38 +102,60 @@ def _row(ev: RankEvidence, frames: FrameClassifier) -> RankRow:
     exc = failing_exception(ev, frames)
     blocked = blocked_threads(ev, frames)
     if crashed:
-        t = crashed[0]
-        row.state, row.thread, row.error = "crashed", t.name or t.tid, f"Fatal: {t.fatal}"
-        row.frame = site_label(frames.innermost_in_app(t.frames) or (t.frames or [None])[0])
+        _crashed_row(row, crashed[0], exc, blocked, frames)
     elif exc is not None and not is_comm_error(exc):
         row.state, row.error = "crashed", f"{exc.short_type}: {exc.message}"[:200]
-        row.frame = site_label(frames.innermost_in_app(exc.frames))
+        row.frame = site_label(frames.innermost_caller(exc.frames))
+        if not exc.frames and blocked:  # a C++ exception: where its Python thread waited
+            row.site = site_label(frames.call_site(blocked[0].frames))
     elif blocked:
         t = sorted(blocked, key=lambda t: frames.role(t) != "main")[0]
         row.state, row.thread = "blocked", t.name or t.tid
-        row.frame = site_label(frames.innermost_in_app(t.frames))
+        row.frame = site_label(frames.innermost_caller(t.frames))
         row.site = site_label(frames.call_site(t.frames))
         if t.origin == "traceback" and exc is not None:
             row.error = f"{exc.short_type}: {exc.message}"[:200]
     elif exc is not None:
         row.state, row.error = "failed", f"{exc.short_type}: {exc.message}"[:200]
-        row.frame = site_label(frames.innermost_in_app(exc.frames))
+        row.frame = site_label(frames.innermost_caller(exc.frames))
     elif ev.threads:
         main = [t for t in ev.threads if frames.role(t) == "main"] or list(ev.threads)
         row.thread = main[0].name or main[0].tid
         row.state = frames.state(main[0])
-        row.frame = site_label(frames.innermost_in_app(main[0].frames))
+        row.frame = site_label(frames.innermost_caller(main[0].frames))
     _exit_state(ev, row)
     return row
+
+
+def _crashed_row(row: RankRow, t: ThreadStack, exc: ExceptionRecord | None,
+                 blocked: list[ThreadStack], frames: FrameClassifier) -> None:
+    """A thread died of a fatal signal. When it has no Python frames (a C++ abort on a gloo
+    thread), the Python thread that was inside a collective says where the rank was, and a
+    frameless C++ exception (``terminate called ... what():``) says why."""
+    row.state, row.thread, row.error = "crashed", t.name or t.tid, f"Fatal: {t.fatal}"
+    row.frame = site_label(frames.innermost_caller(t.frames) or (t.frames or [None])[0])
+    if t.frames:
+        return
+    if blocked:
+        inside = sorted(blocked, key=lambda b: frames.role(b) != "main")[0]
+        row.thread = inside.name or inside.tid
+        row.site = site_label(frames.call_site(inside.frames))
+        row.frame = row.frame or row.site
+    if exc is not None and not exc.frames:
+        row.error = f"Fatal: {t.fatal} after {exc.short_type}: {exc.message}"[:200]
 
 
 def _exit_state(ev: RankEvidence, row: RankRow) -> None:
     codes = [x for x in ev.exits if x.exit_code not in (None, 0)]
     if not codes:
+        if any(x.exit_code == 0 for x in ev.exits) and row.state in ("unknown", "idle",
+                                                                      "active"):
+            # a rank that returned normally: its dump threads say nothing about a failure
+            row.state, row.frame, row.thread = "finished", None, None
         return
     x = sorted(codes, key=lambda x: not x.root_cause)[0]
-    what = f"exit {x.exit_code}" + (f" ({x.signal})" if x.signal else "")
-    if row.state in ("unknown", "idle", "active"):
+    what = describe(x)
+    if row.state in ("unknown", "idle", "active") and not stopped_after_dump(x):
         row.state = "exited"
     row.error = f"{row.error}; {what}" if row.error else what
 

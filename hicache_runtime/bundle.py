@@ -122,6 +122,8 @@ class TraceEvent(BaseModel):
     """One line of ``events.jsonl`` (and of ``--trace`` files)."""
 
     model_config = ConfigDict(extra="allow")
+    seq: int | None = None
+    """Per-rank event number (1, 2, ...), also for events that fell out of the ring."""
     t_ns: int
     rank: int
     tp: int

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from hicache_runtime.errors import InvariantViolation
+from hicache_runtime.sync import DrainCounts
 
 if TYPE_CHECKING:
     from hicache_runtime.pools import DeviceKVPool
@@ -95,8 +96,16 @@ class PrefixCache(ABC):
     def on_abort(self, req: Req) -> None:
         """A waiting request was aborted (release its prefetch)."""
 
-    def check_events(self) -> None:
-        """Consume completed transfers (scheduler thread, before batch formation)."""
+    def on_admit(self, req: Req) -> None:
+        """A request was admitted into a batch (pages held for it may be released)."""
+
+    def local_drain_counts(self) -> DrainCounts:
+        """Ready completions of this rank, to be agreed on across ranks."""
+        return DrainCounts()
+
+    def check_events(self, agreed: DrainCounts | None = None) -> None:
+        """Consume completed transfers (scheduler thread, before batch formation); with
+        ``agreed``, exactly those counts (already agreed across ranks)."""
 
     def start_loading(self) -> int | None:
         """Launch queued load-backs; returns the layer-counter slot the batch must consume."""

@@ -140,6 +140,12 @@ class Group:
                   lambda: dist.all_gather_object(out, obj, group=self.pg))
         return out
 
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        if self.size > 1:
+            self._run("broadcast", [tensor], src,
+                      lambda: dist.broadcast(tensor, src=src, group=self.pg))
+        return tensor
+
     def broadcast_object(self, obj: Any, src: int) -> Any:
         if self.size == 1:
             return obj
@@ -178,10 +184,11 @@ class Group:
         self.recv(data, src)
         return pickle.loads(data.numpy().tobytes())
 
-    def wait_pending(self) -> None:
-        """Wait for every async send of this group (bounds in-flight sends, applies
-        backpressure to a sender that runs ahead of its receiver)."""
-        pending, self.pending = self.pending, []
+    def wait_pending(self, count: int | None = None) -> None:
+        """Wait for the oldest ``count`` async sends of this group (all by default): bounds
+        in-flight sends and applies backpressure to a sender that runs ahead."""
+        n = len(self.pending) if count is None else min(count, len(self.pending))
+        pending, self.pending = self.pending[:n], self.pending[n:]
         for work, rec, _ in pending:
             try:
                 work.wait()

@@ -132,6 +132,7 @@ class StorageConfig(BaseModel):
     """MLA-style: only TP rank 0 writes to L3; the others skip but still ack."""
     sidecar_pools: tuple[Literal["all_pages", "trailing_pages"], ...] = ()
     reconnect_backoff_s: float = Field(0.5, gt=0)
+    reconnect_backoff_max_s: float = Field(5.0, gt=0)
     required: bool = True
     """False: start even if the backend is unreachable (it fails soft and reconnects)."""
 

@@ -84,8 +84,7 @@ class HiCache(PrefixCache):
             if loaded is not None:
                 indices, last, host_hit = torch.cat([indices, loaded]), m.last_host_node, \
                     int(loaded.numel())
-        storage_hit = min(host_hit, req.storage_pending)
-        req.storage_pending = 0
+        storage_hit = min(host_hit, req.storage_pending)  # reset by the scheduler on admit
         self.tracer.emit(Ev.MATCH, rid=req.rid, device=int(m.device_indices.numel()),
                          host=m.host_hit_length, loaded=host_hit, storage=storage_hit,
                          node=last.id)
@@ -215,15 +214,16 @@ class HiCache(PrefixCache):
         self.host.free(slots)
 
     def hang_host_pages(self, anchor: TreeNode, tokens: list[int], host_slots: torch.Tensor,
-                        hashes: list[str]) -> int:
-        """Hang fetched L3 pages below ``anchor`` as host-only nodes; returns the tokens
-        added. Pages the tree already holds, or that cannot hang contiguously, are freed."""
+                        hashes: list[str]) -> torch.Tensor:
+        """Hang fetched L3 pages below ``anchor`` as host-only nodes; returns the host slots
+        added to the tree. Pages the tree already holds, or that cannot hang contiguously,
+        are freed."""
         present, added = self.tree.insert_host(anchor, tokens, host_slots, hashes)
         if present:
             self.host_free(host_slots[:present])
         if present + added < len(tokens):
             self.host_free(host_slots[present + added :])
-        return added
+        return host_slots[present : present + added]
 
     # --- L2 -> L1 ---------------------------------------------------------------------------------
 
@@ -382,32 +382,42 @@ class HiCache(PrefixCache):
 
     # --- completions ----------------------------------------------------------------------------
 
-    def check_events(self) -> None:
-        """Consume completed transfers: exactly the agreed count of each (see ``sync``)."""
+    def local_drain_counts(self) -> DrainCounts:
+        """This rank's ready counts (launching queued writes first), to be agreed on. Storage
+        queues are left out when they are drained stage-locally (legacy paths)."""
+        if self.controller is None:
+            return DrainCounts()
+        self.controller.start_writing()
+        l3 = self.l3.local_counts() if self.l3 is not None and not self._stage_local_l3 else {}
+        return DrainCounts(
+            write_acks=self.controller.ready_count(self.controller.ack_write_queue),
+            load_acks=self.controller.ready_count(self.controller.ack_load_queue), **l3)
+
+    @property
+    def _stage_local_l3(self) -> bool:
+        # pre-#27010, storage queues were drained by a per-stage TP MIN, never chained
+        return self.classic_drain or LegacySwitch.LOCAL_PREFETCH_PROGRESS in self.legacy
+
+    def check_events(self, agreed: DrainCounts | None = None) -> None:
+        """Consume completed transfers: exactly the agreed count of each (see ``sync``).
+        ``agreed`` comes from the step's merged agreement when the caller already has it."""
         if self.controller is None:
             return
-        self.controller.start_writing()
-        l3 = self.l3.local_counts() if self.l3 is not None else {}
-        # pre-#27010, storage queues were drained by a per-stage TP MIN, never chained
-        stage_local_l3 = LegacySwitch.LOCAL_PREFETCH_PROGRESS in self.legacy
         if self.classic_drain:
+            self.controller.start_writing()
             self._classic_writing_check()
             self._loading_check(self.controller.ready_count(self.controller.ack_load_queue))
-            stage_local_l3 = True
-            agreed = None
         else:
-            local = DrainCounts(
-                write_acks=self.controller.ready_count(self.controller.ack_write_queue),
-                load_acks=self.controller.ready_count(self.controller.ack_load_queue),
-                **({} if stage_local_l3 else l3),
-            )
-            agreed = self.sync.drain_counts(local)
+            if agreed is None:
+                agreed = self.sync.drain_counts(self.local_drain_counts())
+            else:
+                self.controller.start_writing()
             self._writing_check(agreed.write_acks)
             self._loading_check(agreed.load_acks)
         if self.l3 is not None:
-            if stage_local_l3:  # classic drain_storage_control_queues
+            if self._stage_local_l3:  # classic drain_storage_control_queues
                 agreed = DrainCounts(**{k: self.sync.legacy_tp_min(v, f"drain_{k}")
-                                        for k, v in l3.items()})
+                                        for k, v in self.l3.local_counts().items()})
             assert agreed is not None
             self.l3.drain(agreed)
 
@@ -461,6 +471,10 @@ class HiCache(PrefixCache):
     def on_abort(self, req: Req) -> None:
         if self.l3 is not None:
             self.l3.release_aborted(req)
+
+    def on_admit(self, req: Req) -> None:
+        if self.l3 is not None:
+            self.l3.release_hold(req.rid)
 
     def idle(self) -> bool:
         if self.controller is None:

@@ -58,6 +58,9 @@ class L3Tier:
         self.occupied = 0
         self.ongoing_prefetch: dict[str, PrefetchOperation] = {}
         self.ongoing_backup: dict[int, BackupOperation] = {}
+        self.held_for: dict[str, torch.Tensor] = {}
+        """Host pages a settled prefetch hung into the tree, pinned until its request is
+        admitted: otherwise L2 pressure can evict them while the request still waits."""
         self._backup_ids = 0
         self.stats = {"prefetch_issued": 0, "prefetch_revoked": 0, "prefetch_rate_limited": 0,
                       "prefetched_tokens": 0, "backup_pages": 0, "backup_failed_pages": 0}
@@ -211,9 +214,13 @@ class L3Tier:
         inserted = 0
         if completed and not op.pages_freed:
             assert op.host_slots is not None
-            inserted = self.cache.hang_host_pages(
+            added = self.cache.hang_host_pages(
                 op.anchor, op.tokens[:completed], op.host_slots[:completed],
                 op.hashes[: completed // self.ps])
+            inserted = int(added.numel())
+            if inserted:  # keep L2 from evicting them before the request is admitted
+                self.cache.pins.pin(added)
+                self.held_for[req.rid] = added
         op.settled, op.settled_tokens = True, completed
         self.cache.pins.unpin(op.anchor_slots)
         req.storage_pending = inserted
@@ -224,8 +231,15 @@ class L3Tier:
         if op.io_finished or op.host_slots is None:
             self._finish(op)
 
+    def release_hold(self, rid: str) -> None:
+        """``rid`` was admitted (or is gone): its fetched pages may age out of L2 again."""
+        held = self.held_for.pop(rid, None)
+        if held is not None:
+            self.cache.pins.unpin(held)
+
     def release_aborted(self, req: Req) -> None:
         """The waiting ``req`` was aborted: stop its prefetch and release what it holds."""
+        self.release_hold(req.rid)
         op = self.ongoing_prefetch.get(req.rid)
         if op is None:
             return
@@ -280,7 +294,8 @@ class L3Tier:
     def pin_holders(self) -> list[torch.Tensor | None]:
         """Host slots this tier holds pins on: backups in flight, unsettled prefetch anchors."""
         return [*(op.host_slots for op in self.ongoing_backup.values()),
-                *(op.anchor_slots for op in self.ongoing_prefetch.values() if not op.settled)]
+                *(op.anchor_slots for op in self.ongoing_prefetch.values() if not op.settled),
+                *self.held_for.values()]
 
     def check_accounting(self) -> None:
         """Reservations add up: ``prefetch_tokens_occupied`` is exactly what open ops hold."""

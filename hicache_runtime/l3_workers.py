@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _POLL_S = 0.2
 _ABORT_WAIT_S = 5.0
+_WARN_FIRST, _WARN_EVERY = 5, 100
 
 AbortRequester = Callable[[str], threading.Event]
 """Asks the scheduler to abort a request; the event is set once the abort has been applied."""
@@ -82,6 +83,7 @@ class StorageWorkers:
         self.host_mem_release_queue: queue.Queue[object] = queue.Queue()
         self.stop_event = threading.Event()
         self.failure: tuple[str, BaseException] | None = None
+        self._warnings = 0
         self.writer = not cfg.single_writer or rank.tp_rank == 0
         self._threads = [
             threading.Thread(target=self._loop, args=(self.prefetch_queue, self._query),
@@ -109,6 +111,15 @@ class StorageWorkers:
         if stuck:
             log.error("Failed to stop HiCache storage threads cleanly: %s", ", ".join(stuck))
         return stuck
+
+    def _warn(self, msg: str, *args: object) -> None:
+        """Upstream's warnings, rate-limited: during an outage every batch fails, and one
+        line per batch would bury the log (the counters keep the exact numbers)."""
+        self._warnings += 1
+        n = self._warnings
+        if n <= _WARN_FIRST or n % _WARN_EVERY == 0:
+            suffix = "" if n <= _WARN_FIRST else f" ({n} storage warnings so far)"
+            log.warning(msg + suffix, *args)
 
     def check_alive(self) -> None:
         """Raise on the scheduler thread if a worker died, chaining its exception: a dead
@@ -190,7 +201,7 @@ class StorageWorkers:
             self.codec.write_pages(self.host, slots, payloads[:good])  # type: ignore[arg-type]
             op.local_completed += good * ps
         if good < len(keys):
-            log.warning("Prefetch operation %s failed to retrieve page %s", op.rid, keys[good])
+            self._warn("Prefetch operation %s failed to retrieve page %s", op.rid, keys[good])
             return False
         return True
 
@@ -224,7 +235,7 @@ class StorageWorkers:
                 slots = op.host_slots[start * ps : (start + len(keys)) * ps]
                 ok = self.backend.batch_set(keys, self.codec.read_pages(self.host, slots), info)
                 if not all(ok):
-                    log.warning("Write page to storage: %d pages failed.", ok.count(False))
+                    self._warn("Write page to storage: %d pages failed.", ok.count(False))
                     break
                 op.completed_pages += len(keys)
         self.tracer.emit(Ev.BACKUP_ACK, node=op.node_id, pages=op.completed_pages,

@@ -28,6 +28,7 @@ import torch
 from faults.points import FaultPoint
 from hicache_runtime.engine import Engine, EngineResult
 from hicache_runtime.request import Req
+from hicache_runtime.sync import DrainCounts
 from hicache_runtime.tracing import Ev
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from hicache_runtime.sync import ConsensusChecker
 
 _IDLE_SLEEP_S = 0.0005
-_DRAIN_POLL_S = 0.002
+_DRAIN_POLL_S = 0.01
 
 
 @dataclass
@@ -62,7 +63,7 @@ class PipelineEngine(Engine):
             slot = (self.step - 1) % pp
             rt.tracer.step = self.step
             self._fault_point(FaultPoint.SCHEDULER_STEP)
-            msg = self._exchange_requests(finished)
+            msg, agreed = self._exchange_requests(finished)
             if msg.get("stop"):
                 break
             self._apply_requests(msg, all_reqs)
@@ -70,7 +71,7 @@ class PipelineEngine(Engine):
             if prev is not None:
                 sched.process_result(prev, self._result_tokens(prev))
             self._fault_point(FaultPoint.CACHE_EVENTS)
-            batch = sched.next_batch(self.step, slot)
+            batch = sched.next_batch(self.step, slot, agreed)
             if batch is not None:
                 self._run_stage(batch)
                 if pp == 1:
@@ -93,8 +94,10 @@ class PipelineEngine(Engine):
 
     # --- requests ------------------------------------------------------------------------------
 
-    def _exchange_requests(self, finished: dict[str, Req]) -> dict[str, Any]:
-        """Rank 0 polls the workload and client aborts; every rank gets the same message."""
+    def _exchange_requests(self, finished: dict[str, Req]
+                           ) -> tuple[dict[str, Any], DrainCounts]:
+        """Rank 0 polls the workload and client aborts; every rank gets the same message, and
+        the step's agreed drain counts in the same exchange."""
         msg: dict[str, Any] | None = None
         if self.rt.rank.rank == 0:
             sched = self.rt.scheduler
@@ -103,9 +106,11 @@ class PipelineEngine(Engine):
             self._inbox = self.rt.aborts.take()
             aborts += [rid for rid, _ in self._inbox]
             stop = not reqs and not sched.has_work and self.workload.exhausted()
-            msg = {"reqs": reqs, "aborts": aborts, "stop": stop}
-        out = self.rt.sync.broadcast_requests([msg])
-        return out[0] if out and out[0] is not None else {}
+            if reqs or aborts or stop:
+                msg = {"reqs": reqs, "aborts": aborts, "stop": stop}
+        local = self.rt.cache.local_drain_counts()
+        agreed, out = self.rt.sync.step_sync(local, msg)
+        return (out or {}), agreed
 
     def _apply_requests(self, msg: dict[str, Any], all_reqs: dict[str, Req]) -> None:
         sched = self.rt.scheduler

@@ -29,6 +29,7 @@ from hicache_runtime.config import SchedulerConfig
 from hicache_runtime.errors import InvariantViolation
 from hicache_runtime.model import ForwardBatch
 from hicache_runtime.request import Req, ReqStatus
+from hicache_runtime.sync import DrainCounts
 from hicache_runtime.tracing import Ev, Tracer
 
 if TYPE_CHECKING:
@@ -151,13 +152,15 @@ class Scheduler:
 
     # --- batch formation ---------------------------------------------------------------------
 
-    def next_batch(self, step: int, slot: int = 0) -> ScheduleBatch | None:
-        """Consume completions, then form slot ``slot``'s next batch: a prefill batch, else a
-        decode batch. The slot's previous batch must have been processed."""
+    def next_batch(self, step: int, slot: int = 0,
+                   agreed: DrainCounts | None = None) -> ScheduleBatch | None:
+        """Consume completions (``agreed`` counts if the caller has them), then form slot
+        ``slot``'s next batch: a prefill batch, else a decode batch. The slot's previous
+        batch must have been processed."""
         self._cur = slot
         if self.slots[slot].in_flight is not None:
             raise InvariantViolation(f"slot {slot} still has a batch in flight")
-        self.cache.check_events()
+        self.cache.check_events(agreed)
         batch = self._prefill_batch(step) or self._decode_batch(step)
         # Start queued load-backs even when no batch runs now: a load whose request was not
         # admitted still holds its lock until its ack, and L1 may be full of such locks.
@@ -208,6 +211,8 @@ class Scheduler:
                 break
             self.waiting.remove(req)
             req.status = ReqStatus.RUNNING
+            req.storage_pending = 0
+            self.cache.on_admit(req)
             for tier, n in (("device", plan.device_hit), ("host", plan.host_hit - plan.storage_hit),
                             ("storage", plan.storage_hit)):
                 req.cached[tier] += n

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import threading
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -76,6 +78,12 @@ class RankSync(ABC):
         self.rank = rank
         self.tracer = tracer
 
+    def step_sync(self, local: DrainCounts, payload: Any) -> tuple[DrainCounts, Any]:
+        """Once per iteration, first thing: rank 0's new requests (``payload``, ignored on
+        other ranks; None when there is nothing new) and the agreed drain counts, in one
+        exchange. Returns (agreed counts, rank 0's payload)."""
+        return self.drain_counts(local), self.broadcast_requests([payload])[0]
+
     @abstractmethod
     def drain_counts(self, local: DrainCounts) -> DrainCounts:
         """How many of each completion to consume this step. Downstream stages must then
@@ -118,8 +126,8 @@ class RankSync(ABC):
     def close(self) -> None:
         """Release communicators."""
 
-    def _trace_vote(self, site: str, local: Any, agreed: Any) -> None:
-        self.tracer.emit(Ev.VOTE, site=site, local=_plain(local), agreed=_plain(agreed))
+    def _trace_vote(self, site: str, local: Any, agreed: Any, **extra: Any) -> None:
+        self.tracer.emit(Ev.VOTE, site=site, local=_plain(local), agreed=_plain(agreed), **extra)
 
 
 class SingleRankSync(RankSync):
@@ -188,6 +196,8 @@ class DistributedSync(RankSync):
         self.legacy = legacy
         self.pending_send_limit = pending_send_limit
         self._rounds = 0
+        self._round_sends: deque[int] = deque()
+        self._sends_before = 0
         self.unbounded = LegacySwitch.UNBOUNDED_PP_SENDS in legacy
         self._prev = rank.rank - rank.tp_size if not rank.is_first_stage else None
         self._next = rank.rank + rank.tp_size if not rank.is_last_stage else None
@@ -202,7 +212,7 @@ class DistributedSync(RankSync):
         agreed = DrainCounts(*self._decide(vec, dist.ReduceOp.MIN).tolist())
         self._end_round()
         if any(local) or any(agreed):
-            self._trace_vote("drain_counts", local, agreed)
+            self._trace_vote("drain_counts", local, agreed, round=self._rounds)
         return agreed
 
     def agree_min(self, value: int, site: str) -> int:
@@ -240,11 +250,19 @@ class DistributedSync(RankSync):
         return vec
 
     def _start_round(self) -> None:
-        if not self.unbounded:
-            self.groups.pp_sync.wait_pending()  # backpressure: one round in flight at most
+        """Backpressure (#28916): before a new round, wait for the sends of rounds older than
+        the pipeline depth. Upstream waits for the previous round; allowing ``pp - 1`` rounds
+        in flight keeps the same bound on memory without serialising the pipeline."""
+        if self.unbounded:
+            return
+        while len(self._round_sends) >= max(1, self.rank.pp_size - 1):
+            self.groups.pp_sync.wait_pending(self._round_sends.popleft())
+        self._sends_before = len(self.groups.pp_sync.pending)
 
     def _end_round(self) -> None:
         self._rounds += 1
+        if not self.unbounded:
+            self._round_sends.append(len(self.groups.pp_sync.pending) - self._sends_before)
         if self.unbounded and self._next is not None:
             pending = self.groups.pp_sync.reap_completed()
             size = self.groups.pp_sync.pending_bytes()
@@ -254,6 +272,41 @@ class DistributedSync(RankSync):
                     f"PP{self.rank.pp_rank} holds {pending} unfinished pp_sync sends "
                     f"({size} bytes of cloned tensors) after {self._rounds} rounds "
                     f"(observability.pending_send_limit={self.pending_send_limit})")
+
+    def step_sync(self, local: DrainCounts, payload: Any) -> tuple[DrainCounts, Any]:
+        """Requests and drain counts in one exchange: PP0's TP ranks MIN-reduce
+        ``[counts..., payload size]`` (only rank 0 offers a size, others offer the maximum),
+        then rank 0 broadcasts the payload bytes only when there are any; the same vector
+        (and bytes) go down the pipeline. One collective per step on a quiet step, instead of
+        three (request broadcast: size + data; count MIN)."""
+        self._start_round()
+        data = _encode(payload) if self.rank.rank == 0 and payload is not None else None
+        size = data.numel() if data is not None else (0 if self.rank.rank == 0 else _NO_SIZE)
+        vec = torch.tensor([*local, size], dtype=torch.int64)
+        if self.rank.is_first_stage:
+            self.groups.tp_cpu.all_reduce(vec, dist.ReduceOp.MIN)
+        else:
+            assert self._prev is not None
+            self.groups.pp_sync.recv(vec, self._prev)
+        size = int(vec[-1].item())
+        if size:
+            if self.rank.is_first_stage:
+                if data is None:
+                    data = torch.empty(size, dtype=torch.uint8)
+                self.groups.tp_cpu.broadcast(data, self._tp0)
+            else:
+                data = torch.empty(size, dtype=torch.uint8)
+                self.groups.pp_sync.recv(data, self._prev)
+        if self._next is not None:
+            self.groups.pp_sync.isend(vec.clone(), self._next)
+            if size:
+                assert data is not None
+                self.groups.pp_sync.isend(data, self._next)
+        self._end_round()
+        agreed = DrainCounts(*vec[:-1].tolist())
+        if any(local) or any(agreed):  # quiet rounds are not traced; ``round`` aligns ranks
+            self._trace_vote("drain_counts", local, agreed, round=self._rounds)
+        return agreed, (_decode(data) if size and data is not None else None)
 
     # --- background-thread votes --------------------------------------------------------------
 
@@ -296,6 +349,19 @@ class DistributedSync(RankSync):
     def close(self) -> None:
         for g in self.groups.all():
             g.pending.clear()
+
+
+#: What non-zero ranks offer as the payload size in the step MIN: never the minimum.
+_NO_SIZE = 2**62
+
+
+def _encode(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
+                            dtype=torch.uint8)
+
+
+def _decode(data: torch.Tensor) -> Any:
+    return pickle.loads(data.numpy().tobytes())
 
 
 class ConsensusChecker:

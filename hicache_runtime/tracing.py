@@ -74,8 +74,10 @@ class Ev:
     PP_SEND = "pp.send"
 
 
-EventRecord = tuple[int, str, str, int, dict[str, Any]]
-"""(monotonic ns, kind, thread name, step, attributes): the ring's storage form."""
+EventRecord = tuple[int, int, str, str, int, dict[str, Any]]
+"""(per-rank sequence number, monotonic ns, kind, thread name, step, attributes): the ring's
+storage form. The sequence number survives ring truncation, so rings cut at different points
+can still be lined up."""
 
 
 class Tracer:
@@ -112,9 +114,10 @@ class Tracer:
             self.observer(kind, attrs)
         if not self.enabled:
             return
-        rec = (time.monotonic_ns(), kind, threading.current_thread().name, self.step, attrs)
-        self._ring.append(rec)
         self.total += 1
+        rec = (self.total, time.monotonic_ns(), kind, threading.current_thread().name,
+               self.step, attrs)
+        self._ring.append(rec)
         if self._sink is not None:
             line = json.dumps(self._as_dict(rec), default=str)
             with self._sink_lock:
@@ -149,11 +152,11 @@ class Tracer:
                 self._sink = None
 
     def _as_dict(self, rec: EventRecord) -> dict[str, Any]:
-        t, kind, thread, step, attrs = rec
+        seq, t, kind, thread, step, attrs = rec
         r = self.rank
         return {
-            "t_ns": t, "rank": r.rank, "tp": r.tp_rank, "pp": r.pp_rank, "thread": thread,
-            "step": step, "kind": kind, "attrs": attrs,
+            "seq": seq, "t_ns": t, "rank": r.rank, "tp": r.tp_rank, "pp": r.pp_rank,
+            "thread": thread, "step": step, "kind": kind, "attrs": attrs,
         }
 
 

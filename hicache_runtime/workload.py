@@ -102,15 +102,22 @@ class Workload:
         return not self._pending
 
 
+#: Distinct system prompts shared by sessions across the whole run (a handful of "apps"): the
+#: long-range reuse that makes a prompt come back after it aged out of L1 and L2.
+_SYSTEM_PROMPTS = 3
+
+
 def _build(cfg: WorkloadConfig, vocab: int, rng: random.Random) -> list[_Plan]:
     kinds = ["multi_turn", "shared_prefix", "long_context"] if cfg.kind == "mixed" \
         else [cfg.kind]
     plans: list[_Plan] = []
     arrival = 0
     session = 0
+    systems = [_tokens(rng, vocab, cfg.system_prompt_tokens) for _ in range(_SYSTEM_PROMPTS)]
     while len(plans) < cfg.requests:
         kind = kinds[session % len(kinds)]
-        made = _SESSIONS[kind](cfg, vocab, rng, session, arrival, cfg.requests - len(plans))
+        made = _SESSIONS[kind](cfg, vocab, rng, session, arrival, cfg.requests - len(plans),
+                               systems)
         plans.extend(made)
         arrival += cfg.arrival_gap_steps * sum(1 for p in made if p.arrival is not None)
         session += 1
@@ -125,9 +132,9 @@ def _tokens(rng: random.Random, vocab: int, n: int) -> list[int]:
 
 
 def _multi_turn(cfg: WorkloadConfig, vocab: int, rng: random.Random, s: int, arrival: int,
-                budget: int) -> list[_Plan]:
+                budget: int, systems: list[list[int]]) -> list[_Plan]:
     turns = min(budget, rng.randint(2, 4))
-    system = _tokens(rng, vocab, cfg.system_prompt_tokens // 2)
+    system = rng.choice(systems)[: cfg.system_prompt_tokens // 2]
     plans, prev = [], None
     for t in range(turns):
         rid = f"chat{s}-t{t}"
@@ -138,15 +145,15 @@ def _multi_turn(cfg: WorkloadConfig, vocab: int, rng: random.Random, s: int, arr
 
 
 def _shared_prefix(cfg: WorkloadConfig, vocab: int, rng: random.Random, s: int, arrival: int,
-                   budget: int) -> list[_Plan]:
-    system = _tokens(rng, vocab, cfg.system_prompt_tokens)
+                   budget: int, systems: list[list[int]]) -> list[_Plan]:
+    system = rng.choice(systems)
     n = min(budget, rng.randint(3, 5))
     return [_Plan(f"sys{s}-q{i}", _tokens(rng, vocab, cfg.turn_tokens), system, None,
                   arrival + i * cfg.arrival_gap_steps + rng.randint(0, 2), 0) for i in range(n)]
 
 
 def _long_context(cfg: WorkloadConfig, vocab: int, rng: random.Random, s: int, arrival: int,
-                  budget: int) -> list[_Plan]:
+                  budget: int, systems: list[list[int]]) -> list[_Plan]:
     doc = _tokens(rng, vocab, cfg.long_context_tokens)
     n = min(budget, rng.randint(2, 3))
     # Questions about one document arrive spread out, so its pages age through the tiers.

@@ -1,12 +1,21 @@
-"""Shared test setup: Hypothesis profiles, stable terminal output, small configs."""
+"""Shared test setup: Hypothesis profiles, stable terminal output, small configs, a real
+redis-server."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, Verbosity, settings
+
+from hicache_runtime.storage.redis_server import LocalRedisServer, redis_server_binary
+
+# One intra-op thread per process: tests run several ranks (and other tests) on two cores,
+# where spinning OpenMP threads make everything many times slower.
+torch.set_num_threads(1)
 
 settings.register_profile("ci", max_examples=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -26,3 +35,20 @@ def bundle_root(tmp_path: Path) -> Path:
     path = tmp_path / "bundles"
     path.mkdir()
     return path
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[LocalRedisServer]:
+    """A real redis-server on 127.0.0.1 on a free port, killed at teardown.
+
+    Tests may ``kill()`` it and ``start()`` it again on the same port (it keeps no data: a
+    restarted server is empty). Skips the test when the binary is not installed.
+    """
+    if redis_server_binary() is None:
+        pytest.skip("redis-server binary not found on PATH (apt-get install redis-server)")
+    server = LocalRedisServer(workdir=tmp_path / "redis")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()

@@ -105,8 +105,8 @@ class RedisBackend(StorageBackend):
                 self._client.close()
                 raise StorageUnavailable(
                     f"Redis at {self.url} is unreachable ({_short(exc)})",
-                    hint="start redis-server, fix --storage-url, or run with L3 allowed to "
-                         "start degraded",
+                    hint="start redis-server, fix --storage-url, or pass --storage-optional "
+                         "(storage.required=false) to start with L3 off until it answers",
                 ) from None
             self._mark_down(exc)
         except RedisError as exc:
@@ -120,7 +120,8 @@ class RedisBackend(StorageBackend):
         if not cfg.url:
             raise ConfigError("storage.url", "the redis backend needs redis://host:port/db")
         return cls(cfg.url, scheme, required=required,
-                   reconnect_backoff_s=cfg.reconnect_backoff_s, tracer=tracer)
+                   reconnect_backoff_s=cfg.reconnect_backoff_s,
+                   max_backoff_s=cfg.reconnect_backoff_max_s, tracer=tracer)
 
     def describe(self) -> str:
         return f"redis:{self.url} (suffix {self.scheme.suffix})"

@@ -22,6 +22,8 @@ def test_outputs_match_with_every_tier(tp: int, pp: int, tmp_path: Path,
         "topology.tp": tp, "topology.pp": pp, "workload.requests": 48,
         "cache.host_tokens": 768, "storage.backend": "file", "storage.path": tmp_path / "l3",
         "observability.consensus_check": True})
+    warm = run(cfg, compare=False, bundle_root=bundle_root)  # what L2 cannot hold goes to L3
+    assert warm.outcome is RunOutcome.HEALTHY, warm.error
     s = run(cfg, bundle_root=bundle_root)
     assert s.outcome is RunOutcome.HEALTHY, s.error
     assert s.output_match is True, s.mismatches[:2]

@@ -28,13 +28,17 @@ def l3_config(path: Path, **overrides: object) -> RuntimeConfig:
 
 def healthy(s: RunSummary) -> None:
     assert s.outcome is RunOutcome.HEALTHY, s.error
-    assert s.output_match is True, s.mismatches[:2]
+    assert s.output_match is not False, s.mismatches[:2]
 
 
 @pytest.mark.parametrize("policy", ["best_effort", "wait_complete", "timeout"])
 def test_small_l2_serves_hits_from_l3(policy: str, tmp_path: Path, bundle_root: Path) -> None:
-    s = run_single(l3_config(tmp_path / "l3", **{"storage.prefetch_policy": policy}),
-                   bundle_root=bundle_root)
+    cfg = l3_config(tmp_path / "l3", **{"storage.prefetch_policy": policy,
+                                         # wall-clock deadline: generous on a loaded machine
+                                         "storage.prefetch_timeout_base_s": 20.0})
+    healthy(run_single(cfg, compare=False, bundle_root=bundle_root))  # fills L3
+    # Same prompts again, L1 and L2 empty: what L2 cannot hold must come back from L3.
+    s = run_single(cfg, bundle_root=bundle_root)
     healthy(s)
     assert s.cached_tokens.storage > 0
     l3 = s.cache_stats["l3"]

@@ -1,4 +1,5 @@
-"""Fixtures for the L3 storage tests: a real redis-server, backends, a small host pool."""
+"""Fixtures for the L3 storage tests: backends on a fresh medium (the ``redis_server``
+fixture lives in ``tests/conftest.py``, shared with the runtime tests)."""
 
 from __future__ import annotations
 
@@ -9,24 +10,8 @@ import pytest
 
 from hicache_runtime.storage.base import StorageBackend
 from hicache_runtime.storage.file import FileBackend
-from hicache_runtime.storage.redis_server import LocalRedisServer, redis_server_binary
+from hicache_runtime.storage.redis_server import LocalRedisServer
 from tests.storage.support import SCHEME
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[LocalRedisServer]:
-    """A real redis-server on 127.0.0.1 on a free port, killed at teardown.
-
-    Tests may ``kill()`` it and ``start()`` it again on the same port.
-    """
-    if redis_server_binary() is None:
-        pytest.skip("redis-server binary not found on PATH (apt-get install redis-server)")
-    server = LocalRedisServer(workdir=tmp_path / "redis")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 @pytest.fixture

@@ -1,0 +1,142 @@
+"""Cross-rank alignment on synthetic runtime dumps: point-to-point pairing (sends with the
+receives of the same channel, never aligned like collectives), stage-local groups, and the
+order of divergent decisions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from doctor.diagnose import diagnose
+
+
+def _fr(group: str, seq: int, op: str, peer: int | None, site: str,
+        state: str = "completed", shapes: list[list[int]] | None = None) -> dict[str, Any]:
+    return {"group": group, "seq": seq, "op": op, "shapes": shapes or [[4]], "dtype": "int64",
+            "peer": peer, "site": site, "state": state, "thread": "MainThread"}
+
+
+def _write(tmp: Path, rank: int, records: list[dict[str, Any]], pp: int | None = None) -> None:
+    d = tmp / f"rank{rank}"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "flight_recorder.json").write_text(json.dumps(records))
+    if pp is not None:  # a state snapshot names the rank's stage
+        (d / "state.json").write_text(json.dumps({"rank": rank, "tp_rank": 0, "pp_rank": pp}))
+
+
+SEND = "pipeline.py:147:_send_activation"
+RECV = "pipeline.py:156:_recv_activation"
+
+
+def test_sends_pair_with_receives_not_with_each_other(tmp_path: Path) -> None:
+    _write(tmp_path, 0, [_fr("pp_act", s, "isend", 1, SEND, "started") for s in (1, 2, 3)])
+    _write(tmp_path, 1, [_fr("pp_act", s, "recv", 0, RECV) for s in (1, 2)])
+    d = diagnose([str(tmp_path)])
+    kinds = [(f.group, f.kind) for f in d.collectives]
+    assert ("pp_act", "op-mismatch") not in kinds
+    (f,) = d.collectives
+    assert f.kind == "unreceived-send"
+    assert f.seq == 3
+    assert "rank 0's isend #3 to rank 1" in f.detail
+    assert "rank 1 received 2 from rank 0" in f.detail
+    assert f.evidence[0].file is not None
+    assert f.evidence[0].file.endswith("flight_recorder.json")
+
+
+def test_a_receive_waiting_for_a_send_that_never_came(tmp_path: Path) -> None:
+    site = "pipeline.py:173:_result_tokens"
+    _write(tmp_path, 0, [_fr("pp_out", 1, "recv", 1, site),
+                         _fr("pp_out", 2, "recv", 1, site, "started")])
+    _write(tmp_path, 1, [_fr("pp_out", 1, "isend", 0, "pipeline.py:136:_run_stage")])
+    d = diagnose([str(tmp_path)])
+    (f,) = d.collectives
+    assert f.kind == "unmatched-recv"
+    assert f.ranks == [0]
+    assert "waits for a send that never came" in f.detail
+    assert "_result_tokens (pipeline.py:173)" in f.detail
+
+
+def test_paired_messages_of_different_sizes(tmp_path: Path) -> None:
+    _write(tmp_path, 0, [_fr("pp_act", 1, "isend", 1, SEND, shapes=[[96, 64]])])
+    _write(tmp_path, 1, [_fr("pp_act", 1, "recv", 0, RECV, shapes=[[2, 64]])])
+    (f,) = diagnose([str(tmp_path)]).collectives
+    assert f.kind == "size-mismatch"
+    assert "[[96, 64]]" in f.detail
+    assert "[[2, 64]]" in f.detail
+
+
+def test_truncated_rings_pair_only_what_they_can(tmp_path: Path) -> None:
+    # rank 0's ring lost its first ops but holds one channel only: seq gives the ordinal
+    _write(tmp_path, 0, [_fr("pp_act", s, "isend", 1, SEND) for s in (41, 42, 43)])
+    _write(tmp_path, 1, [_fr("pp_act", s, "recv", 0, RECV) for s in range(1, 43)])
+    (f,) = diagnose([str(tmp_path)]).collectives
+    assert (f.kind, f.seq) == ("unreceived-send", 43)
+    # a truncated ring that mixes directions says nothing about ordinals: no claim
+    mixed = tmp_path / "mixed"
+    _write(mixed, 0, [_fr("pp_act", 41, "isend", 1, SEND), _fr("pp_act", 42, "recv", 1, RECV)])
+    _write(mixed, 1, [_fr("pp_act", 1, "recv", 0, RECV)])
+    assert diagnose([str(mixed)]).collectives == []
+
+
+def test_stage_local_groups_are_aligned_per_stage(tmp_path: Path) -> None:
+    site = "model.py:175:_attention"
+    for rank, pp, last in ((0, 0, 3), (1, 0, 3), (2, 1, 5), (3, 1, 5)):
+        recs = [_fr("tp_compute", s, "all_reduce", None, site) for s in range(1, last + 1)]
+        _write(tmp_path, rank, recs, pp=pp)
+    # each stage's tp_compute is its own communicator: 3 vs 5 ops is no missing rank
+    assert diagnose([str(tmp_path)]).collectives == []
+    _write(tmp_path, 3, [_fr("tp_compute", s, "all_reduce", None, site) for s in range(1, 5)],
+           pp=1)
+    (f,) = diagnose([str(tmp_path)]).collectives
+    assert (f.group, f.kind, f.ranks) == ("tp_compute (PP1)", "missing-ranks", [3])
+
+
+def _event(rank: int, step: int, kind: str, **attrs: Any) -> str:
+    return json.dumps({"rank": rank, "tp": rank, "pp": 0, "step": step, "kind": kind,
+                       "thread": "MainThread", "attrs": attrs})
+
+
+def _trace(tmp: Path, rank: int, lines: list[str]) -> None:
+    d = tmp / f"rank{rank}"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "events.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_first_divergence_within_a_step_follows_the_trace_order(tmp_path: Path) -> None:
+    """At step 18 the ranks first agreed on different drain counts, then built different
+    batches; the batch mismatch has the lower occurrence index but came later."""
+    for rank, agreed, rids in ((0, 1, ["a", "b"]), (1, 0, ["c"])):
+        votes = [_event(rank, s, "sync.vote", site="writing_check", local=0, agreed=0)
+                 for s in range(1, 18)]
+        _trace(tmp_path, rank, [
+            *votes,
+            _event(rank, 18, "sync.vote", site="writing_check", local=agreed, agreed=agreed),
+            _event(rank, 18, "sched.batch", rids=rids, extend=[1] * len(rids),
+                   prefix=[8] * len(rids))])
+    d = diagnose([str(tmp_path)])
+    assert d.first_divergence is not None
+    assert (d.first_divergence.kind, d.first_divergence.key) == ("sync.vote", "writing_check")
+    assert d.first_divergence.steps == {0: 18, 1: 18}
+    assert any("drain-count-divergence" in line for line in d.rule_log)
+
+
+def test_drain_rounds_traced_on_one_rank_only_are_not_a_divergence(tmp_path: Path) -> None:
+    """The runtime traces a drain_counts round only when the rank's own counts are non-zero:
+    an all-zero agreement appears on some ranks and not on others."""
+    zero, one = [0] * 7, [1] + [0] * 6
+    _trace(tmp_path, 0, [_event(0, 5, "sync.vote", site="drain_counts", local=one, agreed=one)])
+    _trace(tmp_path, 1, [
+        _event(1, 4, "sync.vote", site="drain_counts", local=one, agreed=zero),
+        _event(1, 5, "sync.vote", site="drain_counts", local=one, agreed=one)])
+    assert diagnose([str(tmp_path)]).first_divergence is None
+
+
+def test_evictions_compare_victims(tmp_path: Path) -> None:
+    for rank, victims in ((0, [15, 17]), (1, [17, 19])):
+        _trace(tmp_path, rank, [_event(rank, 62, "tree.evict", want=16, evicted=48,
+                                       victims=victims)])
+    d = diagnose([str(tmp_path)])
+    assert d.first_divergence is not None
+    assert d.first_divergence.kind == "tree.evict"
+    assert "victims" in d.first_divergence.values[0]
