@@ -81,6 +81,9 @@ def run(
         help="Start even if the L3 backend is unreachable (it reconnects later).")] = False,
     prefetch_policy: Annotated[str | None, typer.Option(
         help="best_effort | wait_complete | timeout")] = None,
+    sidecar_pools: Annotated[str | None, typer.Option(
+        help="Hybrid-model sidecar pools: all_pages, trailing_pages or both (comma-separated).")]
+    = None,
     fault: Annotated[list[str] | None, typer.Option(
         help="Fault spec, e.g. 'dma-lag:ms=20' (repeatable).")] = None,
     legacy: Annotated[list[str] | None, typer.Option(
@@ -118,6 +121,8 @@ def run(
         "observability.watchdog_timeout_s": watchdog_timeout, "storage.backend": storage,
         "storage.path": storage_path, "storage.url": storage_url,
         "storage.prefetch_policy": prefetch_policy,
+        "model.sidecars": tuple(p.strip() for p in sidecar_pools.split(",") if p.strip())
+        if sidecar_pools else None,
         "storage.required": False if storage_optional else None,
         "observability.protocol_timeout_s": protocol_timeout,
         "observability.consensus_check": True if consensus_check else None,

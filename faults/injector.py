@@ -88,8 +88,9 @@ class FaultInjector:
         return [s for _, s in self._specs if s.kind is kind]
 
     def fire(self, point: FaultPoint, *, step: int, rid: str | None = None,
-             kinds: set[FaultKind] | None = None) -> list[FaultSpec]:
-        """The specs that fire at this visit of ``point`` (usually zero or one)."""
+             kinds: set[FaultKind] | None = None, pool: str | None = None) -> list[FaultSpec]:
+        """The specs that fire at this visit of ``point`` (usually zero or one). ``pool``
+        names the storage objects a storage call touches ("kv" or a sidecar pool)."""
         candidates = self._by_point.get(point)
         if not candidates:
             return []
@@ -100,6 +101,8 @@ class FaultInjector:
                 if kinds is not None and spec.kind not in kinds:
                     continue
                 if not spec.matches_step(step) or not spec.matches_request(rid):
+                    continue
+                if not spec.matches_pool(pool):
                     continue
                 if spec.count is not None and self._fired_count[idx] >= spec.count:
                     continue

@@ -35,7 +35,9 @@ class FaultKind(str, Enum):
     """Delay completion of each L1<->L2 copy job by ``ms`` on the selected ranks."""
     STORAGE_SHORTFALL = "storage-shortfall"
     """L3 misses ``pages`` pages: ``mode=short`` cuts the tail of an existence answer,
-    ``mode=holes`` fails reads of pages starting at page ``at`` while later pages still load."""
+    ``mode=holes`` fails reads of pages starting at page ``at`` while later pages still load.
+    ``pool`` picks which objects miss: ``kv`` (default), ``sidecar`` (hybrid sidecar pools),
+    or ``any``."""
     STORAGE_LATENCY = "storage-latency"
     """Add ``ms`` to every L3 call on the selected ranks."""
     STORAGE_ERROR = "storage-error"
@@ -78,7 +80,7 @@ KIND_POINT: dict[FaultKind, FaultPoint | None] = {
 _KIND_PARAMS: dict[FaultKind, frozenset[str]] = {
     FaultKind.STAGE_LAG: frozenset({"ms"}),
     FaultKind.DMA_LAG: frozenset({"ms"}),
-    FaultKind.STORAGE_SHORTFALL: frozenset({"mode", "pages", "at"}),
+    FaultKind.STORAGE_SHORTFALL: frozenset({"mode", "pages", "at", "pool"}),
     FaultKind.STORAGE_LATENCY: frozenset({"ms"}),
     FaultKind.STORAGE_ERROR: frozenset(),
     FaultKind.STORAGE_CORRUPT: frozenset(),
@@ -89,7 +91,7 @@ _KIND_PARAMS: dict[FaultKind, frozenset[str]] = {
     FaultKind.CRASH: frozenset({"point"}),
     FaultKind.HANG: frozenset({"point"}),
 }
-_PARAM_FIELDS = frozenset({"ms", "mode", "pages", "at", "batch", "point"})
+_PARAM_FIELDS = frozenset({"ms", "mode", "pages", "at", "batch", "point", "pool"})
 _DEFAULT_LAG_MS = 20.0
 
 
@@ -112,6 +114,7 @@ class FaultSpec(BaseModel):
     at: int | None = Field(None, ge=0)
     batch: int | None = Field(None, ge=0)
     point: FaultPoint | None = None
+    pool: str | None = None
 
     @field_validator("steps")
     @classmethod
@@ -132,6 +135,8 @@ class FaultSpec(BaseModel):
             )
         if self.kind is FaultKind.STORAGE_SHORTFALL and self.mode not in (None, "short", "holes"):
             raise ValueError(f"storage-shortfall mode must be short or holes, not {self.mode!r}")
+        if self.pool not in (None, "kv", "sidecar", "any"):
+            raise ValueError(f"pool must be kv, sidecar or any, not {self.pool!r}")
         if self.kind in (FaultKind.CRASH, FaultKind.HANG):
             if self.point is None:
                 raise ValueError(f"{self.kind.value} needs point=<one of {_crashable()}>")
@@ -163,6 +168,13 @@ class FaultSpec(BaseModel):
             return True
         return rid is not None and fnmatch.fnmatchcase(rid, self.rid)
 
+    def matches_pool(self, pool: str | None) -> bool:
+        """Storage faults: whether this spec targets objects of ``pool`` ("kv" or a sidecar
+        pool's name); None (not a storage call) always matches."""
+        if pool is None or self.pool == "any":
+            return True
+        return (pool == "kv") == (self.pool in (None, "kv"))
+
     def matches_step(self, step: int) -> bool:
         return self.steps is None or self.steps[0] <= step <= self.steps[1]
 
@@ -179,7 +191,7 @@ class FaultSpec(BaseModel):
             parts.append(f"p={self.p:g}")
         if self.count is not None:
             parts.append(f"count={self.count}")
-        for name in ("ms", "mode", "pages", "at", "batch"):
+        for name in ("ms", "mode", "pages", "at", "batch", "pool"):
             value = getattr(self, name)
             if value is not None:
                 parts.append(f"{name}={value:g}" if isinstance(value, float) else f"{name}={value}")

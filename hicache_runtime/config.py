@@ -56,6 +56,10 @@ class ModelConfig(BaseModel):
     dtype: Literal["float64", "float32", "bfloat16", "float16"] = "float64"
     weight_seed: int = 1234
     rope_theta: float = Field(10000.0, gt=0)
+    sidecars: tuple[Literal["all_pages", "trailing_pages"], ...] = ()
+    """Hybrid-model sidecar pools next to K/V: ``all_pages`` (a KV-derived per-token indexer
+    value attention adds to its scores; every prefix page needs it) and ``trailing_pages`` (a
+    per-page recurrent state added to the attention output; a prefix needs its last page's)."""
 
     @model_validator(mode="after")
     def _even_head_dim(self) -> ModelConfig:
@@ -130,7 +134,6 @@ class StorageConfig(BaseModel):
     """Prefetches may reserve at most this fraction of the host pool (rate limit)."""
     single_writer: bool = False
     """MLA-style: only TP rank 0 writes to L3; the others skip but still ack."""
-    sidecar_pools: tuple[Literal["all_pages", "trailing_pages"], ...] = ()
     reconnect_backoff_s: float = Field(0.5, gt=0)
     reconnect_backoff_max_s: float = Field(5.0, gt=0)
     required: bool = True

@@ -53,6 +53,7 @@ class CacheController:
         self.load_queue: list[CacheOperation] = []
         self.ack_write_queue: list[HiCacheAck] = []
         self.ack_load_queue: list[HiCacheAck] = []
+        self._last_load: tuple[Event, int] | None = None
 
     # --- writes (L1 -> L2) -------------------------------------------------------------------
 
@@ -80,15 +81,21 @@ class CacheController:
         return device_slots
 
     def start_loading(self) -> int | None:
-        """Launch queued loads as one job; returns the layer-counter slot the batch must
-        consume (``None`` when nothing was queued)."""
+        """Launch queued loads as one job; returns the layer-counter slot the next batch must
+        consume. With nothing new queued, that is the slot of a load still copying (started
+        earlier, e.g. for a request that was not admitted): a batch may read those pages now
+        that they are in the tree, so it must wait for them too (loads finish in order, so
+        waiting for the latest covers every earlier one). ``None``: nothing in flight."""
         if not self.load_queue:
+            if self._last_load is not None and not self._last_load[0].query():
+                return self._last_load[1]
             return None
         op = _merge(self.load_queue)
         self.load_queue = []
         event, slot = self.engine.load(self.host, self.device, op.host_slots, op.device_slots,
                                        self.device.layer_counter)
         self.ack_load_queue.append(HiCacheAck(event, op.node_ids, int(op.host_slots.numel())))
+        self._last_load = (event, slot)
         self.tracer.emit(Ev.LOAD_SUBMIT, nodes=op.node_ids, tokens=int(op.host_slots.numel()),
                          counter_slot=slot)
         return slot

@@ -121,10 +121,12 @@ class LayerDoneCounter:
 
 
 class KVBuffers(Protocol):
-    """What the copy engine reads and writes: K and V shaped [layers, slots, heads, dim]."""
+    """What the copy engine reads and writes: K and V shaped [layers, slots, heads, dim], and
+    sidecar tensors shaped [layers, slots, ...] moved with the same slots."""
 
     k: torch.Tensor
     v: torch.Tensor
+    aux: dict[str, torch.Tensor]
 
 
 @dataclass
@@ -326,21 +328,23 @@ def copy_layer(src: KVBuffers, dst: KVBuffers, layer: int, src_slots: torch.Tens
     pool): gather whole pages, then scatter them, indexing pages rather than tokens and moving
     them as 8-byte words (index kernels are much faster on int64 than on half floats)."""
     non_blocking = dst.k.device != src.k.device
+    pairs = [(src.k[layer], dst.k[layer]), (src.v[layer], dst.v[layer])]
+    pairs += [(src.aux[name][layer], dst.aux[name][layer]) for name in src.aux]
     if len(runs) <= _MAX_SLICE_RUNS:
         for s, d, n in runs:
-            dst.k[layer, d : d + n].copy_(src.k[layer, s : s + n], non_blocking=non_blocking)
-            dst.v[layer, d : d + n].copy_(src.v[layer, s : s + n], non_blocking=non_blocking)
+            for s_buf, d_buf in pairs:
+                d_buf[d : d + n].copy_(s_buf[s : s + n], non_blocking=non_blocking)
         return
     src_pages = (src_slots[::page_size] // page_size).to(src.k.device)
     dst_pages = (dst_slots[::page_size] // page_size).to(dst.k.device)
-    for s_buf, d_buf in ((src.k[layer], dst.k[layer]), (src.v[layer], dst.v[layer])):
+    for s_buf, d_buf in pairs:
         s_view, d_view = _page_rows(s_buf, page_size), _page_rows(d_buf, page_size)
         d_view.index_copy_(0, dst_pages, s_view.index_select(0, src_pages).to(d_buf.device))
 
 
 def _page_rows(buf: torch.Tensor, page_size: int) -> torch.Tensor:
-    """``buf`` ([slots, heads, dim], contiguous) as one row per page, in int64 words if the
-    page's bytes allow it."""
+    """``buf`` ([slots, ...], contiguous) as one row per page, in int64 words if the page's
+    bytes allow it."""
     rows = buf.view(buf.shape[0] // page_size, -1)
     if (rows.shape[1] * rows.element_size()) % 8 == 0:
         return rows.view(torch.int64)

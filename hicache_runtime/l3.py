@@ -15,6 +15,7 @@ finished with them (the ``abort-frees-in-flight`` legacy switch frees them at ab
 
 from __future__ import annotations
 
+import logging
 import queue
 import time
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ from hicache_runtime.config import PrefetchPolicy, StorageConfig
 from hicache_runtime.errors import InvariantViolation
 from hicache_runtime.l3_ops import BackupOperation, PrefetchAck, PrefetchOperation
 from hicache_runtime.legacy import LegacySwitch
+from hicache_runtime.pools import ALL_PAGES
 from hicache_runtime.storage.keys import extend_chain
 from hicache_runtime.sync import DrainCounts
 from hicache_runtime.tracing import Ev
@@ -35,6 +37,8 @@ if TYPE_CHECKING:
     from hicache_runtime.radix_tree import TreeNode
     from hicache_runtime.request import Req
 
+
+log = logging.getLogger(__name__)
 
 #: How often a blocked drain checks that the worker it waits for is still alive.
 _TAKE_POLL_S = 0.5
@@ -166,6 +170,7 @@ class L3Tier:
                 self._finish(op)
         else:
             op.completed = ack.completed_tokens
+            op.pool_pages = dict(zip(self.workers.sidecars, ack.pool_pages))
         self.tracer.emit(Ev.PREFETCH_ACK, rid=ack.rid, batch=ack.batch,
                          completed=ack.completed_tokens, done=ack.completed_req)
 
@@ -211,6 +216,7 @@ class L3Tier:
         local = LegacySwitch.LOCAL_PREFETCH_PROGRESS in self.legacy
         completed = op.local_completed if local else op.completed
         completed = min(completed, op.hit_pages * self.ps) if op.host_slots is not None else 0
+        completed = self._usable_with_sidecars(op, completed, local)
         inserted = 0
         if completed and not op.pages_freed:
             assert op.host_slots is not None
@@ -230,6 +236,24 @@ class L3Tier:
                          hit_pages=op.hit_pages, inserted=inserted)
         if op.io_finished or op.host_slots is None:
             self._finish(op)
+
+    def _usable_with_sidecars(self, op: PrefetchOperation, completed: int, local: bool) -> int:
+        """Hybrid models (#31443): a KV-derived ``all_pages`` pool clamps the usable prefix to
+        the pages it has too; a ``trailing_pages`` pool's state cannot be cut page by page, so
+        anything short of the whole hit discards the prefetch."""
+        pages = op.local_pool_pages if local else op.pool_pages
+        for name in self.workers.sidecars:
+            have = pages.get(name, 0) * self.ps
+            if name == ALL_PAGES:
+                completed = min(completed, have)
+            elif completed and (completed < op.hit_pages * self.ps or have < completed):
+                log.info("HiCache hybrid prefetch discarded req=%s reason=%s short "
+                         "(%d of %d tokens)", op.rid, name, min(have, completed),
+                         op.hit_pages * self.ps)
+                self.tracer.emit(Ev.PREFETCH_DISCARD, rid=op.rid, pool=name, have=have,
+                                 completed=completed, hit_pages=op.hit_pages)
+                completed = 0
+        return completed
 
     def release_hold(self, rid: str) -> None:
         """``rid`` was admitted (or is gone): its fetched pages may age out of L2 again."""

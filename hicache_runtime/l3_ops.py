@@ -48,6 +48,14 @@ class PrefetchOperation:
     local_hit_pages: int = 0
     hit_pages: int = 0
     host_slots: torch.Tensor | None = None
+    pool_hashes: dict[str, list[str]] = field(default_factory=dict)
+    """Sidecar pools: each pool's object hashes for the span (query thread)."""
+    pool_hit_pages: dict[str, int] = field(default_factory=dict)
+    """Sidecar pools: agreed leading hit pages per pool."""
+    local_pool_pages: dict[str, int] = field(default_factory=dict)
+    """Sidecar pools: pages this rank's IO thread counted as loaded, per pool."""
+    pool_pages: dict[str, int] = field(default_factory=dict)
+    """Sidecar pools: consensus loaded pages per pool (MIN over ranks)."""
     local_completed: int = 0
     completed: int = 0
     """Consensus progress in tokens (MIN over ranks), applied by the scheduler."""
@@ -80,6 +88,8 @@ class PrefetchAck:
     completed_tokens: int
     batch: int
     completed_req: bool = False
+    pool_pages: tuple[int, ...] = ()
+    """Sidecar pools, in config order: cumulative pages counted as loaded."""
 
 
 @dataclass(eq=False)

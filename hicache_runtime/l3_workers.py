@@ -30,7 +30,7 @@ from hicache_runtime.errors import WorkerDied
 from hicache_runtime.l3_ops import BackupOperation, PrefetchAck, PrefetchOperation
 from hicache_runtime.legacy import LegacySwitch
 from hicache_runtime.storage.base import StorageCallInfo
-from hicache_runtime.storage.keys import extend_chain
+from hicache_runtime.storage.keys import extend_chain, sidecar_hash
 from hicache_runtime.tracing import Ev
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from hicache_runtime.config import StorageConfig
     from hicache_runtime.pools import HostKVPool
     from hicache_runtime.storage.base import StorageBackend
-    from hicache_runtime.storage.pages import PageCodec
+    from hicache_runtime.storage.pages import PageCodec, SidecarCodec
     from hicache_runtime.sync import RankSync
     from hicache_runtime.topology import RankInfo
     from hicache_runtime.tracing import Tracer
@@ -58,10 +58,13 @@ class StorageWorkers:
     def __init__(self, cfg: StorageConfig, backend: StorageBackend, codec: PageCodec,
                  host: HostKVPool, sync: RankSync, tracer: Tracer, rank: RankInfo,
                  legacy: frozenset[LegacySwitch], faults: FaultInjector | None = None,
-                 request_abort: AbortRequester | None = None) -> None:
+                 request_abort: AbortRequester | None = None,
+                 sidecars: dict[str, SidecarCodec] | None = None) -> None:
         self.cfg = cfg
         self.backend = backend
         self.codec = codec
+        self.sidecars = dict(sidecars or {})
+        """Hybrid sidecar pools, in config order, with their codecs."""
         self.host = host
         self.sync = sync
         self.tracer = tracer
@@ -148,22 +151,32 @@ class StorageWorkers:
 
     def _query(self, op: PrefetchOperation) -> None:  # type: ignore[override]
         op.hashes = extend_chain(op.last_hash, op.tokens, self.page_size)
-        info = StorageCallInfo(rid=op.rid, step=self.tracer.step)
+        hit = self._leading_hits(op, op.hashes, "kv")
+        pool_hits = []
+        for name in self.sidecars:
+            op.pool_hashes[name] = [sidecar_hash(h, name) for h in op.hashes]
+            pool_hits.append(self._leading_hits(op, op.pool_hashes[name][:hit], name))
+        op.local_hit_pages = hit
+        # Terminated ops still vote (0 is harmless under MIN): the k-th vote pairs the k-th op.
+        local = [0 if op.is_terminated() else n for n in (hit, *pool_hits)]
+        agreed = local if LegacySwitch.LOCAL_PREFETCH_PROGRESS in self.legacy \
+            else self.sync.hit_vote(local)
+        op.hit_pages = agreed[0]
+        op.pool_hit_pages = dict(zip(self.sidecars, agreed[1:]))
+        self.tracer.emit(Ev.PREFETCH_HIT, rid=op.rid, local=hit, agreed=op.hit_pages,
+                         span=len(op.tokens), pools=op.pool_hit_pages)
+        self.prefetch_hit_queue.put(op)
+
+    def _leading_hits(self, op: PrefetchOperation, hashes: list[str], pool: str) -> int:
+        info = StorageCallInfo(rid=op.rid, step=self.tracer.step, pool=pool)
         hit, batch = 0, self.cfg.io_batch_pages
-        for start in range(0, len(op.hashes), batch):
-            keys = op.hashes[start : start + batch]
+        for start in range(0, len(hashes), batch):
+            keys = hashes[start : start + batch]
             n = self.backend.batch_exists(keys, info)
             hit += n
             if n < len(keys):
                 break
-        op.local_hit_pages = hit
-        # Terminated ops still vote (0 is harmless under MIN): the k-th vote pairs the k-th op.
-        local = 0 if op.is_terminated() else hit
-        op.hit_pages = local if LegacySwitch.LOCAL_PREFETCH_PROGRESS in self.legacy \
-            else self.sync.hit_vote(local)
-        self.tracer.emit(Ev.PREFETCH_HIT, rid=op.rid, local=hit, agreed=op.hit_pages,
-                         span=len(op.tokens))
-        self.prefetch_hit_queue.put(op)
+        return hit
 
     # --- prefetch: page reads ------------------------------------------------------------------
 
@@ -182,8 +195,37 @@ class StorageWorkers:
                 failed = True
             if not failed:
                 failed = not self._read_batch(op, hashes[start : start + batch], start, info)
-            self.prefetch_sync_queue.put(PrefetchAck(op.rid, op.local_completed, index))
-        self.prefetch_sync_queue.put(PrefetchAck(op.rid, op.local_completed, -1, True))
+                for name in self.sidecars:
+                    if not failed:
+                        failed = not self._read_sidecar(op, name, start, batch)
+            self.prefetch_sync_queue.put(PrefetchAck(op.rid, op.local_completed, index,
+                                                     pool_pages=self._pool_pages(op)))
+        self.prefetch_sync_queue.put(PrefetchAck(op.rid, op.local_completed, -1, True,
+                                                 self._pool_pages(op)))
+
+    def _pool_pages(self, op: PrefetchOperation) -> tuple[int, ...]:
+        return tuple(op.local_pool_pages.get(name, 0) for name in self.sidecars)
+
+    def _read_sidecar(self, op: PrefetchOperation, name: str, start: int, batch: int) -> bool:
+        """Read one batch of a sidecar pool into the op's host pages. Counts the leading run
+        of arrived pages (#31443); ``sum-hit-pages`` restores counting every arrived page,
+        which treats a hole as coverage. True when the usable run goes on."""
+        keys = op.pool_hashes[name][start : min(start + batch, op.hit_pages)]
+        codec = self.sidecars[name]
+        info = StorageCallInfo(rid=op.rid, step=self.tracer.step, pool=name)
+        payloads = [p if p is not None and codec.fits(p) else None
+                    for p in self.backend.batch_get(keys, info)]
+        arrived = [i for i, p in enumerate(payloads) if p is not None]
+        leading = next((i for i, p in enumerate(payloads) if p is None), len(payloads))
+        counted = len(arrived) if LegacySwitch.SUM_HIT_PAGES in self.legacy else leading
+        ps = self.page_size
+        assert op.host_slots is not None
+        for i in (arrived if LegacySwitch.SUM_HIT_PAGES in self.legacy else range(leading)):
+            page = start + i
+            codec.write_pages(self.host, op.host_slots[page * ps : (page + 1) * ps],
+                              [payloads[i]])  # type: ignore[list-item]
+        op.local_pool_pages[name] = op.local_pool_pages.get(name, 0) + counted
+        return LegacySwitch.SUM_HIT_PAGES in self.legacy or leading == len(keys)
 
     def _read_batch(self, op: PrefetchOperation, keys: list[str], first_page: int,
                     info: StorageCallInfo) -> bool:
@@ -218,8 +260,9 @@ class StorageWorkers:
 
     def _reduce(self, ack: PrefetchAck) -> None:  # type: ignore[override]
         if LegacySwitch.LOCAL_PREFETCH_PROGRESS not in self.legacy:
-            agreed = self.sync.progress_vote([ack.completed_tokens])
-            ack = PrefetchAck(ack.rid, agreed[0], ack.batch, ack.completed_req)
+            agreed = self.sync.progress_vote([ack.completed_tokens, *ack.pool_pages])
+            ack = PrefetchAck(ack.rid, agreed[0], ack.batch, ack.completed_req,
+                              tuple(agreed[1:]))
         self.ack_prefetch_queue.put(ack)
 
     # --- backup --------------------------------------------------------------------------------
@@ -234,6 +277,12 @@ class StorageWorkers:
                 keys = op.hashes[start : start + batch]
                 slots = op.host_slots[start * ps : (start + len(keys)) * ps]
                 ok = self.backend.batch_set(keys, self.codec.read_pages(self.host, slots), info)
+                for name, codec in self.sidecars.items():
+                    if all(ok):
+                        ok = self.backend.batch_set(
+                            [sidecar_hash(h, name) for h in keys],
+                            codec.read_pages(self.host, slots),
+                            StorageCallInfo(step=self.tracer.step, pool=name))
                 if not all(ok):
                     self._warn("Write page to storage: %d pages failed.", ok.count(False))
                     break

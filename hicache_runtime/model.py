@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 
 from hicache_runtime.config import ModelConfig
-from hicache_runtime.pools import DeviceKVPool, KVShape, torch_dtype
+from hicache_runtime.pools import ALL_PAGES, TRAILING_PAGES, DeviceKVPool, KVShape, torch_dtype
 from hicache_runtime.topology import RankInfo
 
 _RMS_EPS = 1e-6
@@ -29,6 +29,10 @@ _RMS_EPS = 1e-6
 #: greedy output of most requests (about 9 in 10 for one zeroed page in a 100-300 token prompt),
 #: which is what lets a run catch silent KV corruption by comparing outputs.
 _QK_SHARPNESS = 3.0
+#: Weight of the ``all_pages`` indexer value in attention scores.
+_INDEXER_GAIN = 1.0
+#: Weight and decay of the ``trailing_pages`` per-page state.
+_STATE_GAIN, _STATE_DECAY = 0.5, 0.9
 
 
 class TensorParallelComm(Protocol):
@@ -80,14 +84,17 @@ class _Layer:
     w_gate: torch.Tensor
     w_up: torch.Tensor
     w_down: torch.Tensor
+    indexer: torch.Tensor
 
 
 class TinyTransformer:
     """This rank's shard of the model: its stage's layers and its TP slice of the heads."""
 
     def __init__(self, cfg: ModelConfig, rank: RankInfo, device: torch.device,
-                 tp: TensorParallelComm | None = None) -> None:
+                 tp: TensorParallelComm | None = None, page_size: int = 1) -> None:
         self.cfg = cfg
+        self.page_size = page_size
+        """The KV page size: the ``trailing_pages`` state is kept per page."""
         self.rank = rank
         self.device = device
         self.dtype = torch_dtype(cfg.dtype)
@@ -114,6 +121,8 @@ class TinyTransformer:
                 w_up=self._param("w_up", li, (h, cfg.ffn_size), h ** -0.5)[:, f_cols],
                 w_down=self._param("w_down", li, (cfg.ffn_size, h),
                                    cfg.ffn_size ** -0.5)[f_cols, :],
+                indexer=self._param("indexer", li, (cfg.num_heads, d),
+                                    d ** -0.5)[self.heads.start : self.heads.stop],
             ))
         self.embed = self._param("embed", 0, (cfg.vocab_size, h), 1.0) \
             if rank.is_first_stage else None
@@ -124,7 +133,8 @@ class TinyTransformer:
         self._inv_freq = inv.to(device)
 
     def kv_shape(self) -> KVShape:
-        return KVShape(len(self.layers_range), len(self.heads), self.cfg.head_dim, self.dtype)
+        return KVShape(len(self.layers_range), len(self.heads), self.cfg.head_dim, self.dtype,
+                       tuple(self.cfg.sidecars))
 
     # --- forward ------------------------------------------------------------------------------
 
@@ -159,20 +169,49 @@ class TinyTransformer:
         v = (x @ layer.wv).view(n, -1, d)
         out_slots = batch.out_slots.to(self.device)
         pool.set_kv(local, out_slots, k, v)
+        sidecars = self.cfg.sidecars
+        if ALL_PAGES in sidecars:  # KV-derived: recomputing it gives the same values
+            pool.set_aux(ALL_PAGES, local, out_slots, (k * layer.indexer).sum(-1))
         outs, row = [], 0
         for seq_slots, e, p in zip(batch.seq_slots, batch.extend_lens, batch.prefix_lens):
-            keys, values = pool.get_kv(local, seq_slots.to(self.device))
+            slots = seq_slots.to(self.device)
+            keys, values = pool.get_kv(local, slots)
             qr = q[row : row + e]
             scores = torch.einsum("ehd,lhd->hel", qr, keys) * self.scale
+            if ALL_PAGES in sidecars:
+                scores = scores + _INDEXER_GAIN * pool.get_aux(ALL_PAGES, local, slots).T[:, None]
             if e > 1:  # causal: query i (position p+i) sees keys 0..p+i
                 total = keys.shape[0]
                 mask = torch.arange(total, device=self.device)[None, :] > (
                     p + torch.arange(e, device=self.device)[:, None])
                 scores = scores.masked_fill(mask[None], float("-inf"))
-            outs.append(torch.einsum("hel,lhd->ehd", scores.softmax(-1), values))
+            out = torch.einsum("hel,lhd->ehd", scores.softmax(-1), values)
+            if TRAILING_PAGES in sidecars:
+                out = out + _STATE_GAIN * self._page_states(local, pool, slots, values, p, e)
+            outs.append(out)
             row += e
         o = torch.cat(outs).reshape(n, -1)
         return self.tp.all_reduce(o @ layer.wo, "attn_out")
+
+    def _page_states(self, local: int, pool: DeviceKVPool, slots: torch.Tensor,
+                     values: torch.Tensor, p: int, e: int) -> torch.Tensor:
+        """The ``trailing_pages`` term of positions ``p .. p+e-1``: each position gets the state
+        of the page boundary before its page; each page completed here gets its state
+        (``decay * previous + mean of the page's V``), stored at its last token's slot."""
+        ps = self.page_size
+        out = torch.zeros(e, *values.shape[1:], dtype=values.dtype, device=values.device)
+        first = p // ps
+        prev = torch.zeros(values.shape[1:], dtype=values.dtype, device=values.device) \
+            if first == 0 else pool.get_aux(TRAILING_PAGES, local, slots[first * ps - 1:
+                                                                         first * ps])[0]
+        for page in range(first, (p + e - 1) // ps + 1):
+            lo, hi = max(p, page * ps), min(p + e, (page + 1) * ps)
+            out[lo - p : hi - p] = prev
+            end = (page + 1) * ps - 1
+            if end < p + e:  # the page completes in this batch
+                prev = _STATE_DECAY * prev + values[page * ps : end + 1].mean(0)
+                pool.set_aux(TRAILING_PAGES, local, slots[end : end + 1], prev[None])
+        return out
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         hidden = torch.nn.functional.silu(x @ layer.w_gate) * (x @ layer.w_up)

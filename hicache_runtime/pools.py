@@ -15,6 +15,7 @@ run, so a load-back overlaps with compute (SGLang's per-layer load barrier).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,18 +37,37 @@ def torch_dtype(name: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class KVShape:
-    """Per-rank KV geometry: this stage's layers and this TP rank's heads."""
+    """Per-rank KV geometry: this stage's layers and this TP rank's heads, plus the sidecar
+    pools a hybrid model keeps next to K and V (per slot, same page layout):
+
+    * ``all_pages``: a KV-derived per-token value (a DSA-indexer-like key, one per head);
+      every page of a prefix needs its own.
+    * ``trailing_pages``: a per-page recurrent state (Mamba/SWA-like, one vector per head),
+      stored at the slot of the page's last token; continuing a prefix needs the state of
+      its last page.
+    """
 
     num_layers: int
     num_heads: int
     head_dim: int
     dtype: torch.dtype
+    sidecars: tuple[str, ...] = ()
+
+    def aux_dims(self, name: str) -> tuple[int, ...]:
+        """Per-slot shape of sidecar pool ``name``."""
+        return (self.num_heads,) if name == ALL_PAGES else (self.num_heads, self.head_dim)
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V bytes one token occupies on this rank (differs per PP stage)."""
+        """K, V and sidecar bytes one token occupies on this rank (differs per PP stage)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_heads * self.head_dim * elem
+        per_layer = 2 * self.num_heads * self.head_dim + sum(
+            math.prod(self.aux_dims(n)) for n in self.sidecars)
+        return self.num_layers * per_layer * elem
+
+
+ALL_PAGES = "all_pages"
+TRAILING_PAGES = "trailing_pages"
 
 
 class KVPool:
@@ -62,6 +82,10 @@ class KVPool:
         dims = (shape.num_layers, capacity_tokens, shape.num_heads, shape.head_dim)
         self.k = torch.zeros(dims, dtype=shape.dtype, device=device, pin_memory=pin)
         self.v = torch.zeros(dims, dtype=shape.dtype, device=device, pin_memory=pin)
+        self.aux: dict[str, torch.Tensor] = {
+            name: torch.zeros((shape.num_layers, capacity_tokens, *shape.aux_dims(name)),
+                              dtype=shape.dtype, device=device, pin_memory=pin)
+            for name in shape.sidecars}
         self.allocator = PageAllocator(capacity_tokens // page_size, page_size, name)
 
     @property
@@ -88,6 +112,13 @@ class KVPool:
         self.k.index_copy_(1, idx, k.to(self.device))
         self.v.index_copy_(1, idx, v.to(self.device))
 
+    def read_aux(self, name: str, slots: torch.Tensor) -> torch.Tensor:
+        """Sidecar ``name`` for ``slots`` across all layers (a copy)."""
+        return self.aux[name].index_select(1, slots.to(self.device))
+
+    def write_aux(self, name: str, slots: torch.Tensor, data: torch.Tensor) -> None:
+        self.aux[name].index_copy_(1, slots.to(self.device), data.to(self.device))
+
 
 class DeviceKVPool(KVPool):
     """L1: the pool attention reads. ``consumer`` is the layer-counter slot of the running batch."""
@@ -106,6 +137,13 @@ class DeviceKVPool(KVPool):
         "shape mismatch: value tensor of shape ... cannot be broadcast" error)."""
         self.k[layer][slots] = k
         self.v[layer][slots] = v
+
+    def set_aux(self, name: str, layer: int, slots: torch.Tensor, data: torch.Tensor) -> None:
+        self.aux[name][layer][slots] = data
+
+    def get_aux(self, name: str, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """Sidecar values of one layer (call after ``get_kv``: same load-back barrier)."""
+        return self.aux[name][layer].index_select(0, slots)
 
     def get_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of one layer for ``slots``; first waits until a pending load-back has landed."""

@@ -29,7 +29,7 @@ from hicache_runtime.pools import DeviceKVPool, HostKVPool, KVShape
 from hicache_runtime.radix_tree import RadixTree
 from hicache_runtime.scheduler import Scheduler
 from hicache_runtime.storage.keys import model_id
-from hicache_runtime.storage.pages import PageCodec
+from hicache_runtime.storage.pages import PageCodec, SidecarCodec
 from hicache_runtime.storage.registry import make_backend
 from hicache_runtime.sync import RankSync, SingleRankSync
 from hicache_runtime.topology import RankInfo
@@ -106,7 +106,7 @@ def build_rank(cfg: RuntimeConfig, rank: RankInfo | None = None, *,
     tracer = tracer or make_tracer(cfg, rank, trace_path)
     faults = FaultInjector(cfg.faults, cfg.seed, rank, tracer) if cfg.faults else None
     sync = sync or SingleRankSync(rank, tracer)
-    model = TinyTransformer(cfg.model, rank, device, tp)
+    model = TinyTransformer(cfg.model, rank, device, tp, page_size=cfg.cache.page_size)
     shape = model.kv_shape()
     device_pool = DeviceKVPool(shape, cfg.cache.device_tokens, cfg.cache.page_size, device)
     if obs.tracing:
@@ -140,10 +140,12 @@ def _attach_l3(rt: RankRuntime, cache: HiCache, host_pool: HostKVPool) -> None:
                            required=cfg.storage.required, faults=rt.faults, tracer=rt.tracer,
                            step=lambda: rt.tracer.step)
     assert backend is not None
-    codec = PageCodec.for_pool(host_pool, layer_start=rt.model.layers_range.start,
-                               head_start=rt.model.heads.start)
+    offsets = {"layer_start": rt.model.layers_range.start, "head_start": rt.model.heads.start}
+    codec = PageCodec.for_pool(host_pool, **offsets)
+    sidecars = {name: SidecarCodec.for_pool(host_pool, name, **offsets)
+                for name in cfg.model.sidecars}
     workers = StorageWorkers(cfg.storage, backend, codec, host_pool, rt.sync, rt.tracer,
-                             rt.rank, cfg.legacy, rt.faults, rt.aborts.request)
+                             rt.rank, cfg.legacy, rt.faults, rt.aborts.request, sidecars)
     cache.l3 = L3Tier(cfg.storage, cache, workers)
     workers.start()
 

@@ -108,8 +108,9 @@ class RankSync(ABC):
         """Classic per-stage TP MIN, used only by legacy code paths."""
 
     @abstractmethod
-    def hit_vote(self, pages: int) -> int:
-        """Prefetch thread: MIN of the L3 leading hit pages over every rank."""
+    def hit_vote(self, pages: Sequence[int]) -> list[int]:
+        """Prefetch thread: element-wise MIN of the L3 leading hit pages (KV, then each
+        sidecar pool) over every rank."""
 
     @abstractmethod
     def progress_vote(self, values: Sequence[int]) -> list[int]:
@@ -153,9 +154,9 @@ class SingleRankSync(RankSync):
     def legacy_tp_min(self, value: int, site: str) -> int:
         return value
 
-    def hit_vote(self, pages: int) -> int:
-        self._trace_vote("prefetch_hit", pages, pages)
-        return pages
+    def hit_vote(self, pages: Sequence[int]) -> list[int]:
+        self._trace_vote("prefetch_hit", list(pages), list(pages))
+        return list(pages)
 
     def progress_vote(self, values: Sequence[int]) -> list[int]:
         return list(values)
@@ -310,10 +311,10 @@ class DistributedSync(RankSync):
 
     # --- background-thread votes --------------------------------------------------------------
 
-    def hit_vote(self, pages: int) -> int:
-        t = torch.tensor([pages], dtype=torch.int64)
-        out = int(self.groups.prefetch_hits.all_reduce(t, dist.ReduceOp.MIN).item())
-        self._trace_vote("prefetch_hit", pages, out)
+    def hit_vote(self, pages: Sequence[int]) -> list[int]:
+        t = torch.tensor(list(pages), dtype=torch.int64)
+        out = self.groups.prefetch_hits.all_reduce(t, dist.ReduceOp.MIN).tolist()
+        self._trace_vote("prefetch_hit", list(pages), out)
         return out
 
     def progress_vote(self, values: Sequence[int]) -> list[int]:

@@ -59,6 +59,7 @@ class Ev:
     PREFETCH_SETTLE = "l3.prefetch.settle"
     PREFETCH_REVOKE = "l3.prefetch.revoke"
     PREFETCH_TERMINATE = "l3.prefetch.terminate"
+    PREFETCH_DISCARD = "l3.prefetch.discard"
     STORAGE = "l3.storage"
     VOTE = "sync.vote"
     COLLECTIVE_ENTER = "comm.enter"

@@ -113,6 +113,8 @@ class StorageCallInfo:
 
     rid: str | None = None
     step: int | None = None
+    pool: str = "kv"
+    """Which objects the call touches: "kv" pages or a hybrid sidecar pool's pages."""
 
 
 class StorageBackend(ABC):

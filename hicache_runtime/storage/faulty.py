@@ -146,7 +146,8 @@ class FaultyBackend(StorageBackend):
     def _fire(self, point: FaultPoint, info: StorageCallInfo | None) -> list[FaultSpec]:
         step = info.step if info is not None and info.step is not None else self._step()
         rid = info.rid if info is not None else None
-        fired = self.injector.fire(point, step=step, rid=rid)
+        pool = info.pool if info is not None else "kv"
+        fired = self.injector.fire(point, step=step, rid=rid, pool=pool)
         if fired:
             self._count(injected=len(fired))
         for spec in fired:

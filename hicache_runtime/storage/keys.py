@@ -71,6 +71,13 @@ def chain_hashes(tokens: Sequence[int], page_size: int) -> list[str]:
     return extend_chain(None, tokens, page_size)
 
 
+def sidecar_hash(page_hash_hex: str, pool: str) -> str:
+    """The page hash under which a hybrid sidecar pool stores its part of a page: derived from
+    the KV page's hash, so it names the same prefix, but a separate object (pools can miss
+    independently, as SGLang's per-pool hits do)."""
+    return hashlib.sha256(f"{pool}:{page_hash_hex}".encode()).hexdigest()
+
+
 def model_id(model: ModelConfig) -> str:
     """A short id of a model config, used as the ``<model>`` part of key suffixes.
 

@@ -188,3 +188,57 @@ class PageCodec:
 def _raw(t: torch.Tensor) -> bytes:
     """The bytes of a tensor in memory order (works for dtypes numpy lacks, e.g. bfloat16)."""
     return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+_SIDE_MAGIC = b"HSCP"
+_SIDE_HEADER = struct.Struct("<4sHBx4I16s")
+
+
+class SidecarCodec:
+    """Pages of one hybrid sidecar pool (``KVPool.aux[name]``: ``[layers, slots, ...]``) as
+    payloads, with a header naming the pool and layout so a page of another pool, rank slice
+    or shape is rejected like a corrupt one. Immutable and thread-safe."""
+
+    def __init__(self, name: str, layout: PageLayout, slot_dims: tuple[int, ...]) -> None:
+        self.name = name
+        self.layout = layout
+        self.page_dims = (layout.num_layers, layout.page_size, *slot_dims)
+        elems = 1
+        for d in self.page_dims:
+            elems *= d
+        self._nbytes = elems * torch.empty((), dtype=layout.dtype).element_size()
+        self._header = _SIDE_HEADER.pack(_SIDE_MAGIC, _VERSION, _DTYPE_CODES[layout.dtype],
+                                         layout.num_layers, layout.page_size,
+                                         layout.layer_start, layout.head_start,
+                                         name.encode()[:16].ljust(16, b"\0"))
+        self._size = len(self._header) + self._nbytes
+
+    @classmethod
+    def for_pool(cls, pool: KVPool, name: str, *, layer_start: int = 0,
+                 head_start: int = 0) -> SidecarCodec:
+        layout = PageLayout.of(pool.shape, pool.page_size, layer_start=layer_start,
+                               head_start=head_start)
+        return cls(name, layout, pool.shape.aux_dims(name))
+
+    def fits(self, payload: bytes) -> bool:
+        return len(payload) == self._size and payload[: len(self._header)] == self._header
+
+    def read_pages(self, pool: KVPool, slots: torch.Tensor) -> list[bytes]:
+        """Payloads of the sidecar pages at ``slots`` (whole pages). Reads the pool only."""
+        ps = self.layout.page_size
+        data = pool.read_aux(self.name, slots)
+        return [self._header + _raw(data[:, i * ps : (i + 1) * ps])
+                for i in range(int(slots.numel()) // ps)]
+
+    def write_pages(self, pool: KVPool, slots: torch.Tensor, payloads: Sequence[bytes]) -> None:
+        """Write one payload per page into ``slots``; every payload is checked first."""
+        for p in payloads:
+            if not self.fits(p):
+                raise CorruptPage(f"sidecar page of {self.name!r} does not fit its layout "
+                                  f"({len(p)} bytes)")
+        if not payloads:
+            return
+        n = len(self._header)
+        parts = [torch.frombuffer(bytearray(memoryview(p)[n:]), dtype=torch.uint8)
+                 .view(self.layout.dtype).reshape(self.page_dims) for p in payloads]
+        pool.write_aux(self.name, slots, torch.cat(parts, dim=1))
