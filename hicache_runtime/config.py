@@ -56,6 +56,9 @@ class ModelConfig(BaseModel):
     dtype: Literal["float64", "float32", "bfloat16", "float16"] = "float64"
     weight_seed: int = 1234
     rope_theta: float = Field(10000.0, gt=0)
+    kv_replicated: bool = False
+    """MLA-style: every TP rank keeps K/V of all heads (the latent cache is not sharded), so
+    TP ranks hold identical pages and one writer can store them for all (``single_writer``)."""
     sidecars: tuple[Literal["all_pages", "trailing_pages"], ...] = ()
     """Hybrid-model sidecar pools next to K/V: ``all_pages`` (a KV-derived per-token indexer
     value attention adds to its scores; every prefix page needs it) and ``trailing_pages`` (a
@@ -220,6 +223,9 @@ class RuntimeConfig(BaseModel):
             )
         if self.storage.backend == "redis" and not self.storage.url:
             raise ValueError(_at("storage.url", "the redis backend needs redis://host:port/db"))
+        if self.storage.single_writer and t.tp > 1 and not m.kv_replicated:
+            raise ValueError(_at("storage.single_writer", "needs model.kv_replicated with tp > 1 "
+                                 "(head-sharded pages differ per TP rank)"))
         if self.storage.backend != "none" and not c.enable_hicache:
             raise ValueError(_at("storage.backend", "L3 needs the host tier (enable_hicache)"))
         return self

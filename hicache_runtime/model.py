@@ -101,10 +101,17 @@ class TinyTransformer:
         self.tp: TensorParallelComm = tp or LocalTP()
         self.layers_range = rank.layer_range(cfg.num_layers)
         self.heads = rank.head_range(cfg.num_heads)
+        # MLA-style models keep the KV cache replicated on every TP rank (the compressed
+        # latent is not head-sharded): each rank computes and stores K/V of every head and its
+        # query heads read their slice. Otherwise K/V are sharded like the query heads.
+        self.kv_heads = range(cfg.num_heads) if cfg.kv_replicated else self.heads
+        self._local = slice(self.heads.start - self.kv_heads.start,
+                            self.heads.stop - self.kv_heads.start)
         self.ffn = rank.shard_range(cfg.ffn_size)
         self.scale = cfg.head_dim ** -0.5
         h, d = cfg.hidden_size, cfg.head_dim
         q_cols = slice(self.heads.start * d, self.heads.stop * d)
+        kv_cols = slice(self.kv_heads.start * d, self.kv_heads.stop * d)
         f_cols = slice(self.ffn.start, self.ffn.stop)
         self.layers: list[_Layer] = []
         for li in self.layers_range:
@@ -112,8 +119,8 @@ class TinyTransformer:
             self.layers.append(_Layer(
                 attn_norm=self._ones(h),
                 wq=self._param("wq", li, (h, cfg.num_heads * d), qk_std)[:, q_cols],
-                wk=self._param("wk", li, (h, cfg.num_heads * d), qk_std)[:, q_cols],
-                wv=self._param("wv", li, (h, cfg.num_heads * d), v_std)[:, q_cols],
+                wk=self._param("wk", li, (h, cfg.num_heads * d), qk_std)[:, kv_cols],
+                wv=self._param("wv", li, (h, cfg.num_heads * d), v_std)[:, kv_cols],
                 wo=self._param("wo", li, (cfg.num_heads * d, h),
                                (cfg.num_heads * d) ** -0.5)[q_cols, :],
                 mlp_norm=self._ones(h),
@@ -122,7 +129,7 @@ class TinyTransformer:
                 w_down=self._param("w_down", li, (cfg.ffn_size, h),
                                    cfg.ffn_size ** -0.5)[f_cols, :],
                 indexer=self._param("indexer", li, (cfg.num_heads, d),
-                                    d ** -0.5)[self.heads.start : self.heads.stop],
+                                    d ** -0.5)[self.kv_heads.start : self.kv_heads.stop],
             ))
         self.embed = self._param("embed", 0, (cfg.vocab_size, h), 1.0) \
             if rank.is_first_stage else None
@@ -133,7 +140,7 @@ class TinyTransformer:
         self._inv_freq = inv.to(device)
 
     def kv_shape(self) -> KVShape:
-        return KVShape(len(self.layers_range), len(self.heads), self.cfg.head_dim, self.dtype,
+        return KVShape(len(self.layers_range), len(self.kv_heads), self.cfg.head_dim, self.dtype,
                        tuple(self.cfg.sidecars))
 
     # --- forward ------------------------------------------------------------------------------
@@ -175,11 +182,13 @@ class TinyTransformer:
         outs, row = [], 0
         for seq_slots, e, p in zip(batch.seq_slots, batch.extend_lens, batch.prefix_lens):
             slots = seq_slots.to(self.device)
-            keys, values = pool.get_kv(local, slots)
+            all_keys, all_values = pool.get_kv(local, slots)
+            keys, values = all_keys[:, self._local], all_values[:, self._local]
             qr = q[row : row + e]
             scores = torch.einsum("ehd,lhd->hel", qr, keys) * self.scale
             if ALL_PAGES in sidecars:
-                scores = scores + _INDEXER_GAIN * pool.get_aux(ALL_PAGES, local, slots).T[:, None]
+                bias = pool.get_aux(ALL_PAGES, local, slots)[:, self._local]
+                scores = scores + _INDEXER_GAIN * bias.T[:, None]
             if e > 1:  # causal: query i (position p+i) sees keys 0..p+i
                 total = keys.shape[0]
                 mask = torch.arange(total, device=self.device)[None, :] > (
@@ -187,7 +196,8 @@ class TinyTransformer:
                 scores = scores.masked_fill(mask[None], float("-inf"))
             out = torch.einsum("hel,lhd->ehd", scores.softmax(-1), values)
             if TRAILING_PAGES in sidecars:
-                out = out + _STATE_GAIN * self._page_states(local, pool, slots, values, p, e)
+                states = self._page_states(local, pool, slots, all_values, p, e)
+                out = out + _STATE_GAIN * states[:, self._local]
             outs.append(out)
             row += e
         o = torch.cat(outs).reshape(n, -1)

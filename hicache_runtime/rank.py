@@ -140,7 +140,8 @@ def _attach_l3(rt: RankRuntime, cache: HiCache, host_pool: HostKVPool) -> None:
                            required=cfg.storage.required, faults=rt.faults, tracer=rt.tracer,
                            step=lambda: rt.tracer.step)
     assert backend is not None
-    offsets = {"layer_start": rt.model.layers_range.start, "head_start": rt.model.heads.start}
+    offsets = {"layer_start": rt.model.layers_range.start,
+               "head_start": rt.model.kv_heads.start}
     codec = PageCodec.for_pool(host_pool, **offsets)
     sidecars = {name: SidecarCodec.for_pool(host_pool, name, **offsets)
                 for name in cfg.model.sidecars}

@@ -31,3 +31,19 @@ def test_outputs_match_with_every_tier(tp: int, pp: int, tmp_path: Path,
     assert s.cached_tokens.host > 0
     assert s.cached_tokens.storage > 0
     assert not list(bundle_root.iterdir()), "a healthy run leaves no bundle"
+
+
+def test_mla_style_single_writer_shares_l3_pages(tmp_path: Path, bundle_root: Path) -> None:
+    """KV replicated over TP (MLA-style): TP rank 0 alone writes L3 and every TP rank reads
+    the shared objects; non-writers skip the write but still ack."""
+    cfg = mr_config(**{"topology.tp": 2, "workload.requests": 48, "cache.host_tokens": 768,
+                       "model.kv_replicated": True, "storage.single_writer": True,
+                       "storage.backend": "file", "storage.path": tmp_path / "l3"})
+    assert run(cfg, compare=False, bundle_root=bundle_root).outcome is RunOutcome.HEALTHY
+    s = run(cfg, bundle_root=bundle_root)
+    assert s.outcome is RunOutcome.HEALTHY, s.error
+    assert s.output_match is True
+    backends = {r: x["l3"]["backend"] for r, x in s.cache_stats["ranks"].items()}
+    assert backends["1"]["stored"] == 0, "the non-writer never writes"
+    assert backends["1"]["hits"] > 0, "but reads what the writer stored"
+    assert not any("_0_2" in p.name or "_1_2" in p.name for p in (tmp_path / "l3").rglob("*"))

@@ -69,3 +69,12 @@ def test_sum_hit_pages_commits_a_page_that_never_loaded(tmp_path: Path,
     assert s.mismatches
     assert s.cached_tokens.storage > 0
     assert s.bundle is not None
+
+
+
+def test_single_writer_needs_replicated_kv_under_tp() -> None:
+    from hicache_runtime.config import load_config
+    from hicache_runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"storage\.single_writer"):
+        load_config({"topology.tp": 2, "storage.single_writer": True})
