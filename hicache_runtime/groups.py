@@ -69,7 +69,9 @@ def create_groups(rank: RankInfo, tracer: Tracer, timeout_s: float) -> RankGroup
     recorder = FlightRecorder()
     timeout = timedelta(seconds=timeout_s)
     world_ranks = list(range(rank.world_size))
-    compute_backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # NCCL needs one GPU per rank; ranks sharing a GPU (or none) reduce through gloo.
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    compute_backend = "nccl" if gpus >= rank.world_size else "gloo"
     tp_compute = tp_cpu = None
     for stage in range(rank.pp_size):
         ranks = rank.stage_ranks(stage)

@@ -329,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
                          f"tp*pp={cfg.topology.world_size}\n")
         return 2
     rank = RankInfo.of(int(os.environ["RANK"]), cfg.topology.tp, cfg.topology.pp)
+    if torch.cuda.is_available():  # one GPU per local rank, shared round-robin if fewer
+        local = int(os.environ.get("LOCAL_RANK", rank.rank))
+        torch.cuda.set_device(local % torch.cuda.device_count())
     if "HICACHE_LAUNCHER" not in os.environ:
         os.environ.setdefault("HICACHE_SELF_PYSPY", "1")
     dist.init_process_group("gloo", timeout=timedelta(seconds=_STARTUP_TIMEOUT_S))

@@ -103,3 +103,29 @@ def test_legacy_abort_frees_in_flight_corrupts_the_host_pool(tmp_path: Path,
     if s.outcome is RunOutcome.CRASH:
         assert s.error is not None
         assert "Double-free detected" in s.error or "Double-alloc detected" in s.error
+
+
+def test_page_files_corrupted_while_the_workload_runs(tmp_path: Path, bundle_root: Path) -> None:
+    """Pages go bad under a live run (a disk, a neighbour process): reads that find them bad
+    are misses, the prefix is recomputed, outputs never change."""
+    store = tmp_path / "l3"
+    cfg = l3_config(store)
+    run_single(cfg, compare=False, bundle_root=bundle_root)  # L3 holds pages to go bad
+    rng = random.Random(11)
+    hit: list[int] = []
+
+    def corrupt(step: int, finished: int, total: int) -> None:
+        if step % 10 or step > 200:
+            return
+        files = sorted(store.rglob("*.bin"))
+        for f in rng.sample(files, max(1, len(files) // 10)):
+            data = bytearray(f.read_bytes())
+            if len(data) > 64:
+                data[rng.randrange(32, len(data))] ^= 0x5A
+                f.write_bytes(bytes(data))
+        hit.append(step)
+
+    s = run_single(cfg, progress=corrupt, bundle_root=bundle_root)
+    healthy(s)
+    assert hit, "the corruption ran during the workload"
+    assert s.cache_stats["l3"]["backend"]["corrupt"] > 0
