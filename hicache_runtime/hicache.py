@@ -16,7 +16,6 @@ transfer queues, and applies the policies:
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -28,11 +27,13 @@ from hicache_runtime.cache import PrefixCache, PrefixPlan
 from hicache_runtime.config import CacheConfig, WritePolicy
 from hicache_runtime.controller import CacheController
 from hicache_runtime.errors import InvariantViolation
+from hicache_runtime.eviction import EvictionMixin
 from hicache_runtime.host_pins import HostPins
 from hicache_runtime.legacy import LegacySwitch
 from hicache_runtime.radix_tree import RadixTree, TreeNode
 from hicache_runtime.sync import DrainCounts, RankSync
 from hicache_runtime.tracing import Ev, Tracer
+from hicache_runtime.transfers import TransferMixin
 
 if TYPE_CHECKING:
     from hicache_runtime.copy_engine import CopyEngine
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 _DRAIN_POLL_S = 0.002
 
 
-class HiCache(PrefixCache):
+class HiCache(TransferMixin, EvictionMixin, PrefixCache):
     """Three-tier prefix cache for one rank. ``host`` is ``None`` for an L1-only radix cache."""
 
     def __init__(self, cfg: CacheConfig, device: DeviceKVPool, host: HostKVPool | None,
@@ -147,234 +148,8 @@ class HiCache(PrefixCache):
                     or node.hit_count >= self.cfg.write_through_threshold):
                 self.write_backup(node)
 
-    # --- L1 -> L2 ---------------------------------------------------------------------------------
-
-    def write_backup(self, node: TreeNode, write_back: bool = False) -> int:
-        """Back ``node`` up to L2. Returns the tokens queued (0: not backed up).
-
-        Host residency stays contiguous from the root: a node whose parent has no host copy is
-        not backed up. The allocation outcome is agreed across ranks before anything is
-        committed, unless the classic local decision is restored."""
-        assert self.host is not None
-        assert self.controller is not None
-        if node.host_value is not None or node.value is None:
-            return 0
-        parent = node.parent
-        parent_ok = parent is self.tree.root or (parent is not None and parent.backuped)
-        if LegacySwitch.SKIP_EMPTY_SYNC in self.legacy:  # classic: a rank-local decision
-            slots = self.alloc_host(len(node.key)) if parent_ok else None
-        else:
-            slots = self.alloc_host_agreed(len(node.key) if parent_ok else 0, "write_backup")
-        if slots is None:
-            self.stats["backup_skipped"] += len(node.key)
-            self.tracer.emit(Ev.WRITE_SKIP, node=node.id, tokens=len(node.key),
-                             parent_backed_up=parent_ok)
-            return 0
-        node.host_value = slots
-        if write_back:
-            return len(node.key)
-        self.tree.inc_lock_ref(node)
-        self.ongoing_write_through[node.id] = node
-        self.controller.write(node.value, slots, node.id)
-        self.stats["backup_tokens"] += len(node.key)
-        return len(node.key)
-
-    def alloc_host_agreed(self, num_tokens: int, site: str) -> torch.Tensor | None:
-        """Host slots for ``num_tokens`` if *every* rank got them, else None everywhere (the
-        two-phase reserve -> vote -> commit/abort proposed in #31425, over TP and PP: a
-        leader-decided vote would miss a downstream stage's failure). The evict-and-retry step is
-        taken only on an agreed failure and evicts by pool state, which ranks share, never by
-        the local outcome, so one rank's failed allocation cannot make the trees diverge.
-        ``num_tokens == 0`` votes "no" (a rank that cannot even try still votes)."""
-        assert self.host is not None
-        for attempt in range(2):
-            slots = self.host.alloc(num_tokens) if num_tokens else None
-            if self.sync.agree_all(slots is not None, site):
-                return slots
-            if slots is not None:
-                self.host.free(slots)
-            if not num_tokens:
-                return None
-            if attempt == 0:
-                self.evict_host(num_tokens - self.host.available_tokens)
-        return None
-
-    def alloc_host(self, num_tokens: int) -> torch.Tensor | None:
-        """Host slots for ``num_tokens``, evicting L2 leaves once if needed; None if full.
-        Rank-local: only legacy paths use it directly."""
-        assert self.host is not None
-        slots = self.host.alloc(num_tokens)
-        if slots is None:
-            self.evict_host(num_tokens - self.host.available_tokens)
-            slots = self.host.alloc(num_tokens)
-        return slots
-
-    def host_free(self, slots: torch.Tensor) -> None:
-        assert self.host is not None
-        self.host.free(slots)
-
-    def hang_host_pages(self, anchor: TreeNode, tokens: list[int], host_slots: torch.Tensor,
-                        hashes: list[str]) -> torch.Tensor:
-        """Hang fetched L3 pages below ``anchor`` as host-only nodes; returns the host slots
-        added to the tree. Pages the tree already holds, or that cannot hang contiguously,
-        are freed."""
-        present, added = self.tree.insert_host(anchor, tokens, host_slots, hashes)
-        if present:
-            self.host_free(host_slots[:present])
-        if present + added < len(tokens):
-            self.host_free(host_slots[present + added :])
-        return host_slots[present : present + added]
-
-    # --- L2 -> L1 ---------------------------------------------------------------------------------
-
-    def load_back(self, node: TreeNode, mem_quota: int) -> torch.Tensor | None:
-        """Load the evicted path ending at ``node`` back to L1 (all or nothing)."""
-        assert self.controller is not None
-        path: list[TreeNode] = []
-        x = node
-        while x.value is None:
-            if x.host_value is None:
-                raise InvariantViolation(
-                    "No backup available on evicted nodes, should not happen "
-                    f"(node {x.id})")
-            path.append(x)
-            assert x.parent is not None
-            x = x.parent
-        path.reverse()
-        ancestor = x
-        total = sum(len(n.key) for n in path)
-        if total < self.cfg.load_back_threshold or total > mem_quota:
-            self.stats["load_skipped"] += total
-            self.tracer.emit(Ev.LOAD_SKIP, node=node.id, tokens=total, quota=mem_quota)
-            return None
-        host_slots = torch.cat([n.host_value for n in path])  # type: ignore[misc]
-        self.pins.pin(host_slots)  # keep L2 eviction (reachable via write_back) off the path
-        self.lock(None if ancestor is self.tree.root else ancestor)
-        try:
-            device_slots = self.controller.load(host_slots, node.id)
-            if device_slots is None:
-                self.evict(total - self.device.available_tokens)
-                device_slots = self.controller.load(host_slots, node.id)
-        finally:
-            self.unlock(None if ancestor is self.tree.root else ancestor)
-            self.pins.unpin(host_slots)
-        if device_slots is None:
-            self.stats["load_skipped"] += total
-            self.tracer.emit(Ev.LOAD_SKIP, node=node.id, tokens=total, reason="device_full")
-            return None
-        offset = 0
-        for n in path:
-            self.tree.attach_device(n, device_slots[offset : offset + len(n.key)])
-            offset += len(n.key)
-        self.tree.inc_lock_ref(node)
-        self.ongoing_load_back[node.id] = node
-        self.stats["load_tokens"] += total
-        return device_slots
-
     def start_loading(self) -> int | None:
         return self.controller.start_loading() if self.controller is not None else None
-
-    # --- eviction -------------------------------------------------------------------------------
-
-    def evict(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` of L1 from unlocked leaves, least recently used first."""
-        if num_tokens <= 0:
-            return 0
-        heap = self.tree.device_leaves()
-        heapq.heapify(heap)
-        evicted = 0
-        victims: list[int] = []
-        copy: list[TreeNode] = []
-        drop: list[TreeNode] = []
-        write_back = self.cfg.write_policy is WritePolicy.WRITE_BACK and self.host is not None
-        while evicted < num_tokens and heap:
-            x = heapq.heappop(heap)
-            if x.lock_ref or x in drop:
-                continue
-            if x.host_value is None:
-                if write_back:
-                    chain = self._write_back_chain(x)
-                    if chain:
-                        copy.extend(chain)
-                        drop.append(x)
-                        evicted += len(x.key)
-                    continue
-                slots = x.value
-                self.tree.delete_leaf(x)
-                self.device.free(slots)  # type: ignore[arg-type]
-            else:
-                self.device.free(self.tree.drop_device(x))
-            evicted += len(x.key)
-            victims.append(x.id)
-            self._push_parent_if_leaf(heap, x)
-        if copy:
-            self._flush_write_back(copy, drop)
-            for x in drop:
-                self._push_parent_if_leaf(heap, x)
-        self.stats["evicted_device"] += evicted
-        victims.extend(x.id for x in drop)
-        self.tracer.emit(Ev.EVICT, want=num_tokens, evicted=evicted, written_back=len(drop),
-                         victims=victims)
-        return evicted
-
-    def _push_parent_if_leaf(self, heap: list[TreeNode], x: TreeNode) -> None:
-        p = x.parent
-        if (p is not None and p is not self.tree.root and p.value is not None
-                and not p.lock_ref and all(c.value is None for c in p.children.values())):
-            heapq.heappush(heap, p)
-
-    def _write_back_chain(self, x: TreeNode) -> list[TreeNode]:
-        """Reserve host copies for ``x`` and every ancestor lacking one (top-down, so host
-        residency stays contiguous). Returns the nodes to copy, or [] if a reservation failed."""
-        chain = [n for n in reversed(self.tree.path_to_root(x)) if n.host_value is None]
-        done: list[TreeNode] = []
-        for n in chain:
-            if not self.write_backup(n, write_back=True):
-                for d in done:  # undo: nothing was copied yet
-                    assert self.host is not None
-                    assert d.host_value is not None
-                    self.host.free(d.host_value)
-                    d.host_value = None
-                return []
-            done.append(n)
-        return chain
-
-    def _flush_write_back(self, copy: list[TreeNode], drop: list[TreeNode]) -> None:
-        """Copy write-back victims (and their newly backed-up ancestors) to L2 synchronously,
-        then drop the victims' L1 copies."""
-        assert self.controller is not None
-        assert self.host is not None
-        device_slots = torch.cat([n.value for n in copy])  # type: ignore[misc]
-        host_slots = torch.cat([n.host_value for n in copy])  # type: ignore[misc]
-        self.controller.engine.write(self.device, self.host, device_slots, host_slots) \
-            .synchronize()
-        for n in drop:
-            self.device.free(self.tree.drop_device(n))
-        self.stats["backup_tokens"] += int(host_slots.numel())
-
-    def evict_host(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` of L2 from evicted, unreferenced leaves (LRU)."""
-        if num_tokens <= 0 or self.host is None:
-            return 0
-        heap = self.tree.host_leaves()
-        heapq.heapify(heap)
-        evicted = 0
-        victims: list[int] = []
-        while evicted < num_tokens and heap:
-            x = heapq.heappop(heap)
-            if self.pins.pinned(x.host_value):
-                continue
-            self.host.free(x.host_value)  # type: ignore[arg-type]
-            self.tree.delete_leaf(x)
-            evicted += len(x.key)
-            victims.append(x.id)
-            p = x.parent
-            if (p is not None and p is not self.tree.root and p.value is None
-                    and not p.children and p.host_value is not None):
-                heapq.heappush(heap, p)
-        self.stats["evicted_host"] += evicted
-        self.tracer.emit(Ev.EVICT_HOST, want=num_tokens, evicted=evicted, victims=victims)
-        return evicted
 
     @property
     def evictable_tokens(self) -> int:

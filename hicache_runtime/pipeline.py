@@ -32,10 +32,10 @@ from hicache_runtime.sync import DrainCounts
 from hicache_runtime.tracing import Ev
 
 if TYPE_CHECKING:
+    from hicache_runtime.consensus import ConsensusChecker
     from hicache_runtime.groups import RankGroups
     from hicache_runtime.model import ForwardBatch
     from hicache_runtime.scheduler import ScheduleBatch
-    from hicache_runtime.sync import ConsensusChecker
 
 _IDLE_SLEEP_S = 0.0005
 _DRAIN_POLL_S = 0.01

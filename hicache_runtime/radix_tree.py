@@ -112,19 +112,11 @@ class RadixTree:
         """Longest cached page-aligned prefix of ``key``. Splits nodes at the match boundary and
         touches (LRU) every matched node. Mutates the tree shape, never its contents."""
         key = key[: self.align(len(key))]
-        node = self.root
-        node.last_access = self.clock()
+        self.root.last_access = self.clock()
         device_parts: list[torch.Tensor] = []
         last_device = last_host = self.root
         host_len = 0
-        while key:
-            child = node.children.get(self._child_key(key))
-            if child is None:
-                break
-            n = self._common_len(child.key, key)
-            if n < len(child.key):
-                child = self.split(child, n)
-            child.last_access = self.clock()
+        for child in self._descend(self.root, key):
             if child.value is not None and host_len == 0:
                 device_parts.append(child.value)
                 last_device = child
@@ -135,8 +127,6 @@ class RadixTree:
                     )
                 host_len += len(child.key)
             last_host = child
-            node = child
-            key = key[n:]
         indices = torch.cat(device_parts) if device_parts else _EMPTY
         return MatchResult(indices, last_device, last_host, host_len)
 
@@ -150,32 +140,24 @@ class RadixTree:
         leaf. Hit counts of already-present nodes go up (selective write-through)."""
         n_key = self.align(len(key))
         key, value = key[:n_key], value[:n_key]
-        node = self.root
-        node.last_access = self.clock()
-        prefix_len = 0
+        self.root.last_access = self.clock()
+        node, done, prefix_len = self.root, 0, 0
         revived: list[TreeNode] = []
         matched: list[TreeNode] = []
-        while key:
-            child = node.children.get(self._child_key(key))
-            if child is None:
-                break
-            n = self._common_len(child.key, key)
-            if n < len(child.key):
-                child = self.split(child, n)
-            child.last_access = self.clock()
+        for child in self._descend(self.root, key):
+            n = len(child.key)
             if child.value is None:
-                child.value = value[:n].clone()
+                child.value = value[done : done + n].clone()
                 self.evictable_size += n
                 revived.append(child)
             elif not revived:
                 prefix_len += n
                 child.hit_count += 1
                 matched.append(child)
-            node = child
-            key, value = key[n:], value[n:]
+            node, done = child, done + n
         new_node = None
-        if key:
-            new_node = self._add_child(node, key, value.clone())
+        if done < len(key):
+            new_node = self._add_child(node, key[done:], value[done:].clone())
             new_node.hit_count = 1  # its first insert counts as a hit (selective write-through)
             node = new_node
         return InsertResult(prefix_len, node, new_node, revived, matched)
@@ -191,17 +173,10 @@ class RadixTree:
         if parent is not self.root and parent.host_value is None:
             return 0, 0
         node, present = parent, 0
-        while present < len(key):
-            child = node.children.get(self._child_key(key[present:]))
-            if child is None:
-                break
-            n = self._common_len(child.key, key[present:])
-            if n < len(child.key):
-                child = self.split(child, n)
+        for child in self._descend(parent, key):
             if child.host_value is None:
                 return present, 0
-            child.last_access = self.clock()
-            node, present = child, present + n
+            node, present = child, present + len(child.key)
         if present == len(key):
             return present, 0
         rest = key[present:]
@@ -212,6 +187,23 @@ class RadixTree:
         new.last_access = self.clock()
         node.children[self._child_key(rest)] = new
         return present, len(rest)
+
+    def _descend(self, node: TreeNode, key: list[int]) -> Iterator[TreeNode]:
+        """Walk down from ``node`` along ``key``: every child whose first page matches, split
+        at the end of the common run and touched (LRU). The caller has consumed
+        ``len(child.key)`` tokens of ``key`` per child yielded."""
+        offset = 0
+        while offset < len(key):
+            rest = key[offset:]
+            child = node.children.get(self._child_key(rest))
+            if child is None:
+                return
+            n = self._common_len(child.key, rest)
+            if n < len(child.key):
+                child = self.split(child, n)
+            child.last_access = self.clock()
+            yield child
+            node, offset = child, offset + n
 
     def split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut ``child`` after ``n`` tokens; returns the new upper node (same locks/refs)."""

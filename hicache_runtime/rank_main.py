@@ -39,12 +39,13 @@ import torch.distributed as dist
 
 from hicache_runtime.bundle import RankEntry, RunOutcome, rank_dir, write_text
 from hicache_runtime.config import RuntimeConfig, load_config
+from hicache_runtime.consensus import ConsensusChecker
 from hicache_runtime.engine import EngineResult, dump_rank
 from hicache_runtime.errors import RankDivergence, StepStalled
 from hicache_runtime.groups import RankGroups, TPComm, create_groups
 from hicache_runtime.pipeline import PipelineEngine
 from hicache_runtime.rank import RankRuntime, build_rank, make_tracer
-from hicache_runtime.sync import ConsensusChecker, DistributedSync
+from hicache_runtime.sync import DistributedSync
 from hicache_runtime.topology import RankInfo
 from hicache_runtime.watchdog import StepWatchdog, install_interrupt_handler, interrupt_main_thread
 from hicache_runtime.workload import Workload

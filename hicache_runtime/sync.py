@@ -23,15 +23,13 @@ method                      thread              fixed protocol
 :class:`SingleRankSync` is the one-rank implementation: every vote is the identity, but each is
 still traced (inputs and outputs), so traces look the same whatever the topology.
 :class:`DistributedSync` runs the protocols over real process groups (``groups.py``) and
-restores the legacy forms behind their switches; :class:`ConsensusChecker` compares decisions.
+restores the legacy forms behind their switches. (``consensus.py`` *checks* agreement after the
+fact; it decides nothing.)
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import pickle
-import threading
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
@@ -40,12 +38,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from hicache_runtime.errors import RankDivergence, ResourceLeak
+from hicache_runtime.errors import ResourceLeak
 from hicache_runtime.legacy import LegacySwitch
 from hicache_runtime.tracing import Ev
 
 if TYPE_CHECKING:
-    from hicache_runtime.comm import Group
     from hicache_runtime.groups import RankGroups
     from hicache_runtime.topology import RankInfo
     from hicache_runtime.tracing import Tracer
@@ -363,93 +360,3 @@ def _encode(obj: Any) -> torch.Tensor:
 
 def _decode(data: torch.Tensor) -> Any:
     return pickle.loads(data.numpy().tobytes())
-
-
-class ConsensusChecker:
-    """``--consensus-check``: decisions that must be identical on every rank are hashed and
-    compared on a side group; a mismatch names the first divergent decision.
-
-    The scheduler thread records decisions (via the tracer's observer hook); a daemon thread
-    agrees on how many every rank has (MIN), MIN/MAX-reduces a digest of that many, and on a
-    mismatch gathers them to find the first that differs. Like SGLang's
-    ``SGLANG_ENABLE_RANK_CONSENSUS_CHECKER``, but the report says *which* decision diverged.
-    """
-
-    def __init__(self, group: Group, tracer: Tracer, interval_s: float = 0.05) -> None:
-        self.group = group
-        self.tracer = tracer
-        self.interval_s = interval_s
-        self._decisions: list[str] = []
-        self._lock = threading.Lock()
-        self._checked = 0
-        self._stop = threading.Event()
-        self.divergence: str | None = None
-        self._thread = threading.Thread(target=self._loop, name="hicache-consensus",
-                                        daemon=True)
-
-    def start(self) -> ConsensusChecker:
-        self._thread.start()
-        return self
-
-    def observe(self, kind: str, attrs: dict[str, Any]) -> None:
-        """Tracer hook (scheduler thread): keep the agreed part of decision events."""
-        keys = DECISION_ATTRS.get(kind)
-        if keys is None or threading.current_thread() is not threading.main_thread():
-            return
-        text = kind + json.dumps({k: attrs.get(k) for k in keys}, sort_keys=True, default=str)
-        with self._lock:
-            self._decisions.append(f"step {self.tracer.step}|{text}")
-
-    def check(self) -> None:
-        """Raise :class:`RankDivergence` on the scheduler thread once a mismatch was found."""
-        if self.divergence is not None:
-            raise RankDivergence(self.divergence)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5.0)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            with self._lock:
-                have = len(self._decisions)
-            n = int(self.group.all_reduce(torch.tensor([have - self._checked]),
-                                          dist.ReduceOp.MIN).item())
-            if n <= 0:
-                continue
-            with self._lock:
-                batch = self._decisions[self._checked : self._checked + n]
-            digest = int.from_bytes(hashlib.sha256("\n".join(
-                d.split("|", 1)[1] for d in batch).encode()).digest()[:7], "little")
-            lo = self.group.all_reduce(torch.tensor([digest]), dist.ReduceOp.MIN).item()
-            hi = self.group.all_reduce(torch.tensor([digest]), dist.ReduceOp.MAX).item()
-            if lo != hi:
-                self._report(batch)
-                return
-            self._checked += n
-            self.tracer.emit(Ev.CONSENSUS, checked=self._checked)
-
-    def _report(self, batch: list[str]) -> None:
-        every = self.group.all_gather_object(batch)
-        for i in range(len(batch)):
-            values = [b[i].split("|", 1)[1] if i < len(b) else None for b in every]
-            if len(set(values)) > 1:
-                ranks = "; ".join(f"rank {r}: {b[i]}" for r, b in
-                                  zip(self.group.ranks, every) if i < len(b))
-                self.divergence = (f"Found rank divergence: first divergent decision "
-                                   f"#{self._checked + i}: {ranks}")
-                self.tracer.emit(Ev.CONSENSUS, divergent=self._checked + i,
-                                 decisions=[b[i] for b in every if i < len(b)])
-                return
-
-
-#: Decision events whose listed attributes must be identical on every rank.
-DECISION_ATTRS: dict[str, tuple[str, ...]] = {
-    Ev.BATCH: ("decode", "rids", "extend", "prefix", "tokens", "slot"),
-    Ev.MATCH: ("rid", "device", "host", "loaded"),
-    Ev.EVICT: ("want", "evicted", "victims"),
-    Ev.EVICT_HOST: ("want", "evicted", "victims"),
-    Ev.WRITE_SKIP: ("node", "tokens"),
-    Ev.PREFETCH_SETTLE: ("rid", "completed", "inserted"),
-    Ev.REQ_ADMIT: ("rid", "prefix", "device_hit", "host_hit", "storage_hit"),
-}
