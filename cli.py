@@ -1,12 +1,14 @@
 """The ``hicache`` command.
 
-Subcommands land with the feature they expose: ``run`` (a run of the runtime, compared against
-its cache-disabled twin), ``trace`` (export traces, print the bundle schema), ``doctor`` (name
-the crash signature of artifacts), ``signatures`` (the catalog), ``runbook`` and ``capture``
-(py-spy dumps of a live job).
+Subcommands: ``run`` (a run of the runtime, compared against its cache-disabled twin),
+``inject`` (a run under faults, named by the doctor; ``--replay``/``--shrink`` a bundle),
+``campaign`` (matrices of cells, each judged against its expectation), ``trace`` (export
+traces, print the bundle schema), ``doctor`` (name the crash signature of artifacts),
+``signatures`` (the catalog), ``runbook`` and ``capture`` (py-spy dumps of a live job).
 
-Exit codes: 0 success / healthy run; 1 the run was not healthy; 2 bad usage, bad configuration
-or unreadable input (one line on stderr, no traceback).
+Exit codes: 0 success / healthy run / every cell as expected; 1 the run was not healthy, a
+cell was not as expected, a replay did not reproduce; 2 bad usage, bad configuration or
+unreadable input (one line on stderr, no traceback).
 """
 
 from __future__ import annotations
@@ -173,6 +175,151 @@ def _read_config(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError("config", f"{path} must hold a mapping at top level")
     return data
+
+
+# --- campaign, inject -----------------------------------------------------------------------
+
+
+@app.command()
+@_handles_errors
+def campaign(
+    spec: Annotated[Path | None, typer.Argument(
+        help="Campaign spec (YAML, TOML or JSON); the built-in default when omitted.")] = None,
+    only: Annotated[str | None, typer.Option(
+        help="Run only the cells whose id matches this glob, e.g. 'pp2/*'.")] = None,
+    list_cells: Annotated[bool, typer.Option("--list", help="List the cells; run nothing.")]
+    = False,
+    junit: Annotated[Path | None, typer.Option(help="Write JUnit XML here.")] = None,
+    markdown: Annotated[Path | None, typer.Option(help="Write a Markdown report here.")]
+    = None,
+    bundle_dir: Annotated[Path, typer.Option(help="Where the cells' crash bundles go.")]
+    = Path("hicache-bundles"),
+    json_out: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")]
+    = False,
+) -> None:
+    """Run a fault campaign: each cell runs topology x legacy switches x faults x seed and must
+    end as expected (healthy with outputs identical to a cache-disabled run, or failed with
+    the doctor naming the expected signature). Exit 1 when any cell did not."""
+    import render
+    from faults.campaign import load_campaign
+    from faults.reports import junit_xml
+    from faults.reports import markdown as markdown_report
+    from faults.runner import run_campaign, select
+
+    camp = load_campaign(spec)
+    cells = select(camp, only)
+    if not cells:
+        raise ConfigError("only", f"no cell of campaign {camp.name!r} matches {only!r}",
+                          hint="hicache campaign --list shows the cell ids")
+    if list_cells:
+        if json_out:
+            print(json.dumps([c.model_dump() for c in cells], indent=2))
+        else:
+            render.campaign_cells(cells)
+        raise typer.Exit(EXIT_OK)
+    with render.campaign_progress(len(cells), enabled=not json_out) as hook:
+        result = run_campaign(camp, bundle_root=bundle_dir, only=only, hook=hook)
+    if junit is not None:
+        junit.write_text(junit_xml(result), encoding="utf-8")
+    if markdown is not None:
+        markdown.write_text(markdown_report(result), encoding="utf-8")
+    if json_out:
+        print(result.model_dump_json(indent=2))
+    else:
+        render.campaign_summary(result)
+    raise typer.Exit(EXIT_OK if result.failed == 0 else EXIT_UNHEALTHY)
+
+
+@app.command()
+@_handles_errors
+def inject(
+    faults: Annotated[list[str] | None, typer.Argument(
+        help="Fault specs to inject, e.g. 'stage-lag:pp=1,ms=30'.")] = None,
+    replay: Annotated[Path | None, typer.Option(
+        help="Rerun the run a crash bundle came from and check it fails the same way.")]
+    = None,
+    shrink: Annotated[bool, typer.Option(
+        help="With --replay: shrink to the fewest requests and the narrowest fault schedule "
+             "that still show the same signature.")] = False,
+    max_runs: Annotated[int, typer.Option(min=1, help="Run budget of --shrink.")] = 16,
+    out: Annotated[Path | None, typer.Option(
+        help="--shrink output directory (default: shrunk-<bundle name>).")] = None,
+    warm: Annotated[bool | None, typer.Option(
+        help="Warm L3 with a fault-free run first (default: as the bundle's cell did).")]
+    = None,
+    tp: Annotated[int | None, typer.Option(help="Tensor-parallel ranks.")] = None,
+    pp: Annotated[int | None, typer.Option(help="Pipeline stages.")] = None,
+    legacy: Annotated[list[str] | None, typer.Option(
+        help="Restore a pre-fix protocol (repeatable).")] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed of the workload and faults.")] = None,
+    requests: Annotated[int | None, typer.Option(help="Requests in the workload.")] = None,
+    config: Annotated[Path | None, typer.Option(help="YAML, TOML or JSON config file.")] = None,
+    bundle_dir: Annotated[Path | None, typer.Option(help="Where crash bundles go.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Inject faults into a run and name what they caused; or replay (and shrink) a bundle.
+
+    Exit codes: 0 the run stayed healthy / the replay failed the same way; 1 it did not.
+    """
+    import render
+
+    if replay is None:
+        if shrink or not faults:
+            raise ConfigError("inject", "give fault specs, or --replay BUNDLE [--shrink]")
+        _inject_faults(faults, tp, pp, legacy, seed, requests, config, bundle_dir, warm,
+                       json_out)
+    if faults:
+        raise ConfigError("inject", "--replay reruns the bundle's own faults; drop the specs")
+    if shrink:
+        from faults.shrink import shrink_bundle
+
+        result = shrink_bundle(replay, out or Path(f"shrunk-{replay.resolve().name}"),
+                               max_runs=max_runs, warm=warm)
+        if json_out:
+            print(result.model_dump_json(indent=2))
+        else:
+            render.shrink_summary(result)
+        raise typer.Exit(EXIT_OK if result.reproduced else EXIT_UNHEALTHY)
+    import tempfile
+
+    from faults.replay import replay as replay_bundle
+    from hicache_runtime.run import DEFAULT_BUNDLE_ROOT
+
+    with tempfile.TemporaryDirectory(prefix="hicache-replay-") as work:
+        res = replay_bundle(replay, work=Path(work), bundle_root=bundle_dir or DEFAULT_BUNDLE_ROOT,
+                            warm=warm)
+    if json_out:
+        print(res.model_dump_json(indent=2))
+    else:
+        render.replay_summary(res)
+    raise typer.Exit(EXIT_OK if res.reproduced else EXIT_UNHEALTHY)
+
+
+def _inject_faults(faults: list[str], tp: int | None, pp: int | None,
+                   legacy: list[str] | None, seed: int | None, requests: int | None,
+                   config: Path | None, bundle_dir: Path | None, warm: bool | None,
+                   json_out: bool) -> None:
+    import render
+    from faults.runner import observe
+    from faults.spec import parse_faults
+    from hicache_runtime.config import load_config
+    from hicache_runtime.legacy import parse_legacy
+    from hicache_runtime.run import DEFAULT_BUNDLE_ROOT
+
+    data: dict[str, Any] = _read_config(config) if config else {}
+    data.update({k: v for k, v in {"topology.tp": tp, "topology.pp": pp, "seed": seed,
+                                   "workload.requests": requests}.items() if v is not None})
+    data["faults"] = parse_faults(faults)
+    if legacy:
+        data["legacy"] = parse_legacy(legacy)
+    cfg = load_config(data)
+    obs = observe(cfg, warm=bool(warm), compare=True,
+                  bundle_root=bundle_dir or cfg.observability.bundle_dir or DEFAULT_BUNDLE_ROOT)
+    if json_out:
+        print(obs.model_dump_json(indent=2))
+    else:
+        render.inject_summary(obs)
+    raise typer.Exit(EXIT_OK if obs.observed == "healthy" else EXIT_UNHEALTHY)
 
 
 # --- trace ----------------------------------------------------------------------------------

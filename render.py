@@ -271,3 +271,128 @@ def capture_summary(result: Any) -> None:
     if result.hint:
         con.print(f"[{STYLE_WARN}]hint:[/] {esc(result.hint)}", soft_wrap=True)
     con.print(f"next: hicache doctor {esc(str(result.out))}")
+
+
+# --- campaigns, replay, shrink ----------------------------------------------------------------
+
+
+@contextmanager
+def campaign_progress(total: int, enabled: bool = True) -> Iterator[Callable[[Any, Any], None]]:
+    """Live campaign progress: a bar over cells and one line per finished cell. Yields the
+    runner's hook, called with (cell, None) on start and (cell, result) on end."""
+    con = console(stderr=True)
+    if not enabled:
+        yield lambda cell, result: None
+        return
+    progress = Progress(TextColumn("[bold]campaign"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[cell]}"), TimeElapsedColumn(), console=con,
+                        transient=True)
+    with progress:
+        task = progress.add_task("cells", total=total, cell="")
+
+        def hook(cell: Any, result: Any) -> None:
+            if result is None:
+                progress.update(task, cell=esc(cell.id))
+                return
+            progress.console.print(_cell_line(result), soft_wrap=True)
+            progress.advance(task)
+
+        yield hook
+
+
+def _cell_line(r: Any) -> str:
+    mark = f"[{STYLE_OK}]pass[/]" if r.passed else f"[{STYLE_BAD}]FAIL[/]"
+    return f"{mark} {esc(r.id)}  [{STYLE_DIM}]{esc(r.observed)}, {r.wall_s:.1f}s[/]"
+
+
+def campaign_summary(result: Any) -> None:
+    con = console()
+    table = Table(title=f"campaign {esc(result.name)}", title_justify="left", expand=True)
+    table.add_column("cell", overflow="fold", ratio=3)
+    for col in ("expected", "observed", "outcome", "wall s", ""):
+        table.add_column(col, overflow="fold", ratio=1)
+    for c in result.cells:
+        obs = c.observed + (f" ({c.confidence:.2f})" if c.confidence is not None else "")
+        mark = f"[{STYLE_OK}]pass[/]" if c.passed else f"[{STYLE_BAD}]FAIL[/]"
+        table.add_row(esc(c.id), esc(c.expect), esc(obs),
+                      f"[{OUTCOME_STYLE.get(c.outcome, STYLE_WARN)}]{c.outcome}[/]",
+                      f"{c.wall_s:.1f}", mark)
+    con.print(table)
+    style = STYLE_OK if result.failed == 0 else STYLE_BAD
+    con.print(f"[{style}]{result.passed} of {len(result.cells)} cells behaved as expected[/] "
+              f"in {result.wall_s:.0f}s")
+    for c in result.cells:
+        if not c.passed:
+            con.print(f"  [{STYLE_BAD}]{esc(c.id)}[/]: {esc(c.detail)}"
+                      + (f" [{STYLE_DIM}]{esc(c.error)}[/]" if c.error else ""), soft_wrap=True)
+            if c.bundle:
+                con.print(f"    bundle {esc(c.bundle)}  (hicache inject --replay "
+                          f"{esc(c.bundle)} --shrink)", soft_wrap=True)
+
+
+def campaign_cells(cells: list[Any]) -> None:
+    table = Table(show_header=True, box=None, pad_edge=False)
+    for col in ("cell", "expect", "warm"):
+        table.add_column(col, overflow="fold")
+    for c in cells:
+        table.add_row(esc(c.id), esc(c.expect), "yes" if c.warm else "")
+    console().print(table)
+
+
+def replay_summary(r: Any) -> None:
+    con = console()
+    style = STYLE_OK if r.reproduced else STYLE_BAD
+    verdict = "reproduced" if r.reproduced else "did not reproduce"
+    con.print(f"[{style}]{verdict}[/]: expected {esc(r.signature)} ({r.outcome}), observed "
+              f"{esc(r.trial.observed)} ({r.trial.outcome}) in {r.trial.wall_s:.1f}s",
+              soft_wrap=True)
+    schedule = "the same" if r.same_fault_schedule else "a different"
+    con.print(f"  {r.trial.faults_fired} fault firing(s), {schedule} schedule as the original")
+    if r.cell:
+        con.print(f"  campaign cell {esc(r.cell)}")
+    if r.trial.bundle:
+        con.print(f"  bundle {esc(r.trial.bundle)}", soft_wrap=True)
+
+
+def shrink_summary(r: Any) -> None:
+    con = console()
+    if not r.reproduced:
+        con.print(f"[{STYLE_BAD}]the replay did not show {esc(r.signature)}[/]: nothing to "
+                  "shrink (is the failure timing-dependent? try again, or raise the lag)")
+    table = Table(title=f"shrinking {esc(r.signature)}", title_justify="left")
+    for col in ("#", "change", "requests", "observed", "wall s", ""):
+        table.add_column(col, overflow="fold")
+    for i, t in enumerate(r.trials):
+        mark = f"[{STYLE_OK}]kept[/]" if t.reproduced else f"[{STYLE_DIM}]no[/]"
+        table.add_row(str(i), esc(t.change), str(t.requests), esc(t.observed),
+                      f"{t.wall_s:.1f}", mark)
+    con.print(table)
+    o, s = r.original, r.shrunk
+    con.print(f"requests {o.requests} -> {s.requests}; faults {esc('; '.join(o.faults))} -> "
+              f"{esc('; '.join(s.faults))}; firings {o.faults_fired} -> {s.faults_fired}; "
+              f"{r.runs} run(s)" + (" (budget spent)" if r.budget_exhausted else ""),
+              soft_wrap=True)
+    if r.final_bundle:
+        con.print(f"bundle {esc(r.final_bundle)}", soft_wrap=True)
+    if r.cell_spec:
+        con.print(f"rerun: hicache campaign {esc(r.cell_spec)}", soft_wrap=True)
+
+
+def inject_summary(obs: Any) -> None:
+    con = console()
+    style = OUTCOME_STYLE.get(obs.outcome, STYLE_WARN)
+    con.print(f"outcome [{style}]{obs.outcome}[/]"
+              + ("" if obs.output_match is None else
+                 f", outputs {'identical to' if obs.output_match else 'differ from'} the "
+                 "cache-disabled run") + f"; {obs.faults_fired} fault firing(s)")
+    if obs.error:
+        con.print(f"[{STYLE_BAD}]{esc(obs.error)}[/]", soft_wrap=True)
+    if obs.signature:
+        con.print(f"the doctor names [{STYLE_BAD}]{esc(obs.signature)}[/] "
+                  f"({obs.confidence:.2f}); hicache doctor {esc(obs.bundle or '')}",
+                  soft_wrap=True)
+    elif obs.bundle:
+        con.print(f"no known signature fits; bundle {esc(obs.bundle)}", soft_wrap=True)
+    if obs.bundle:
+        con.print(f"replay: hicache inject --replay {esc(obs.bundle)} [--shrink]",
+                  soft_wrap=True)

@@ -64,10 +64,11 @@ def _campaign(sig: Signature) -> list[str]:
     if sig.campaign is None:
         return ["No campaign cell reproduces this signature yet; reproduce it from the incident's "
                 "evidence and add one."]
-    topo, _legacy, fault = sig.campaign.parts
-    fixed = f"{topo}/fixed/{fault}"
-    out = [f"Campaign cell `{sig.campaign.cell}` reproduces it (expects "
-           f"`{sig.campaign.expect}`); its twin `{fixed}` verifies the fix (expects `healthy`).",
+    fixed = sig.campaign.fixed_twin
+    out = [f"Campaign cell `{sig.campaign.cell}` of the built-in campaign reproduces it "
+           f"(expects `{sig.campaign.expect}`); its twin `{fixed}` verifies the fix (expects "
+           "`healthy`). A cell passes only when the doctor names the expected signature for "
+           "the bundle the run leaves.",
            "", "```bash", f"# reproduce: {sig.campaign.cell}", sig.campaign.run_command(),
            f"# verify the fix: {fixed}", sig.campaign.run_command(fixed=True), "```"]
     if sig.campaign.note:

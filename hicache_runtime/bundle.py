@@ -28,7 +28,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-BUNDLE_SCHEMA_VERSION = "1.0"
+BUNDLE_SCHEMA_VERSION = "1.1"
 BUNDLE_KIND = "hicache-crash-bundle"
 MANIFEST = "manifest.json"
 
@@ -83,6 +83,17 @@ class FiredFaultRecord(BaseModel):
     thread: str
 
 
+class CellOrigin(BaseModel):
+    """The campaign cell a run belongs to (set by the campaign runner, read by replay)."""
+
+    model_config = ConfigDict(extra="forbid")
+    campaign: str
+    cell: str
+    expect: str
+    warm: bool = False
+    """The cell ran once without faults and switches first, to fill L3."""
+
+
 class Manifest(BaseModel):
     """``manifest.json``: what ran, how it ended, and where each rank's evidence is."""
 
@@ -103,6 +114,8 @@ class Manifest(BaseModel):
     missing_ranks: list[int] = []
     mismatches: list[dict[str, Any]] = []
     """For wrong-output bundles: requests whose output differs from the cache-disabled run."""
+    origin: CellOrigin | None = None
+    """Added in 1.1: the campaign cell this run was, if any."""
 
 
 class RankState(BaseModel):
@@ -217,6 +230,13 @@ def write_manifest(bundle: Path, manifest: Manifest) -> Path:
     tmp.write_text(manifest.model_dump_json(indent=2), encoding="utf-8")
     os.replace(tmp, path)
     return path
+
+
+def annotate_origin(bundle: Path, origin: CellOrigin) -> None:
+    """Record which campaign cell produced ``bundle`` (rewrites the manifest atomically)."""
+    manifest = load_manifest(bundle)
+    manifest.origin = origin
+    write_manifest(bundle, manifest)
 
 
 def load_manifest(bundle: Path) -> Manifest:

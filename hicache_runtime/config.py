@@ -185,7 +185,7 @@ class ObservabilityConfig(BaseModel):
     watchdog_timeout_s: float = Field(60.0, gt=0)
     protocol_timeout_s: float = Field(30.0, gt=0)
     consensus_check: bool = False
-    pending_send_limit: int = Field(256, ge=0)
+    pending_send_limit: int = Field(64, ge=0)
     """Fail a rank whose PP count-chain sends pile up past this many (0: never): the memory
     guard that turns an unbounded send leak (#28916) into a bundle instead of an OOM kill."""
     check_integrity_every: int = Field(0, ge=0)

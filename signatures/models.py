@@ -129,11 +129,12 @@ class Mitigation(_Strict):
 
 
 class CampaignCell(_Strict):
-    """``<topology>/<legacy-switch|fixed>/<fault-spec|none>`` plus config overrides."""
+    """The cell of the built-in campaign (``faults/campaigns/default.yaml``) that reproduces the
+    signature: ``<topology>/<legacy-switch|fixed>/<fault-spec|none>``. Its config lives in the
+    campaign; its fixed twin (the same id with ``fixed``) verifies the fix."""
 
     cell: str
     expect: str = Field(description="the signature id the cell shows, or 'healthy'")
-    config: dict[str, str | int | float | bool] = {}
     note: str = ""
 
     @field_validator("cell")
@@ -149,19 +150,14 @@ class CampaignCell(_Strict):
         assert m is not None  # validated at construction
         return m.group("topology"), m.group("legacy"), m.group("fault")
 
+    @property
+    def fixed_twin(self) -> str:
+        topo, _legacy, fault = self.parts
+        return f"{topo}/fixed/{fault}"
+
     def run_command(self, fixed: bool = False) -> str:
-        """The ``hicache run`` line that runs this cell (``fixed``: without its legacy switch)."""
-        topo, legacy, fault = self.parts
-        args = ["hicache run"]
-        args += [f"--{k} {n}" for k, n in re.findall(r"(tp|pp)(\d+)", topo) if n != "1"]
-        if legacy != "fixed" and not fixed:
-            args.append(f"--legacy {legacy}")
-        if fault != "none":
-            args.append(f"--fault '{fault}'")
-        line = " ".join(args)
-        if self.config:
-            line += "  # config: " + ", ".join(f"{k}={v}" for k, v in self.config.items())
-        return line
+        """The command that runs this cell (``fixed``: its twin without the legacy switch)."""
+        return f"hicache campaign --only '{self.fixed_twin if fixed else self.cell}'"
 
 
 class RunbookText(_Strict):

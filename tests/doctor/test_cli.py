@@ -107,7 +107,7 @@ def test_signatures_list_show_schema(runner: CliRunner) -> None:
     assert "#28916" in res.output
     res = runner.invoke(app, ["signatures", "show", "pp-sync-send-leak", "--json"])
     cell = json.loads(res.output)["campaign"]["cell"]
-    assert cell == "pp2/unbounded-pp-sends/stage-lag:pp=1,ms=30"
+    assert cell == "pp2/unbounded-pp-sends/stage-lag:pp=1,ms=10"
     res = runner.invoke(app, ["signatures", "show", "nope"])
     assert res.exit_code == 2
     assert "known:" in res.output
@@ -127,7 +127,7 @@ def test_runbook_for_every_signature(runner: CliRunner, tmp_path: Path) -> None:
                     "## Mitigation", "## Upstream fix", "## Verify with a campaign cell",
                     "## Escalation"):
         assert section in text
-    assert "hicache run --pp 2 --legacy local-ack-drain --fault 'dma-lag:pp=1,ms=30'" in text
+    assert "hicache campaign --only 'pp2/local-ack-drain/dma-lag:pp=1,ms=30'" in text
     res = runner.invoke(app, ["runbook", "-s", "host-memory-growth"])
     assert res.exit_code == 0
     assert res.output.startswith("# host-memory-growth")

@@ -93,8 +93,22 @@ def test_campaign_cell_parses(catalog: Catalog, sig_id: str) -> None:
     if fault != "none":
         parse_fault(fault)
     assert sig.campaign.expect == sig_id
-    assert sig.campaign.run_command().startswith("hicache run")
-    assert "--legacy" not in sig.campaign.run_command(fixed=True)
+    assert sig.campaign.run_command() == f"hicache campaign --only '{sig.campaign.cell}'"
+    assert "/fixed/" in sig.campaign.run_command(fixed=True)
+
+
+@pytest.mark.parametrize("sig_id", WITH_CELLS)
+def test_campaign_cell_is_a_default_campaign_cell(catalog: Catalog, sig_id: str) -> None:
+    """The cell a signature cites exists in the built-in campaign and expects that signature;
+    its fixed twin exists too and expects a healthy run."""
+    from faults.campaign import load_campaign
+
+    cells = {c.id: c for c in load_campaign().expand()}
+    sig = catalog.get(sig_id)
+    assert sig.campaign is not None
+    assert sig.campaign.cell in cells, sorted(cells)
+    assert sig_id in cells[sig.campaign.cell].expected
+    assert cells[sig.campaign.fixed_twin].expected == {"healthy"}
 
 
 def test_every_legacy_switch_has_its_signature(catalog: Catalog) -> None:
