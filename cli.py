@@ -187,6 +187,9 @@ def campaign(
         help="Campaign spec (YAML, TOML or JSON); the built-in default when omitted.")] = None,
     only: Annotated[str | None, typer.Option(
         help="Run only the cells whose id matches this glob, e.g. 'pp2/*'.")] = None,
+    seeds: Annotated[str | None, typer.Option(
+        help="Run every selected cell once per seed, e.g. '0-4' or '0,3,7' (flake hunting).")]
+    = None,
     list_cells: Annotated[bool, typer.Option("--list", help="List the cells; run nothing.")]
     = False,
     junit: Annotated[Path | None, typer.Option(help="Write JUnit XML here.")] = None,
@@ -207,7 +210,8 @@ def campaign(
     from faults.runner import run_campaign, select
 
     camp = load_campaign(spec)
-    cells = select(camp, only)
+    seed_list = _seeds(seeds) if seeds else None
+    cells = select(camp, only, seed_list)
     if not cells:
         raise ConfigError("only", f"no cell of campaign {camp.name!r} matches {only!r}",
                           hint="hicache campaign --list shows the cell ids")
@@ -218,7 +222,8 @@ def campaign(
             render.campaign_cells(cells)
         raise typer.Exit(EXIT_OK)
     with render.campaign_progress(len(cells), enabled=not json_out) as hook:
-        result = run_campaign(camp, bundle_root=bundle_dir, only=only, hook=hook)
+        result = run_campaign(camp, bundle_root=bundle_dir, only=only, seeds=seed_list,
+                              hook=hook)
     if junit is not None:
         junit.write_text(junit_xml(result), encoding="utf-8")
     if markdown is not None:
@@ -228,6 +233,18 @@ def campaign(
     else:
         render.campaign_summary(result)
     raise typer.Exit(EXIT_OK if result.failed == 0 else EXIT_UNHEALTHY)
+
+
+def _seeds(text: str) -> list[int]:
+    out: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()) or (sep and int(hi) < int(lo)):
+            raise ConfigError("seeds", f"{text!r}: expected seeds like 0-4 or 0,3,7")
+        out.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+    if not out:
+        raise ConfigError("seeds", "no seeds given")
+    return out
 
 
 @app.command()

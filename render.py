@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -308,19 +309,26 @@ def _cell_line(r: Any) -> str:
 def campaign_summary(result: Any) -> None:
     con = console()
     table = Table(title=f"campaign {esc(result.name)}", title_justify="left", expand=True)
-    table.add_column("cell", overflow="fold", ratio=3)
-    for col in ("expected", "observed", "outcome", "wall s", ""):
-        table.add_column(col, overflow="fold", ratio=1)
+    table.add_column("cell", overflow="fold", ratio=4)
+    table.add_column("expected", overflow="fold", ratio=2)
+    table.add_column("observed", overflow="fold", ratio=2)
+    table.add_column("outcome", no_wrap=True)
+    table.add_column("wall s", justify="right", no_wrap=True)
+    table.add_column("", no_wrap=True)
+    table.add_column("bundle", overflow="fold", ratio=2)
     for c in result.cells:
         obs = c.observed + (f" ({c.confidence:.2f})" if c.confidence is not None else "")
         mark = f"[{STYLE_OK}]pass[/]" if c.passed else f"[{STYLE_BAD}]FAIL[/]"
         table.add_row(esc(c.id), esc(c.expect), esc(obs),
                       f"[{OUTCOME_STYLE.get(c.outcome, STYLE_WARN)}]{c.outcome}[/]",
-                      f"{c.wall_s:.1f}", mark)
+                      f"{c.wall_s:.1f}", mark, esc(Path(c.bundle).name) if c.bundle else "")
     con.print(table)
     style = STYLE_OK if result.failed == 0 else STYLE_BAD
     con.print(f"[{style}]{result.passed} of {len(result.cells)} cells behaved as expected[/] "
               f"in {result.wall_s:.0f}s")
+    roots = sorted({str(Path(c.bundle).parent) for c in result.cells if c.bundle})
+    if roots:
+        con.print(f"bundles under {esc(', '.join(roots))}", soft_wrap=True)
     for c in result.cells:
         if not c.passed:
             con.print(f"  [{STYLE_BAD}]{esc(c.id)}[/]: {esc(c.detail)}"

@@ -69,19 +69,25 @@ CellHook = Callable[[CellSpec, CellResult | None], None]
 """Called with (cell, None) when a cell starts and (cell, result) when it ends."""
 
 
-def select(spec: CampaignSpec, only: str | None) -> list[CellSpec]:
-    """The cells to run; ``only`` is a glob over cell ids."""
-    cells = spec.expand()
-    return [c for c in cells if only is None or fnmatch.fnmatchcase(c.id, only)]
+def select(spec: CampaignSpec, only: str | None,
+           seeds: list[int] | None = None) -> list[CellSpec]:
+    """The cells to run; ``only`` is a glob over cell ids; ``seeds`` reruns every selected cell
+    once per seed (ids get ``/seed<N>``): how often a timing-dependent cell holds."""
+    cells = [c for c in spec.expand() if only is None or fnmatch.fnmatchcase(c.id, only)]
+    if not seeds:
+        return cells
+    return [c.model_copy(update={"seed": s, "id": f"{c.id}/seed{s}"})
+            for c in cells for s in seeds]
 
 
 def run_campaign(spec: CampaignSpec, *, bundle_root: Path, only: str | None = None,
+                 seeds: list[int] | None = None,
                  hook: CellHook | None = None) -> CampaignResult:
     started = datetime.now(UTC).isoformat(timespec="seconds")
     t0 = time.monotonic()
     results = []
     with tempfile.TemporaryDirectory(prefix="hicache-campaign-") as work:
-        for cell in select(spec, only):
+        for cell in select(spec, only, seeds):
             if hook is not None:
                 hook(cell, None)
             result = run_cell(spec, cell, Path(work), bundle_root)

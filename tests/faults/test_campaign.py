@@ -105,6 +105,12 @@ def test_only_selects_by_glob() -> None:
     assert select(spec, "nothing/*") == []
 
 
+def test_seeds_multiply_cells() -> None:
+    cells = select(load_campaign(), "tp1/*", [3, 4])
+    assert [c.id.rsplit("/", 1)[1] for c in cells] == ["seed3", "seed4"] * 2
+    assert [c.seed for c in cells] == [3, 4, 3, 4]
+
+
 def test_a_cell_round_trips_through_its_config(tmp_path: Path) -> None:
     spec = load_campaign()
     for cell in spec.expand():

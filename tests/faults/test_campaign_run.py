@@ -101,6 +101,10 @@ def test_cli_campaign_exit_codes(tmp_path: Path) -> None:
     res = runner.invoke(app, ["campaign", "--only", "nothing/*"])
     assert res.exit_code == 2
     assert "no cell" in res.output
+    res = runner.invoke(app, ["campaign", "--list", "--seeds", "1-2,5", "--only", "tp1/*"])
+    assert res.exit_code == 0
+    assert res.output.count("/seed") == 6
+    assert runner.invoke(app, ["campaign", "--list", "--seeds", "5-1"]).exit_code == 2
     res = runner.invoke(app, ["campaign", "--list"])
     assert res.exit_code == 0
     assert "tp2/skip-empty-sync/host-alloc-fail:tp=1" in res.output
