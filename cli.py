@@ -407,7 +407,7 @@ def doctor(
     signature fits, 2 bad usage or no readable input.
     """
     from doctor.diagnose import diagnose
-    from doctor.markdown import diagnosis_markdown
+    from doctor.report.markdown import diagnosis_markdown
 
     if json_out and markdown:
         raise ConfigError("doctor", "choose one of --json and --markdown")
@@ -468,8 +468,8 @@ def signatures_schema(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write to a file.")] = None,
 ) -> None:
     """JSON Schemas: the catalog, the doctor's diagnosis, capture manifests, crash bundles."""
-    from doctor.parse_bundle import CaptureManifest
-    from doctor.report import Diagnosis
+    from doctor.read.bundle import CaptureManifest
+    from doctor.report.model import Diagnosis
     from hicache_runtime.bundle import bundle_json_schema
     from signatures.models import Catalog
 
@@ -504,8 +504,8 @@ def runbook(
     html_out: Annotated[bool, typer.Option("--html", help="Also write HTML.")] = False,
 ) -> None:
     """Write runbooks: one per signature, or one for an incident (--from DIAGNOSIS.json)."""
-    from doctor.report import Diagnosis
-    from doctor.runbook import catalog_index, incident_runbook, signature_runbook
+    from doctor.report.model import Diagnosis
+    from doctor.report.runbook import catalog_index, incident_runbook, signature_runbook
     from signatures.loader import load_catalog
 
     catalog = load_catalog()
@@ -525,7 +525,7 @@ def runbook(
 
 
 def _emit_docs(docs: dict[str, str], out: Path | None, html_out: bool, single: bool) -> None:
-    from doctor.runbook import to_html
+    from doctor.report.runbook import to_html
 
     if out is None:
         print("\n\n".join(docs.values()).rstrip())

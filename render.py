@@ -119,7 +119,7 @@ def key_values(title: str, data: dict[str, Any]) -> None:
 
 
 # === doctor, signatures, capture ============================================================
-# The doctor's human-readable output. Drawn only from doctor.report.Diagnosis and the catalog
+# The doctor's human-readable output. Drawn only from doctor.report.model.Diagnosis and the catalog
 # models; the JSON and Markdown forms are produced in doctor/ and printed by cli.py.
 
 from rich.markup import escape as esc  # noqa: E402 - evidence text is data, never markup
@@ -131,7 +131,7 @@ STATE_STYLE = {"crashed": STYLE_BAD, "blocked": STYLE_WARN, "missing": STYLE_BAD
 
 
 def doctor_report(d: Any, verbose: bool = False) -> None:
-    """The rich report of a ``doctor.report.Diagnosis``."""
+    """The rich report of a ``doctor.report.model.Diagnosis``."""
     con = console()
     con.print(Panel(_doctor_head(d), title="hicache doctor", expand=False))
     for o in d.observations:

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from doctor.parse_bundle import CaptureManifest, CaptureTarget
+from doctor.read.bundle import CaptureManifest, CaptureTarget
 from hicache_runtime.bundle import now_iso
 from hicache_runtime.errors import ConfigError, ToolUnavailable
 

@@ -10,18 +10,18 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import BinaryIO, TypeVar
 
-from doctor.builder import Evidence, EvidenceBuilder
-from doctor.collectives import align
-from doctor.divergence import all_divergences
-from doctor.facts import derive_facts
-from doctor.facts_trace import divergence_fact
-from doctor.factset import FactSet
-from doctor.frames import classifier_for
-from doctor.ingest import Ingester
-from doctor.missing import missing_items
-from doctor.narrative import observations
-from doctor.observation import observe
-from doctor.report import (
+from doctor.facts.derive import derive_facts
+from doctor.facts.factset import FactSet
+from doctor.facts.observation import observe
+from doctor.facts.trace import divergence_fact
+from doctor.ranks.builder import Evidence, EvidenceBuilder
+from doctor.ranks.collectives import align
+from doctor.ranks.divergence import all_divergences
+from doctor.ranks.frames import classifier_for
+from doctor.ranks.table import blocked_sites, rank_rows
+from doctor.read.ingest import Ingester
+from doctor.report.missing import missing_items
+from doctor.report.model import (
     EXIT_DIAGNOSED,
     EXIT_NO_SIGNATURE,
     EXIT_UNREADABLE,
@@ -33,7 +33,7 @@ from doctor.report import (
     NearMiss,
     Verdict,
 )
-from doctor.stacks import blocked_sites, rank_rows
+from doctor.report.narrative import observations
 from signatures.facts import Fact
 from signatures.loader import load_catalog
 from signatures.matching import NEAR_MISS, Score, score_all

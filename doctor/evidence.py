@@ -1,8 +1,9 @@
 """The typed evidence model: what the inputs say, normalised per rank and thread.
 
 Every parser turns its artifact into these records and hands them to an
-:class:`~doctor.builder.EvidenceBuilder`; the analysis never looks at raw text again. Stacks are
-always stored innermost frame first, whatever order the artifact printed them in. Every record
+:class:`~doctor.ranks.builder.EvidenceBuilder`; the analysis never looks at raw text again.
+Stacks are always stored innermost frame first, whatever order the artifact printed them in.
+Every record
 carries a :class:`SourceRef` (input file and line) so the report can cite it.
 
 Collections that grow with input size are bounded (``Bounded``: the first and the last items are

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from doctor.diagnose import diagnose
-from doctor.safe_pickle import load_plain
+from doctor.read.safe_pickle import load_plain
 from hicache_runtime.errors import DumpFormatError
 from tests.doctor.conftest import FIXTURES
 

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from doctor.diagnose import diagnose
-from doctor.report import Diagnosis
+from doctor.report.model import Diagnosis
 from tests.doctor.conftest import FIXTURES
 
 SAMPLES = sorted(p for p in FIXTURES.glob("*/*/*") if p.is_file() and p.name != "expected.json"

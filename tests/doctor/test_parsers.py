@@ -10,14 +10,14 @@ import threading
 import traceback
 from pathlib import Path
 
-from doctor.builder import EvidenceBuilder
 from doctor.evidence import ExceptionRecord, RankHint, SourceRef, ThreadStack
-from doctor.lines import LineHandler
-from doctor.logscan import LogScanner
-from doctor.parse_dumps import read_pyspy_json
-from doctor.parse_stacks import FaulthandlerParser, PySpyTextParser
-from doctor.parse_traceback import TracebackParser
-from doctor.rankid import path_hint, strip_prefixes
+from doctor.ranks.builder import EvidenceBuilder
+from doctor.read.dumps import read_pyspy_json
+from doctor.read.lines import LineHandler
+from doctor.read.logscan import LogScanner
+from doctor.read.rankid import path_hint, strip_prefixes
+from doctor.read.threaddumps import FaulthandlerParser, PySpyTextParser
+from doctor.read.tracebacks import TracebackParser
 from signatures.loader import load_catalog
 from tests.doctor.conftest import FIXTURES
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from doctor.diagnose import diagnose
-from doctor.report import Diagnosis
+from doctor.report.model import Diagnosis
 from signatures.loader import load_catalog
 from tests.doctor.conftest import FIXTURES
 
@@ -135,7 +135,7 @@ def test_healthy_control_names_nothing() -> None:
 
 
 def test_incident_runbooks_read_well() -> None:
-    from doctor.runbook import incident_runbook
+    from doctor.report.runbook import incident_runbook
 
     catalog = load_catalog()
     md = incident_runbook(_diagnose("prefix-length-mismatch/runtime-pp2-local-ack-drain"),

@@ -9,8 +9,8 @@ an input named it, else with a placeholder and the way to find the pid.
 
 from __future__ import annotations
 
-from doctor.builder import Evidence
-from doctor.report import MissingItem, RankRow
+from doctor.ranks.builder import Evidence
+from doctor.report.model import MissingItem, RankRow
 
 MAX_ITEMS = 32
 _PGREP = "pgrep -af 'sglang::scheduler'"

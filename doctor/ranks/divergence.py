@@ -1,6 +1,6 @@
 """The first divergent decision: the earliest decision on which ranks that must agree differ.
 
-Decisions come from the runtime's traces (see :data:`doctor.parse_trace.DECISIONS`). The k-th
+Decisions come from the runtime's traces (see :data:`doctor.read.trace.DECISIONS`). The k-th
 decision of one kind about one subject (a vote site, a request id, or the step's batch) is
 compared across every rank that recorded at least k of them; step counters differ between
 pipeline stages, so the occurrence index aligns them, not the step. Of all mismatches the one
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import functools
 
-from doctor.builder import Evidence
 from doctor.evidence import Decision
-from doctor.parse_trace import REQUEST_KEYED
-from doctor.report import Divergence, EvidenceItem
+from doctor.ranks.builder import Evidence
+from doctor.read.trace import REQUEST_KEYED
+from doctor.report.model import Divergence, EvidenceItem
 
-#: Which fact a divergence of each kind supports (read by :mod:`doctor.facts`).
+#: Which fact a divergence of each kind supports (read by :mod:`doctor.facts.derive`).
 DRAIN_KINDS = ("l2.write.drain", "l2.load.drain")
 PREFIX_KINDS = ("req.admit", "tree.match", "l3.prefetch.hit", "l3.prefetch.settle",
                 "sched.batch")

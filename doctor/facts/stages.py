@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from doctor.builder import Evidence
 from doctor.evidence import SourceRef
-from doctor.factset import FactSet, witness
-from doctor.report import Divergence
+from doctor.facts.factset import FactSet, witness
+from doctor.ranks.builder import Evidence
+from doctor.report.model import Divergence
 from signatures.facts import Fact
 
 

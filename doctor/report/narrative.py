@@ -7,9 +7,9 @@ instead of forcing the nearest signature.
 
 from __future__ import annotations
 
-from doctor.builder import Evidence
-from doctor.factset import FactSet
-from doctor.report import BlockedSite, CollectiveFinding, Divergence, RankRow
+from doctor.facts.factset import FactSet
+from doctor.ranks.builder import Evidence
+from doctor.report.model import BlockedSite, CollectiveFinding, Divergence, RankRow
 from signatures.facts import Fact
 
 

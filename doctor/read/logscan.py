@@ -3,12 +3,12 @@
 Memory is flat whatever the input size: the scanner holds one chunk (``CHUNK`` bytes) plus the
 unfinished last line, and everything it keeps is bounded per rank (see :mod:`doctor.evidence`).
 
-Which lines reach the slow path (:class:`~doctor.lines.LineHandler`):
+Which lines reach the slow path (:class:`~doctor.read.lines.LineHandler`):
 
 * the first ``HEAD_LINES`` lines of the input, and the first ``CHUNK_HEAD_LINES`` lines of every
   chunk (the rank prefixes in use) — for their prefixes and blocks only;
 * every line holding a trigger (a catalog pattern's literal, or a block opener such as
-  ``Traceback (most recent call last)``), found by :class:`~doctor.prefilter.TriggerIndex`;
+  ``Traceback (most recent call last)``), found by :class:`~doctor.read.prefilter.TriggerIndex`;
 * every line while a block (traceback, thread dump, torchrun summary) is open, so multi-line
   records are read whole even when ranks interleave.
 
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import BinaryIO
 
-from doctor.lines import LineHandler
-from doctor.prefilter import TriggerIndex
+from doctor.read.lines import LineHandler
+from doctor.read.prefilter import TriggerIndex
 
 CHUNK = 4 << 20
 HEAD_LINES = 500

@@ -7,11 +7,11 @@ log hits are counted over all ranks; facts and legacy switches come with their w
 
 from __future__ import annotations
 
-from doctor.builder import Evidence
 from doctor.evidence import ExceptionRecord, RankEvidence
-from doctor.factset import FactSet
-from doctor.frames import FrameClassifier
-from doctor.stacks import blocked_threads, is_comm_error, site_label
+from doctor.facts.factset import FactSet
+from doctor.ranks.builder import Evidence
+from doctor.ranks.frames import FrameClassifier
+from doctor.ranks.table import blocked_threads, is_comm_error, site_label
 from signatures.matching import Observation, ObservedException, ObservedStack, Witness
 
 

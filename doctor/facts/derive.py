@@ -1,7 +1,7 @@
 """Deriving structural facts (:class:`signatures.facts.Fact`) from the evidence.
 
 Each ``_fact_*`` function reads one part of the evidence and adds facts with witnesses. This
-module covers outcomes, stacks, collectives, exits and exceptions; :mod:`doctor.facts_trace`
+module covers outcomes, stacks, collectives, exits and exceptions; :mod:`doctor.facts.trace`
 covers the runtime's traces and state snapshots. ``derive_facts`` runs them all; a function that
 fails on odd evidence is reported as a problem and the others still run.
 """
@@ -12,14 +12,14 @@ import functools
 import re
 from collections.abc import Callable
 
-from doctor.builder import Evidence
 from doctor.evidence import ExceptionRecord, RankEvidence
-from doctor.facts_exits import fact_exits, fact_size_abort
-from doctor.facts_trace import TRACE_FACTS
-from doctor.factset import FactSet, witness
-from doctor.frames import FrameClassifier
-from doctor.report import BlockedSite, CollectiveFinding, Divergence, RankRow
-from doctor.stacks import failing_exception, is_comm_error
+from doctor.facts.exits import fact_exits, fact_size_abort
+from doctor.facts.factset import FactSet, witness
+from doctor.facts.trace import TRACE_FACTS
+from doctor.ranks.builder import Evidence
+from doctor.ranks.frames import FrameClassifier
+from doctor.ranks.table import failing_exception, is_comm_error
+from doctor.report.model import BlockedSite, CollectiveFinding, Divergence, RankRow
 from signatures.facts import Fact
 from signatures.matching import Witness
 

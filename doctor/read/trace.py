@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 from typing import Any, BinaryIO
 
-from doctor.builder import EvidenceBuilder
 from doctor.evidence import MAX_ARRIVALS, Decision, RankHint, SourceRef
+from doctor.ranks.builder import EvidenceBuilder
 from hicache_runtime.tracing import Ev
 
 #: kind -> (attribute naming the decision's subject or None, attributes that must agree)

@@ -2,7 +2,7 @@
 
 What the analyzers read (the contract with the runtime's event attributes):
 
-* divergences of drain counts / prefix lengths / evictions (:mod:`doctor.divergence`);
+* divergences of drain counts / prefix lengths / evictions (:mod:`doctor.ranks.divergence`);
 * ``req.abort`` {rid} between ``l3.prefetch.submit`` {rid} and ``l3.prefetch.settle`` {rid}
   on a rank: an abort during prefetch; also a fired ``mid-prefetch-abort`` fault;
 * ``l3.prefetch.ack`` {rid} counts per rank: fewer acks on one rank for the same op;
@@ -15,7 +15,7 @@ What the analyzers read (the contract with the runtime's event attributes):
 * samples ``rss_mb`` and ``pending_sends`` (event attributes or log lines) per rank;
 * state snapshots: ``cache.host.capacity``, ``prefetch_tokens_occupied`` with no prefetch in
   flight, ``pending_sends``;
-* pipeline stages' own records (:mod:`doctor.facts_stages`): ``pp.recv``, ``sync.host_capacity``.
+* pipeline stages' own records (:mod:`doctor.facts.stages`): ``pp.recv``, ``sync.host_capacity``.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from doctor.builder import Evidence
-from doctor.divergence import DRAIN_KINDS, EVICT_KINDS, PREFIX_KINDS
 from doctor.evidence import RankEvidence, SourceRef
-from doctor.facts_stages import host_capacity_events, stage_batches
-from doctor.factset import FactSet, witness
-from doctor.report import Divergence
+from doctor.facts.factset import FactSet, witness
+from doctor.facts.stages import host_capacity_events, stage_batches
+from doctor.ranks.builder import Evidence
+from doctor.ranks.divergence import DRAIN_KINDS, EVICT_KINDS, PREFIX_KINDS
+from doctor.report.model import Divergence
 from signatures.facts import Fact
 from signatures.matching import Witness
 

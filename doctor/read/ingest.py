@@ -21,17 +21,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from doctor.builder import EvidenceBuilder
 from doctor.evidence import InputRecord, RankHint
-from doctor.frames import classifier_for
-from doctor.lines import LineHandler
-from doctor.logscan import LogScanner
-from doctor.parse_bundle import read_capture, read_manifest
-from doctor.parse_dumps import read_pyspy_json, read_runtime_fr, read_torch_fr
-from doctor.parse_trace import read_events, read_state
-from doctor.rankid import path_hint
-from doctor.safe_pickle import MAX_PICKLE_BYTES, load_plain
-from doctor.sniff import HEAD_BYTES, Kind, sniff
+from doctor.ranks.builder import EvidenceBuilder
+from doctor.ranks.frames import classifier_for
+from doctor.read.bundle import read_capture, read_manifest
+from doctor.read.dumps import read_pyspy_json, read_runtime_fr, read_torch_fr
+from doctor.read.lines import LineHandler
+from doctor.read.logscan import LogScanner
+from doctor.read.rankid import path_hint
+from doctor.read.safe_pickle import MAX_PICKLE_BYTES, load_plain
+from doctor.read.sniff import HEAD_BYTES, Kind, sniff
+from doctor.read.trace import read_events, read_state
 from hicache_runtime.errors import DumpFormatError
 from signatures.models import Catalog
 

@@ -10,7 +10,7 @@ rank still holds (the recorders are rings, so the oldest entries may be gone on 
 * **size-mismatch**: same op, different input sizes (for ops whose sizes must agree).
 
 Point-to-point ops (``isend``/``recv`` on the pipeline groups) are not collectives: rank A's
-k-th send to B pairs with B's k-th receive from A (:mod:`doctor.p2p`).
+k-th send to B pairs with B's k-th receive from A (:mod:`doctor.ranks.p2p`).
 
 A group name is not a communicator: every pipeline stage has its own ``tp_compute``, so the
 runtime's stage-local groups are split by stage. Unlike torch's ``fr_trace`` this works on gloo
@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from doctor.builder import Evidence
 from doctor.evidence import Collective, RankEvidence
-from doctor.p2p import P2P_OPS, p2p_findings
-from doctor.report import CollectiveFinding, EvidenceItem
-from doctor.stacks import site_label
+from doctor.ranks.builder import Evidence
+from doctor.ranks.p2p import P2P_OPS, p2p_findings
+from doctor.ranks.table import site_label
+from doctor.report.model import CollectiveFinding, EvidenceItem
 
 _SIZE_FREE = {"all_to_all", "alltoall", "all_to_all_single", "gather", "scatter", "send", "recv",
               "coalesced", "batch_isend_irecv", "barrier", "broadcast_object_list"}

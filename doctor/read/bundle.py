@@ -13,8 +13,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from doctor.builder import EvidenceBuilder
 from doctor.evidence import ExceptionRecord, ExitRecord, RankHint, SourceRef
+from doctor.ranks.builder import EvidenceBuilder
 from hicache_runtime.bundle import Manifest
 from hicache_runtime.errors import DumpFormatError
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 from doctor.evidence import Collective
-from doctor.report import CollectiveFinding, EvidenceItem
-from doctor.stacks import site_label
+from doctor.ranks.table import site_label
+from doctor.report.model import CollectiveFinding, EvidenceItem
 
 SEND_OPS = frozenset({"isend", "send"})
 RECV_OPS = frozenset({"irecv", "recv"})

@@ -1,11 +1,11 @@
 """``hicache doctor --markdown``: the diagnosis as a Markdown report (for tickets and wikis).
 
-Drawn only from :class:`~doctor.report.Diagnosis`, like the rich report.
+Drawn only from :class:`~doctor.report.model.Diagnosis`, like the rich report.
 """
 
 from __future__ import annotations
 
-from doctor.report import Diagnosis, EvidenceItem, Verdict
+from doctor.report.model import Diagnosis, EvidenceItem, Verdict
 
 
 def cite(e: EvidenceItem) -> str:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import html
 import re
 
-from doctor.markdown import cite, md_escape
-from doctor.report import Diagnosis
+from doctor.report.markdown import cite, md_escape
+from doctor.report.model import Diagnosis
 from signatures.models import Catalog, Signature
 
 

@@ -4,7 +4,7 @@
 faulthandler, py-spy text, torchrun failures) per rank stream so interleaved ``[rank3]:`` lines
 never mix, runs the catalog's log patterns on the line (trigger substrings first, then the
 regex), reads the job's topology from server arguments, and files every record into the
-:class:`~doctor.builder.EvidenceBuilder` slot of the rank that wrote it.
+:class:`~doctor.ranks.builder.EvidenceBuilder` slot of the rank that wrote it.
 
 Unprefixed lines continue the record of the last prefixed line (SGLang prints a traceback as
 one multi-line log record).
@@ -15,7 +15,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from doctor.builder import EvidenceBuilder
 from doctor.evidence import (
     ExceptionRecord,
     ExitRecord,
@@ -25,12 +24,13 @@ from doctor.evidence import (
     SourceRef,
     ThreadStack,
 )
-from doctor.parse_native import TRIGGERS as NATIVE_TRIGGERS
-from doctor.parse_native import CppTerminateParser
-from doctor.parse_stacks import FaulthandlerParser, PySpyTextParser
-from doctor.parse_torchrun import TorchrunParser
-from doctor.parse_traceback import TracebackParser
-from doctor.rankid import strip_prefixes
+from doctor.ranks.builder import EvidenceBuilder
+from doctor.read.native import TRIGGERS as NATIVE_TRIGGERS
+from doctor.read.native import CppTerminateParser
+from doctor.read.rankid import strip_prefixes
+from doctor.read.threaddumps import FaulthandlerParser, PySpyTextParser
+from doctor.read.torchrun import TorchrunParser
+from doctor.read.tracebacks import TracebackParser
 from signatures.models import Catalog
 
 #: Literal triggers of the block parsers and topology lines (besides the catalog's patterns).

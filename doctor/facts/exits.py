@@ -1,19 +1,19 @@
 """Facts about how ranks ended: kills, fatal signals, the rank that failed first, and a
 collective that aborted on a size its peers did not expect.
 
-A rank the launcher stopped after its dump (see :mod:`doctor.exits`) did not fail; a rank
+A rank the launcher stopped after its dump (see :mod:`doctor.ranks.exits`) did not fail; a rank
 that failed on its own (an in-app exception, a fatal signal, a C++ abort) makes its peers'
 timeouts, lost connections and blocked collectives consequences (``peer-exited-first``).
 """
 
 from __future__ import annotations
 
-from doctor.builder import Evidence
-from doctor.exits import describe, killed_without_dump, stopped_after_dump
-from doctor.factset import FactSet, witness
-from doctor.frames import FrameClassifier
-from doctor.report import RankRow
-from doctor.stacks import failing_exception, is_comm_error, site_label
+from doctor.facts.factset import FactSet, witness
+from doctor.ranks.builder import Evidence
+from doctor.ranks.exits import describe, killed_without_dump, stopped_after_dump
+from doctor.ranks.frames import FrameClassifier
+from doctor.ranks.table import failing_exception, is_comm_error, site_label
+from doctor.report.model import RankRow
 from signatures.facts import Fact
 from signatures.matching import Witness
 

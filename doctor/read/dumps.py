@@ -16,9 +16,9 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-from doctor.builder import EvidenceBuilder
 from doctor.evidence import Collective, Frame, RankHint, SourceRef, ThreadStack
-from doctor.frames import FrameClassifier
+from doctor.ranks.builder import EvidenceBuilder
+from doctor.ranks.frames import FrameClassifier
 from hicache_runtime.errors import DumpFormatError
 
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from doctor.builder import Evidence
 from doctor.evidence import ExceptionRecord, Frame, RankEvidence, ThreadStack
-from doctor.exits import describe, stopped_after_dump
-from doctor.frames import FrameClassifier
-from doctor.report import BlockedSite, EvidenceItem, RankRow
+from doctor.ranks.builder import Evidence
+from doctor.ranks.exits import describe, stopped_after_dump
+from doctor.ranks.frames import FrameClassifier
+from doctor.report.model import BlockedSite, EvidenceItem, RankRow
 
 _COMM_ERROR = re.compile(r"Timed out waiting|Connection (closed|reset) by peer|NCCL|"
                          r"DistBackendError|DistNetworkError|ChildFailedError|SignalException|"
