@@ -29,6 +29,7 @@ from doctor.report.model import (
     Divergence,
     EvidenceItem,
     InputSummary,
+    LookalikeFinding,
     Mitigation,
     NearMiss,
     Verdict,
@@ -36,7 +37,7 @@ from doctor.report.model import (
 from doctor.report.narrative import observations
 from signatures.facts import Fact
 from signatures.loader import load_catalog
-from signatures.matching import NEAR_MISS, Score, score_all
+from signatures.matching import NEAR_MISS, LookalikeMatch, Score, match_lookalikes, score_all
 from signatures.models import Catalog
 
 T = TypeVar("T")
@@ -75,9 +76,12 @@ def analyse(ev: Evidence, catalog: Catalog) -> Diagnosis:
     facts = guard("facts", lambda: derive_facts(ev, frames, rows, sites, findings, divs,
                                                 problems.append), FactSet())
     first = divs[0] if divs else None
-    scores = guard("scoring", lambda: score_all(catalog, observe(ev, frames, facts),
-                                                _causal(first, facts)), [])
-    diag = _report(ev, catalog, scores, facts)
+    obs = guard("observation", lambda: observe(ev, frames, facts), None)
+    scores = guard("scoring", lambda: score_all(catalog, obs, _causal(first, facts)),
+                   []) if obs is not None else []
+    looks = guard("look-alikes", lambda: match_lookalikes(catalog, obs),
+                  []) if obs is not None else []
+    diag = _report(ev, catalog, scores, facts, looks)
     diag.ranks, diag.blocked_sites, diag.collectives = rows, sites, findings
     diag.first_divergence = first
     diag.observations = guard("observations", lambda: observations(
@@ -88,15 +92,18 @@ def analyse(ev: Evidence, catalog: Catalog) -> Diagnosis:
     return diag
 
 
-def _report(ev: Evidence, catalog: Catalog, scores: list[Score], facts: FactSet) -> Diagnosis:
+def _report(ev: Evidence, catalog: Catalog, scores: list[Score], facts: FactSet,
+            looks: list[LookalikeMatch]) -> Diagnosis:
     """The verdict part of the report: status, verdicts, near misses, inputs, rule log."""
     verdicts = [_verdict(s) for s in scores if s.named]
     near = [NearMiss(signature=s.signature.id, score=round(s.score, 2), because=s.because())
             for s in scores if not s.named and s.score >= NEAR_MISS][:5]
+    lookalikes = [_lookalike(m) for m in looks]
     status, code = _status(any(i.status == "read" for i in ev.inputs), verdicts)
     return Diagnosis(
         catalog_version=catalog.version, status=status, exit_code=code,
-        summary=_summary(status, verdicts, near, ev), verdicts=verdicts, near_misses=near,
+        summary=_summary(status, verdicts, near, ev, lookalikes), verdicts=verdicts,
+        near_misses=near, lookalikes=lookalikes,
         missing_ranks=sorted(ev.expected_ranks - set(ev.ranks)),
         topology={"tp": ev.topology.tp, "pp": ev.topology.pp, "dp": ev.topology.dp,
                   "world_size": ev.topology.world_size, "sources": ev.topology.sources,
@@ -141,7 +148,7 @@ def _verdict(s: Score) -> Verdict:
                                           rule=rule.recogniser))
     return Verdict(
         signature=sig.id, title=sig.title, severity=sig.severity.value,
-        confidence=round(s.score, 2), evidence=items[:MAX_EVIDENCE],
+        confidence=s.confidence, evidence=items[:MAX_EVIDENCE],
         root_cause=" ".join(sig.root_cause.split()),
         upstream_fix=[f"{f.ref}: {f.summary}" for f in sig.upstream_fix],
         mitigations=[Mitigation(text=m.text, flags=m.flags, env=m.env) for m in sig.mitigations],
@@ -149,13 +156,24 @@ def _verdict(s: Score) -> Verdict:
         runbook=f"hicache runbook --signature {sig.id}")
 
 
-def _summary(status: str, verdicts: list[Verdict], near: list[NearMiss], ev: Evidence) -> str:
+def _lookalike(m: LookalikeMatch) -> LookalikeFinding:
+    look = m.lookalike
+    return LookalikeFinding(
+        id=look.id, title=look.title, score=round(m.score, 2),
+        meaning=" ".join(look.meaning.split()), advice=" ".join(look.advice.split()),
+        evidence=[EvidenceItem(text=w.text, file=w.file, line=w.line,
+                               rank=w.rank if w.rank >= 0 else None, rule=f"look-alike {look.id}")
+                  for w in m.witnesses])
+
+
+def _summary(status: str, verdicts: list[Verdict], near: list[NearMiss], ev: Evidence,
+             looks: list[LookalikeFinding]) -> str:
     if status == "unreadable":
         return "no input could be read"
     if verdicts:
         v = verdicts[0]
         return f"{v.signature} ({v.confidence:.2f}): {v.title}"
-    seen = _seen(ev)
+    seen = _seen(ev) or (f" (it looks like {looks[0].title.lower()})" if looks else "")
     if near:
         return (f"no known signature fits{seen}; closest: {near[0].signature} "
                 f"({near[0].score:.2f}), not enough evidence to name it")

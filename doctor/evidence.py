@@ -28,6 +28,7 @@ MAX_DECISIONS_PER_KEY = 20000
 MAX_EVENTS = 20000
 MAX_SAMPLES = 512
 MAX_ARRIVALS = 200_000
+MAX_SITES = 256
 
 
 @dataclass(frozen=True)
@@ -99,10 +100,19 @@ class ExceptionRecord:
     frames: list[Frame]
     source: SourceRef
     chain: str = ""
+    truncated: bool = False
+    """Frames of a traceback whose exception line is missing (a paste cut short): no type."""
 
     @property
     def short_type(self) -> str:
-        return self.type.rsplit(".", 1)[-1]
+        return self.type.rsplit(".", 1)[-1] if self.type else "(cut off)"
+
+    @property
+    def text(self) -> str:
+        """``Type: message``, or what a cut-off traceback is."""
+        if self.truncated:
+            return "a traceback cut off before its exception line"
+        return f"{self.short_type}: {self.message}" if self.message else self.short_type
 
 
 @dataclass
@@ -129,6 +139,9 @@ class Collective:
     thread: str = ""
     peer: int | None = None
     """For point-to-point ops: the global rank sent to or received from."""
+    order: int = -1
+    """Position in the rank's recorder across all groups (torch's ``record_id``): the rank's
+    last entry is where it stopped."""
 
 
 @dataclass
@@ -227,6 +240,13 @@ class RankEvidence:
     """The step of the earliest traced event: above 1, the event ring lost the run's start."""
     arrived: set[str] = field(default_factory=set)
     """Requests whose arrival is in the trace (their later decisions are all there too)."""
+    sites: dict[str, SourceRef] = field(default_factory=dict)
+    """Source files that log lines name (``[engine.py:135]``, ``client.cpp:406]``), first
+    line of each; at most ``MAX_SITES``."""
+
+    def add_site(self, site: str, source: SourceRef) -> None:
+        if site not in self.sites and len(self.sites) < MAX_SITES:
+            self.sites[site] = source
 
     @property
     def role(self) -> str:
@@ -284,6 +304,8 @@ class RankEvidence:
             self.trace_start = min(self.trace_start if self.trace_start is not None
                                    else other.trace_start, other.trace_start)
         self.arrived |= other.arrived
+        for site, src in other.sites.items():
+            self.add_site(site, src)
 
 
 @dataclass

@@ -1,9 +1,10 @@
 """Loading and validating the catalog shipped in ``signatures/catalog/``.
 
-``load_catalog()`` reads ``catalog.yaml`` (version, order, frame rules), ``patterns.yaml`` and one
-``<id>.yaml`` per signature, validates them against :mod:`signatures.models`, and checks the
-cross-references (log pattern ids, legacy switch names, the order list). It is cached: the
-catalog is immutable data.
+``load_catalog()`` reads ``catalog.yaml`` (version, order, frame rules), ``patterns.yaml``, one
+``<id>.yaml`` per signature and ``lookalikes.yaml`` (failure classes that are not signatures),
+validates them against :mod:`signatures.models`, and checks the cross-references (log pattern
+ids, legacy switch names, the order list, the signatures a look-alike excludes). It is cached:
+the catalog is immutable data.
 
 Raises :class:`hicache_runtime.errors.ConfigError` naming the file and field when the catalog is
 broken (a packaging or editing mistake, never user input).
@@ -24,6 +25,7 @@ from signatures.models import Catalog, Signature
 
 _INDEX = "catalog.yaml"
 _PATTERNS = "patterns.yaml"
+_LOOKALIKES = "lookalikes.yaml"
 
 
 @functools.lru_cache(maxsize=4)
@@ -34,12 +36,15 @@ def load_catalog(directory: Path | None = None) -> Catalog:
     patterns = _read(root / _PATTERNS).get("patterns", [])
     order = index.get("order") or []
     sigs = [_read(root / f"{sig_id}.yaml") for sig_id in order]
-    extra = sorted({p.stem for p in root.glob("*.yaml")} - set(order) - {"catalog", "patterns"})
+    lookalikes = (_read(root / _LOOKALIKES).get("lookalikes", [])
+                  if (root / _LOOKALIKES).exists() else [])
+    extra = sorted({p.stem for p in root.glob("*.yaml")} - set(order)
+                   - {"catalog", "patterns", "lookalikes"})
     if extra:
         raise ConfigError("catalog.order", f"signature files not listed in order: {extra}")
     try:
         catalog = Catalog(version=str(index.get("version", "")), frames=index.get("frames", {}),
-                          patterns=patterns, signatures=sigs)
+                          patterns=patterns, signatures=sigs, lookalikes=lookalikes)
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(x) for x in err["loc"])
@@ -68,6 +73,13 @@ def _check_references(catalog: Catalog) -> None:
         raise ConfigError("catalog.signatures", "duplicate signature id")
     for sig in catalog.signatures:
         _check_signature(sig, set(pattern_ids), known_switches, set(ids))
+    looks = [x.id for x in catalog.lookalikes]
+    if len(set(looks)) != len(looks) or set(looks) & set(ids):
+        raise ConfigError("catalog.lookalikes", "duplicate look-alike id (or a signature's)")
+    for look in catalog.lookalikes:
+        unknown = set(look.excludes) - set(ids) - {"*"}
+        if unknown:
+            raise ConfigError(f"lookalikes.{look.id}.excludes", f"unknown {sorted(unknown)}")
 
 
 def _check_signature(sig: Signature, patterns: set[str], switches: set[str],

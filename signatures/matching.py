@@ -7,9 +7,17 @@ recogniser of every signature against it:
 
 * a matched recogniser adds its weight (negative weights subtract); the score is clamped to
   [0, 1] and is the verdict's confidence;
+* a signature's upstream markers (functions, files, log texts, error codes, exceptions of the
+  real code, read from a named upstream version) add their weights up to the entry's cap, and
+  its markers *against* subtract;
+* a look-alike failure class (``lookalikes.yaml``: a PD transfer error, a collective timeout
+  after a slow start, a GPU OOM) that fits subtracts its penalty from the signatures it
+  explains away;
 * a signature is **named** only if its score reaches its threshold *and* at least one positive
-  *structural* recogniser matched (frames, a fact, a legacy switch, or a log pattern marked
-  ``specific``): a message alone never names a signature;
+  *structural* recogniser matched (frames, a fact, a legacy switch, upstream markers, or a log
+  pattern marked ``specific``): a message alone never names a signature;
+* its **confidence** is the score, held below the certain bands when the evidence is of one
+  kind only or a look-alike competes (see :meth:`Score.confidence`);
 * everything else that scored at least ``NEAR_MISS`` is a near miss, with the reason.
 
 Every decision is a :class:`RuleResult` line, kept for the report's rule log.
@@ -21,9 +29,13 @@ import re
 from dataclasses import dataclass, field
 
 from signatures.facts import Fact
-from signatures.models import Catalog, Signature
+from signatures.models import Catalog, FactRecogniser, Lookalike, Marker, MarkerKind, Signature
 
 NEAR_MISS = 0.25
+#: Confidence ceilings (see Score.confidence): one kind of evidence never reaches the band in
+#: which a verdict must be right 97 times in 100; nor does a verdict a look-alike contests.
+ONE_KIND_CEILING = 0.7
+CONTESTED_CEILING = 0.65
 #: Outcome facts say *that* something failed, not *how*: they are not structure.
 _NOT_STRUCTURAL = {Fact.HANG, Fact.CRASH, Fact.WRONG_OUTPUT, Fact.OOM_KILLED}
 
@@ -64,6 +76,10 @@ class Observation:
     log_hits: dict[str, tuple[int, list[Witness]]] = field(default_factory=dict)
     facts: dict[Fact, list[Witness]] = field(default_factory=dict)
     legacy: dict[str, Witness] = field(default_factory=dict)
+    functions: dict[str, Witness] = field(default_factory=dict)
+    """Every function name on any stack (in-app or not, native included), first witness."""
+    files: dict[str, Witness] = field(default_factory=dict)
+    """Every frame file and log source location, first witness."""
 
 
 @dataclass
@@ -75,6 +91,10 @@ class RuleResult:
     structural: bool
     why: str
     witnesses: list[Witness] = field(default_factory=list)
+    kind: str = "message"
+    """What sort of evidence it is: ``message`` (an exception or generic log text), ``code``
+    (frames, upstream functions and files), ``text`` (texts only the component prints),
+    ``structure`` (facts across ranks and traces), ``legacy``, or ``contest`` (a look-alike)."""
 
     def line(self) -> str:
         sign = f"{self.weight:+.2f}" if self.matched else "  -  "
@@ -93,6 +113,36 @@ class Score:
     @property
     def named(self) -> bool:
         return self.structural and self.score >= self.signature.threshold - 1e-9
+
+    @property
+    def kinds(self) -> set[str]:
+        """The kinds of evidence that speak for it."""
+        return {r.kind for r in self.rules if r.matched and r.weight > 0}
+
+    @property
+    def lines(self) -> int:
+        """Independent lines of evidence: its kinds, with two or more structural facts
+        counting twice (two cross-rank findings are separate observations)."""
+        structure = sum(1 for r in self.rules
+                        if r.matched and r.weight > 0 and r.kind == "structure")
+        return len(self.kinds) + (1 if structure >= 2 else 0)
+
+    @property
+    def contested(self) -> bool:
+        return any(r.matched and r.kind == "contest" for r in self.rules)
+
+    @property
+    def confidence(self) -> float:
+        """The score, calibrated: a verdict resting on one kind of evidence (a message and
+        nothing else, or frames and nothing else) stays below ``ONE_KIND_CEILING``, one a
+        look-alike contests below ``CONTESTED_CEILING``. Only independent kinds that agree
+        reach the band where a verdict must almost never be wrong."""
+        conf = self.score
+        if self.lines <= 1:
+            conf = min(conf, ONE_KIND_CEILING)
+        if self.contested:
+            conf = min(conf, CONTESTED_CEILING)
+        return round(conf, 2)
 
     @property
     def matched(self) -> list[RuleResult]:
@@ -123,7 +173,8 @@ def score_all(catalog: Catalog, obs: Observation,
     deadlock that a divergent eviction caused names the eviction first). Then score, amount
     of structure, catalog order.
     """
-    scores = [score_one(sig, catalog, obs) for sig in catalog.signatures]
+    looks = match_lookalikes(catalog, obs)
+    scores = [score_one(sig, catalog, obs, looks) for sig in catalog.signatures]
     labels = {f"fact '{f.value}'" for f in causal}
     for s in scores:
         s.causal = any(r.matched and r.weight > 0 and r.recogniser in labels for r in s.rules)
@@ -134,7 +185,60 @@ def score_all(catalog: Catalog, obs: Observation,
                                          order[s.signature.id]))
 
 
-def score_one(sig: Signature, catalog: Catalog, obs: Observation) -> Score:
+@dataclass
+class LookalikeMatch:
+    """A look-alike failure class that fits, with what it saw."""
+
+    lookalike: Lookalike
+    score: float
+    witnesses: list[Witness]
+
+
+def match_lookalikes(catalog: Catalog, obs: Observation) -> list[LookalikeMatch]:
+    """The look-alikes whose markers and facts reach their threshold, best first."""
+    out = []
+    for look in catalog.lookalikes:
+        total, wits = 0.0, []
+        for i, marker in enumerate(look.markers):
+            hits = marker_hits(f"{look.id}~{i}", marker, obs)
+            if hits:
+                total += marker.value
+                wits += hits[:1]
+        for fr in look.facts:
+            fw = obs.facts.get(fr.fact, [])
+            if fw:
+                total += fr.weight
+                wits += fw[:1] if fr.weight > 0 else []
+        if total >= look.threshold - 1e-9 and wits:
+            out.append(LookalikeMatch(look, min(1.0, total), wits[:4]))
+    return sorted(out, key=lambda m: -m.score)
+
+
+def marker_hits(key: str, marker: Marker, obs: Observation) -> list[Witness]:
+    """Where ``marker`` shows in the observation (``key`` names its scanned log pattern)."""
+    kind = marker.kind
+    if kind in (MarkerKind.LOG, MarkerKind.ERROR):
+        return obs.log_hits.get(key, (0, []))[1][:3]
+    rx = _rx(marker.text)
+    if kind is MarkerKind.EXCEPTION:
+        return [e.witness for e in obs.exceptions if rx.search(f"{e.type}: {e.message}")][:3]
+    table = obs.functions if kind is MarkerKind.FUNCTION else obs.files
+    return [Witness(f"{name} ({w.text})", w.file, w.line, w.rank)
+            for name, w in table.items() if rx.search(name)][:3]
+
+
+_RX: dict[str, re.Pattern[str]] = {}
+
+
+def _rx(text: str) -> re.Pattern[str]:
+    rx = _RX.get(text)
+    if rx is None:
+        rx = _RX[text] = re.compile(text)
+    return rx
+
+
+def score_one(sig: Signature, catalog: Catalog, obs: Observation,
+              looks: list[LookalikeMatch] | None = None) -> Score:
     rec = sig.recognisers
     rules: list[RuleResult] = []
     matched_exc: list[ObservedException] = []
@@ -148,20 +252,74 @@ def score_one(sig: Signature, catalog: Catalog, obs: Observation) -> Score:
         ok = count >= lr.min_count
         why = f"{count} hit(s)" + (f" (needs {lr.min_count})" if lr.min_count > 1 else "")
         rules.append(RuleResult(sig.id, f"log '{lr.pattern}'", ok, lr.weight,
-                                pattern.specific and lr.weight > 0, why, wits[:3] if ok else []))
+                                pattern.specific and lr.weight > 0, why, wits[:3] if ok else [],
+                                kind="text" if pattern.specific else "message"))
     for fr in rec.facts:
-        wits = obs.facts.get(fr.fact, [])
-        rules.append(RuleResult(sig.id, f"fact '{fr.fact.value}'", bool(wits), fr.weight,
-                                fr.fact not in _NOT_STRUCTURAL and fr.weight > 0,
-                                fr.fact.describe() if wits else "not observed", wits[:3]))
+        rules.append(_fact_rule(sig.id, fr, obs))
     for leg in rec.legacy:
         w = obs.legacy.get(leg.switch)
         rules.append(RuleResult(sig.id, f"legacy '{leg.switch}'", w is not None, leg.weight,
                                 True, "the run had this legacy switch on" if w else "not on",
-                                [w] if w else []))
+                                [w] if w else [], kind="legacy"))
+    if sig.upstream is not None:
+        rules += _upstream_rules(sig, obs)
+    for m in looks or []:
+        if m.lookalike.excludes_signature(sig.id) and m.lookalike.penalty > 0:
+            rules.append(RuleResult(
+                sig.id, f"look-alike '{m.lookalike.id}'", True, -m.lookalike.penalty, False,
+                f"{m.lookalike.title} fits ({m.score:.2f})", m.witnesses[:2], kind="contest"))
     total = sum(r.weight for r in rules if r.matched)
     structural = any(r.matched and r.structural and r.weight > 0 for r in rules)
     return Score(sig, max(0.0, min(1.0, total)), structural, rules)
+
+
+def _fact_rule(sig_id: str, fr: FactRecogniser, obs: Observation) -> RuleResult:
+    wits = obs.facts.get(fr.fact, [])
+    structural = fr.fact not in _NOT_STRUCTURAL and fr.weight > 0
+    return RuleResult(sig_id, f"fact '{fr.fact.value}'", bool(wits), fr.weight, structural,
+                      fr.fact.describe() if wits else "not observed", wits[:3],
+                      kind="structure" if structural else "message")
+
+
+_CODE_KINDS = (MarkerKind.FUNCTION, MarkerKind.FILE)
+
+
+def _upstream_rules(sig: Signature, obs: Observation) -> list[RuleResult]:
+    """Two rules from the upstream markers for it (code: functions and files; texts: logs,
+    error codes, exceptions), together at most the entry's cap, and one against."""
+    up = sig.upstream
+    assert up is not None  # only called for signatures with upstream knowledge
+    source = "; ".join(up.read_from)
+    best: dict[bool, tuple[float, list[Witness]]] = {True: (0.0, []), False: (0.0, [])}
+    for i, m in enumerate(up.evidence_for):
+        hits = marker_hits(f"{sig.id}+{i}", m, obs)
+        if hits:
+            code = m.kind in _CODE_KINDS
+            weight, wits = best[code]
+            best[code] = (max(weight, m.value), wits + [Witness(
+                f"{h.text} — upstream {m.kind.value} from {m.where}", h.file, h.line, h.rank)
+                for h in hits[:1]])
+    rules = []
+    room = up.cap
+    for code in (True, False):
+        weight, wits = best[code]
+        weight = min(weight, room)
+        room -= weight
+        label = "upstream code" if code else "upstream texts"
+        rules.append(RuleResult(sig.id, label, weight > 0, weight, True,
+                                f"{len(wits)} marker(s) from {source}" if wits
+                                else f"none of its {label} seen ({source})", wits[:3],
+                                kind="code" if code else "text"))
+    against: tuple[float, list[Witness]] = (0.0, [])
+    for i, m in enumerate(up.evidence_against):
+        hits = marker_hits(f"{sig.id}-{i}", m, obs)
+        if hits and m.value > against[0]:
+            against = (m.value, [Witness(f"{h.text} — points elsewhere: {m.note or m.where}",
+                                         h.file, h.line, h.rank) for h in hits[:1]])
+    if against[1]:
+        rules.append(RuleResult(sig.id, "upstream: points elsewhere", True, -against[0], False,
+                                against[1][0].text, against[1], kind="contest"))
+    return rules
 
 
 def _exception_rule(sig_id: str, type_rx: str, msg_rx: str, weight: float, obs: Observation,
@@ -174,7 +332,7 @@ def _exception_rule(sig_id: str, type_rx: str, msg_rx: str, weight: float, obs: 
     label = f"exception {type_rx} /{msg_rx}/"
     why = f"{len(hits)} exception(s) match" if hits else "no such exception"
     return RuleResult(sig_id, label, bool(hits), weight, False, why,
-                      [e.witness for e in hits[:3]])
+                      [e.witness for e in hits[:3]], kind="message")
 
 
 def _frames_rule(sig: Signature, obs: Observation,
@@ -196,7 +354,7 @@ def _frames_rule(sig: Signature, obs: Observation,
                 w = Witness(f"{func} on the {fr.where if fr.where != 'any' else 'failing'} "
                             f"stack: {wit.text}", wit.file, wit.line, wit.rank)
                 return RuleResult(sig.id, f"in-app frame ({fr.where})", True, fr.weight, True,
-                                  f"{func} is on the stack", [w])
+                                  f"{func} is on the stack", [w], kind="code")
     return RuleResult(sig.id, f"in-app frame ({fr.where})", False, fr.weight, True,
                       "none of " + ", ".join(x.strip("^$()|.\\") for x in fr.any[:4])
-                      + (" ..." if len(fr.any) > 4 else "") + " on a relevant stack")
+                      + (" ..." if len(fr.any) > 4 else "") + " on a relevant stack", kind="code")

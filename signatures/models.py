@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from enum import Enum
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from signatures.facts import Fact
 
@@ -107,6 +107,84 @@ class LegacyRecogniser(_Strict):
     weight: float = Field(ge=0, le=1)
 
 
+class MarkerKind(str, Enum):
+    """Where a marker is looked for in the evidence."""
+
+    FUNCTION = "function"
+    """A frame's function name, on any stack the inputs hold (native frames included)."""
+    FILE = "file"
+    """A frame's file path, or the source location a log line names (``[engine.py:135]``,
+    glog's ``client.cpp:406]``, LMCache's ``(file.py:360:module)``)."""
+    LOG = "log"
+    """A log text: ``text`` is a regex searched in every line holding ``trigger``."""
+    ERROR = "error"
+    """An error code or status name the component prints (``RPC_FAIL``): a whole word."""
+    EXCEPTION = "exception"
+    """An exception: ``text`` is a regex searched in ``Type: message``."""
+
+
+#: What a marker of each kind is worth when its entry gives no weight.
+MARKER_WEIGHTS = {MarkerKind.FUNCTION: 0.3, MarkerKind.FILE: 0.2, MarkerKind.LOG: 0.35,
+                  MarkerKind.ERROR: 0.3, MarkerKind.EXCEPTION: 0.35}
+_REGEX_META = set("^$*+?{}[]\\|()")
+
+
+class Marker(_Strict):
+    """One piece of upstream knowledge: a function, file, log text, error code or exception
+    that a component really has, and where it was read (``sglang 0.5.23
+    srt/mem_cache/hicache_storage.py``), so that a reader can check it against that version."""
+
+    kind: MarkerKind
+    text: str = Field(min_length=2)
+    trigger: str | None = Field(None, description="log/error: a literal every match holds")
+    where: str = Field(min_length=3, description="component, version and file it was read from")
+    note: str = ""
+    weight: float | None = Field(None, gt=0, le=1)
+
+    @field_validator("text")
+    @classmethod
+    def _regex(cls, v: str) -> str:
+        return _check_regex(v)
+
+    @model_validator(mode="after")
+    def _trigger(self) -> Marker:
+        if self.kind in (MarkerKind.LOG, MarkerKind.ERROR) and self.trigger is None \
+                and _REGEX_META & set(self.text):
+            raise ValueError(f"{self.kind.value} marker {self.text!r} is a regex: give the "
+                             "literal `trigger` every matching line holds")
+        if self.trigger is not None and len(self.trigger) < 2:
+            raise ValueError("a trigger needs at least two characters")
+        return self
+
+    @property
+    def value(self) -> float:
+        return self.weight if self.weight is not None else MARKER_WEIGHTS[self.kind]
+
+    @property
+    def literal(self) -> str:
+        """The literal the scanner's prefilter looks for (log and error markers)."""
+        return self.trigger if self.trigger is not None else self.text
+
+    @property
+    def regex(self) -> str:
+        """The regex a line is matched with (error codes match as whole words)."""
+        if self.kind is MarkerKind.ERROR:
+            return rf"(?<![\w]){self.text}(?![\w])"
+        return self.text
+
+
+class Upstream(_Strict):
+    """What upstream's code says about a signature: the functions, files, log texts, error
+    codes and exceptions that are evidence for it, and those that point elsewhere."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    read_from: list[str] = Field(min_length=1, description="the upstream versions read")
+    evidence_for: list[Marker] = Field(alias="for", min_length=1)
+    evidence_against: list[Marker] = Field([], alias="against")
+    cap: float = Field(0.45, gt=0, le=1, description="the most the markers for it add")
+
+
 class Recognisers(_Strict):
     exceptions: list[ExceptionRecogniser] = []
     frames: FrameRecogniser | None = None
@@ -182,6 +260,7 @@ class Signature(_Strict):
     campaign: CampaignCell | None = None
     runbook: RunbookText
     related: list[str] = []
+    upstream: Upstream | None = None
 
 
 class LogPattern(_Strict):
@@ -223,13 +302,34 @@ class FrameRules(_Strict):
         return v
 
 
+class Lookalike(_Strict):
+    """A failure class that is *not* a known signature but looks like one (a PD transfer
+    error naming Mooncake, a collective timeout after a slow weight load, a GPU OOM): when it
+    fits, the report says what it sees, and the signatures it ``excludes`` lose ``penalty``."""
+
+    id: str = Field(pattern=r"^[a-z][a-z0-9-]+$")
+    title: str
+    meaning: str
+    advice: str
+    markers: list[Marker] = []
+    facts: list[FactRecogniser] = []
+    threshold: float = Field(0.5, gt=0, le=1)
+    excludes: list[str] = Field(["*"], description="signature ids it explains away, or '*'")
+    penalty: float = Field(0.4, ge=0, le=1)
+
+    def excludes_signature(self, sig_id: str) -> bool:
+        return "*" in self.excludes or sig_id in self.excludes
+
+
 class Catalog(_Strict):
-    """The whole catalog: version, shared patterns and rules, and every signature."""
+    """The whole catalog: version, shared patterns and rules, every signature, and the
+    look-alike failure classes that are not signatures."""
 
     version: str = Field(pattern=r"^\d+\.\d+\.\d+$")
     frames: FrameRules
     patterns: list[LogPattern]
     signatures: list[Signature]
+    lookalikes: list[Lookalike] = []
 
     def get(self, sig_id: str) -> Signature:
         """The signature ``sig_id``; ``KeyError`` naming the known ids otherwise."""
@@ -244,3 +344,25 @@ class Catalog(_Strict):
             if pat.id == pattern_id:
                 return pat
         raise KeyError(f"unknown log pattern {pattern_id!r}")
+
+    def markers(self) -> list[tuple[str, Marker]]:
+        """Every marker with its key (``owner#index``): signatures' upstream evidence, both
+        ways, and look-alikes'."""
+        out: list[tuple[str, Marker]] = []
+        for sig in self.signatures:
+            if sig.upstream is not None:
+                out += [(f"{sig.id}+{i}", m) for i, m in enumerate(sig.upstream.evidence_for)]
+                out += [(f"{sig.id}-{i}", m)
+                        for i, m in enumerate(sig.upstream.evidence_against)]
+        for look in self.lookalikes:
+            out += [(f"{look.id}~{i}", m) for i, m in enumerate(look.markers)]
+        return out
+
+    def scanned_patterns(self) -> list[LogPattern]:
+        """The log patterns the scanner runs: the shared ones, plus one per log or error
+        marker (its id is the marker's key)."""
+        extra = [LogPattern(id=key, triggers=[m.literal], regex=m.regex, specific=True,
+                            meaning=m.note or f"{m.kind.value} marker from {m.where}",
+                            examples=[m.literal])
+                 for key, m in self.markers() if m.kind in (MarkerKind.LOG, MarkerKind.ERROR)]
+        return list(self.patterns) + extra

@@ -114,6 +114,7 @@ def _fact_collectives(findings: list[CollectiveFinding], facts: FactSet) -> None
              "op-mismatch": Fact.COLLECTIVE_OP_MISMATCH,
              "site-mismatch": Fact.COLLECTIVE_OP_MISMATCH,
              "size-mismatch": Fact.COLLECTIVE_SIZE_MISMATCH,
+             "crossed": Fact.BLOCKED_SITES_DIVERGE,
              # a receive that waits for a send that never came is p2p's missing rank; a send
              # nobody received is what any rank leaves behind when its peer fails: no fact
              "unmatched-recv": Fact.RANK_MISSING_FROM_COLLECTIVE}
@@ -132,13 +133,13 @@ def _fact_exceptions(ev: Evidence, frames: FrameClassifier, facts: FactSet) -> N
         exc = failing_exception(r, frames)
         if exc is not None and (r.pp or 0) >= 1 and not is_comm_error(exc):
             facts.add(Fact.EXCEPTION_ON_DOWNSTREAM_STAGE, witness(
-                f"rank {r.rank} ({r.role}) raised {exc.short_type}: {exc.message}", exc.source,
+                f"rank {r.rank} ({r.role}) raised {exc.text}", exc.source,
                 r.rank))
 
 
 def _one_exception(r: RankEvidence, e: ExceptionRecord, frames: FrameClassifier,
                    facts: FactSet) -> None:
-    text = f"{e.short_type}: {e.message}"
+    text = f"{e.text}"
     in_cache = any(re.search(r"lock_ref|radix|pool|tree|allocator", f.file + f.func)
                    for f in frames.in_app_frames(e.frames))
     lost_key = e.short_type == "KeyError" and e.message.strip("'\"").isdigit()

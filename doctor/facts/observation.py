@@ -3,6 +3,9 @@
 Exceptions keep their in-app function names (innermost first); stacks are the failing stacks
 (exceptions, threads that died of a signal) and the stacks of threads blocked in collectives;
 log hits are counted over all ranks; facts and legacy switches come with their witnesses.
+Every function and file on a stack that is not idle (and every source location a log line
+names) is kept too, for the catalog's upstream markers: a storage thread idle in
+``backup_thread_func`` only says that HiCache was on, so idle stacks do not count.
 """
 
 from __future__ import annotations
@@ -25,7 +28,31 @@ def observe(ev: Evidence, frames: FrameClassifier, facts: FactSet) -> Observatio
     return obs
 
 
+MAX_NAMES = 4096
+
+
+def _names(r: RankEvidence, frames: FrameClassifier, obs: Observation) -> None:
+    """Functions and files of every stack that is not idle, and the log lines' sources."""
+    stacks = [(e.frames, e.source, f"rank {r.rank} exception {e.text}"[:200])
+              for e in r.exceptions]
+    stacks += [(t.frames, t.source, f"rank {r.rank} thread {t.name or t.tid}")
+               for t in r.threads if frames.state(t) != "idle"]
+    for stack, src, what in stacks:
+        for f in stack:
+            if len(obs.functions) < MAX_NAMES and f.func not in obs.functions:
+                obs.functions[f.func] = Witness(f"on the stack of {what}", src.file, src.line,
+                                                r.rank)
+            if len(obs.files) < MAX_NAMES and f.file not in obs.files:
+                obs.files[f.file] = Witness(f"on the stack of {what}", src.file, src.line,
+                                            r.rank)
+    for site, src in r.sites.items():
+        if len(obs.files) < MAX_NAMES and site not in obs.files:
+            obs.files[site] = Witness(f"rank {r.rank} log line from {site}", src.file,
+                                      src.line, r.rank)
+
+
 def _rank(r: RankEvidence, frames: FrameClassifier, obs: Observation) -> None:
+    _names(r, frames, obs)
     for e in r.exceptions:
         funcs = [f.func for f in frames.in_app_frames(e.frames)]
         wit = _exc_witness(e, r.rank, frames)
@@ -54,6 +81,6 @@ def _rank(r: RankEvidence, frames: FrameClassifier, obs: Observation) -> None:
 
 def _exc_witness(e: ExceptionRecord, rank: int, frames: FrameClassifier) -> Witness:
     where = site_label(frames.innermost_caller(e.frames))
-    text = f"{e.short_type}: {e.message}" + (f" at {where}" if where else "")
+    text = f"{e.text}" + (f" at {where}" if where else "")
     who = f"rank {rank}: " if rank >= 0 else ""
     return Witness(who + text, e.source.file, e.source.line, rank)

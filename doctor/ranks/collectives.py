@@ -7,7 +7,12 @@ rank still holds (the recorders are rings, so the oldest entries may be gone on 
 * **missing-ranks**: some ranks entered seq N and others never did (their last seq is lower);
 * **op-mismatch**: at the same seq, ranks ran different ops (``all_reduce`` vs ``barrier``);
 * **site-mismatch**: same op, but entered from different in-app call sites;
-* **size-mismatch**: same op, different input sizes (for ops whose sizes must agree).
+* **size-mismatch**: same op, different input sizes (for ops whose sizes must agree);
+* **crossed**: each rank's last recorded collective (its recorder's newest entry, whatever the
+  group) is one that some other rank never entered, and the ranks stopped in different
+  collectives: rank 0 waits in group A's ``all_reduce`` #5 that rank 1 never reached, rank 1
+  waits in group B's ``broadcast`` #3 that rank 0 never reached. Recorder states do not matter
+  here: gloo leaves every entry ``scheduled`` forever.
 
 Point-to-point ops (``isend``/``recv`` on the pipeline groups) are not collectives: rank A's
 k-th send to B pairs with B's k-th receive from A (:mod:`doctor.ranks.p2p`).
@@ -50,8 +55,41 @@ def align(evidence: Evidence) -> list[CollectiveFinding]:
             findings.extend(p2p_findings(group, per_rank))
         else:
             findings.extend(_group_findings(group, per_rank))
+    findings.extend(_crossed_findings(evidence))
     findings.extend(_watchdog_findings(evidence))
     return findings
+
+
+def _crossed_findings(evidence: Evidence) -> list[CollectiveFinding]:
+    """Ranks that stopped in different collectives, each waiting for a rank that is not there
+    (see the module docstring)."""
+    comms = _communicators(evidence)
+    stops: dict[int, tuple[str, Collective]] = {}
+    for group, per_rank in comms.items():
+        if group.startswith("p2p:"):
+            continue
+        for rank, seqs in per_rank.items():
+            for c in seqs.values():
+                if rank not in stops or c.order > stops[rank][1].order:
+                    stops[rank] = (group, c)
+    if len(stops) < 2 or len({(g, c.op) for g, c in stops.values()}) < 2:
+        return []
+    waits: list[tuple[int, str, Collective, list[int]]] = []
+    for rank, (group, c) in sorted(stops.items()):
+        absent = sorted(r for r, seqs in comms[group].items()
+                        if r != rank and seqs and max(seqs) < c.seq)
+        if absent:
+            waits.append((rank, group, c, absent))
+    if len(waits) < 2:
+        return []
+    parts = [f"rank {rank} waits in {c.op} #{c.seq} of group {group} (from "
+             f"{site_label(c.site)}), which rank{'s' if len(absent) > 1 else ''} "
+             f"{', '.join(map(str, absent))} never entered" for rank, group, c, absent in waits]
+    return [CollectiveFinding(
+        group=",".join(sorted({g for _, g, _, _ in waits})), seq=waits[0][2].seq,
+        kind="crossed", ranks=sorted(r for r, _, _, _ in waits),
+        detail="ranks stopped in different collectives: " + "; ".join(parts),
+        evidence=[_item(c, rank) for rank, _, c, _ in waits][:4])]
 
 
 def _communicators(evidence: Evidence) -> dict[str, Rings]:

@@ -104,7 +104,7 @@ def _row(ev: RankEvidence, frames: FrameClassifier) -> RankRow:
     if crashed:
         _crashed_row(row, crashed[0], exc, blocked, frames)
     elif exc is not None and not is_comm_error(exc):
-        row.state, row.error = "crashed", f"{exc.short_type}: {exc.message}"[:200]
+        row.state, row.error = "crashed", f"{exc.text}"[:200]
         row.frame = site_label(frames.innermost_caller(exc.frames))
         if not exc.frames and blocked:  # a C++ exception: where its Python thread waited
             row.site = site_label(frames.call_site(blocked[0].frames))
@@ -114,9 +114,9 @@ def _row(ev: RankEvidence, frames: FrameClassifier) -> RankRow:
         row.frame = site_label(frames.innermost_caller(t.frames))
         row.site = site_label(frames.call_site(t.frames))
         if t.origin == "traceback" and exc is not None:
-            row.error = f"{exc.short_type}: {exc.message}"[:200]
+            row.error = f"{exc.text}"[:200]
     elif exc is not None:
-        row.state, row.error = "failed", f"{exc.short_type}: {exc.message}"[:200]
+        row.state, row.error = "failed", f"{exc.text}"[:200]
         row.frame = site_label(frames.innermost_caller(exc.frames))
     elif ev.threads:
         main = [t for t in ev.threads if frames.role(t) == "main"] or list(ev.threads)
@@ -142,7 +142,7 @@ def _crashed_row(row: RankRow, t: ThreadStack, exc: ExceptionRecord | None,
         row.site = site_label(frames.call_site(inside.frames))
         row.frame = row.frame or row.site
     if exc is not None and not exc.frames:
-        row.error = f"Fatal: {t.fatal} after {exc.short_type}: {exc.message}"[:200]
+        row.error = f"Fatal: {t.fatal} after {exc.text}"[:200]
 
 
 def _exit_state(ev: RankEvidence, row: RankRow) -> None:

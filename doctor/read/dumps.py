@@ -36,8 +36,8 @@ def read_torch_fr(data: Any, name: str, hint: RankHint, sink: EvidenceBuilder,
             slot.last_seq[f"pg{pg}"] = {k.replace("_collective", ""): v for k, v in status.items()
                                         if isinstance(v, int)}
     read = 0
-    for _i, e in enumerate(data["entries"]):
-        c = _torch_entry(e, SourceRef(name, None), frames)
+    for i, e in enumerate(data["entries"]):
+        c = _torch_entry(e, i, SourceRef(name, None), frames)
         if c is not None:
             slot.add_collective(c)
             read += 1
@@ -46,7 +46,8 @@ def read_torch_fr(data: Any, name: str, hint: RankHint, sink: EvidenceBuilder,
     return read
 
 
-def _torch_entry(e: Any, src: SourceRef, frames: FrameClassifier) -> Collective | None:
+def _torch_entry(e: Any, index: int, src: SourceRef,
+                 frames: FrameClassifier) -> Collective | None:
     if not isinstance(e, dict):
         return None
     pg = e.get("process_group")
@@ -61,8 +62,41 @@ def _torch_entry(e: Any, src: SourceRef, frames: FrameClassifier) -> Collective 
              for f in e.get("frames") or [] if isinstance(f, dict)]
     site = frames.call_site(stack) or frames.innermost_in_app(stack)
     return Collective(group=("p2p:" if is_p2p else "") + group, seq=seq, op=op,
-                      state=str(e.get("state", "?")), sizes=str(e.get("input_sizes", "")),
-                      site=site, source=src, thread=str(e.get("thread_name", "")))
+                      state=str(e.get("state", "?")), sizes=_sizes(e.get("input_sizes")),
+                      site=site, source=src, thread=str(e.get("thread_name", "")),
+                      order=rid if isinstance(rid := e.get("record_id"), int) else index)
+
+
+_MAX_SIZES_CHARS = 200
+
+
+def _sizes(value: Any) -> str:
+    """``input_sizes`` as text, bounded: a dump may nest shared lists so that ``str()`` of it
+    would expand to gigabytes; this walks at most a few hundred items."""
+    out: list[str] = []
+    budget = [_MAX_SIZES_CHARS]
+
+    def walk(v: Any, depth: int) -> None:
+        if budget[0] <= 0:
+            return
+        if isinstance(v, (list, tuple)) and depth < 4:
+            out.append("[")
+            budget[0] -= 1
+            for i, item in enumerate(v):
+                if budget[0] <= 0:
+                    break
+                if i:
+                    out.append(", ")
+                walk(item, depth + 1)
+            out.append("]")
+            return
+        text = str(v) if isinstance(v, (int, float, bool)) or v is None else "?"
+        out.append(text)
+        budget[0] -= len(text) + 2
+
+    walk(value, 0)
+    text = "".join(out)
+    return text if budget[0] > 0 else text[:_MAX_SIZES_CHARS] + "..."
 
 
 def _fr_members(pg_config: Any, sink: EvidenceBuilder) -> None:
@@ -94,7 +128,7 @@ def read_runtime_fr(data: Any, name: str, hint: RankHint, sink: EvidenceBuilder)
             group=str(e.get("group", "?")), seq=e["seq"], op=str(e.get("op", "?")),
             state=str(e.get("state", "?")), sizes=str(shapes), site=site,
             source=SourceRef(name, i + 1), thread=str(e.get("thread", "")),
-            peer=_peer(e.get("peer"))))
+            peer=_peer(e.get("peer")), order=i))
         read += 1
     return read
 

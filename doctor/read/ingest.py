@@ -28,6 +28,7 @@ from doctor.read.bundle import read_capture, read_manifest
 from doctor.read.dumps import read_pyspy_json, read_runtime_fr, read_torch_fr
 from doctor.read.lines import LineHandler
 from doctor.read.logscan import LogScanner
+from doctor.read.pages import HtmlText
 from doctor.read.rankid import path_hint
 from doctor.read.safe_pickle import MAX_PICKLE_BYTES, load_plain
 from doctor.read.sniff import HEAD_BYTES, Kind, sniff
@@ -120,10 +121,11 @@ class Ingester:
     def _dispatch(self, kind: Kind, name: str, head: bytes, body: BinaryIO,
                   depth: int) -> str | None:
         hint = path_hint(name)
-        if kind is Kind.TEXT:
+        if kind in (Kind.TEXT, Kind.HTML):
             scanner = LogScanner(LineHandler(self.catalog, self.sink, name, hint,
                                              kind=_text_kind(name)))
-            scanner.scan(body)
+            scanner.scan(body if kind is Kind.TEXT
+                         else io.BufferedReader(HtmlText(body), buffer_size=1 << 20))
             self.bytes += scanner.bytes
             return f"{scanner.lines} lines" + (
                 f", {scanner.long_lines} over-long line(s) cut" if scanner.long_lines else "")

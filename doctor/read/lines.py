@@ -1,13 +1,16 @@
 """The slow path of log scanning: everything that happens to one selected line.
 
-:class:`LineHandler` strips rank prefixes, keeps one set of block parsers (traceback,
-faulthandler, py-spy text, torchrun failures) per rank stream so interleaved ``[rank3]:`` lines
-never mix, runs the catalog's log patterns on the line (trigger substrings first, then the
-regex), reads the job's topology from server arguments, and files every record into the
+:class:`LineHandler` undoes the page's wrapping (:mod:`doctor.read.pages`), strips writer
+prefixes (:mod:`doctor.read.prefixes`), keeps one set of block parsers (tracebacks,
+faulthandler, py-spy text, gdb / c10 backtraces, torchrun failures, C++ terminate records) per
+writer stream so interleaved ``[rank3]:`` or ``(VllmWorker pid=7)`` lines never mix, turns call
+chains into stacks, runs the catalog's log patterns on the line (trigger substrings first, then
+the regex), reads the job's topology from server arguments, and files every record into the
 :class:`~doctor.ranks.builder.EvidenceBuilder` slot of the rank that wrote it.
 
 Unprefixed lines continue the record of the last prefixed line (SGLang prints a traceback as
-one multi-line log record).
+one multi-line log record); a new prefixed record ends an exception message that ran over
+several lines.
 """
 
 from __future__ import annotations
@@ -25,11 +28,15 @@ from doctor.evidence import (
     ThreadStack,
 )
 from doctor.ranks.builder import EvidenceBuilder
+from doctor.read.backtraces import TRIGGERS as BACKTRACE_TRIGGERS
+from doctor.read.backtraces import NativeStackParser, chain_stack
 from doctor.read.native import TRIGGERS as NATIVE_TRIGGERS
 from doctor.read.native import CppTerminateParser
-from doctor.read.rankid import strip_prefixes
+from doctor.read.pages import clean_line
+from doctor.read.prefixes import strip_prefixes
 from doctor.read.threaddumps import FaulthandlerParser, PySpyTextParser
 from doctor.read.torchrun import TorchrunParser
+from doctor.read.tracebacks import TRIGGERS as TRACEBACK_TRIGGERS
 from doctor.read.tracebacks import TracebackParser
 from signatures.models import Catalog
 
@@ -38,7 +45,8 @@ BLOCK_TRIGGERS = ["Traceback (most recent call last)", "(most recent call first)
                   "Fatal Python error", "ChildFailedError", "Root Cause (first observed",
                   "Python v3.", "tp_size=", "pp_size=", "dp_size=", "world_size=",
                   "WORLD_SIZE", "--tp-size", "--pp-size", "Failures:", "Timeout (0:",
-                  *NATIVE_TRIGGERS]
+                  "Thread ", ".py:", "Error: ", "Exception: ", "EnforceNotMet",
+                  *NATIVE_TRIGGERS, *BACKTRACE_TRIGGERS, *TRACEBACK_TRIGGERS]
 _TOPO = re.compile(r"\b(?P<k>tp|pp|dp|world)_size=(?P<v>\d{1,6})\b|--(?P<k2>tp|pp|dp)-size[ =]"
                    r"(?P<v2>\d{1,6})\b|\bWORLD_SIZE[=:]\s*(?P<v3>\d{1,6})\b")
 _UNITS = {"k": 1 / 1024, "m": 1.0, "g": 1024.0, "t": 1024.0 * 1024}
@@ -48,22 +56,34 @@ MAX_BLOCK_LINES = 20000
 
 @dataclass
 class _Stream:
-    """The block parsers of one rank stream."""
+    """The block parsers of one writer stream."""
 
     tb: TracebackParser
     fh: FaulthandlerParser
     ps: PySpyTextParser
     tr: TorchrunParser
     cpp: CppTerminateParser
+    nat: NativeStackParser
     opened_at: int = 0
 
     @property
+    def parsers(self) -> tuple[TorchrunParser | CppTerminateParser | FaulthandlerParser
+                               | PySpyTextParser | NativeStackParser | TracebackParser, ...]:
+        """In the order they may claim a line that opens a block: the most specific first
+        (a torchrun ``ChildFailedError`` line is the torchrun block's, not a lone exception)."""
+        return (self.tr, self.cpp, self.fh, self.ps, self.nat, self.tb)
+
+    @property
     def open(self) -> bool:
-        return self.tb.open or self.fh.open or self.ps.open or self.tr.open or self.cpp.open
+        return any(p.open for p in self.parsers)
 
     def close(self) -> None:
-        for p in (self.tb, self.fh, self.ps, self.tr, self.cpp):
+        for p in self.parsers:
             p.close()
+
+    def claimed(self, line: str) -> bool:
+        """Whether a parser other than the traceback's starts a block on ``line``."""
+        return any(p.starts(line) for p in self.parsers if p is not self.tb)
 
 
 @dataclass
@@ -82,15 +102,16 @@ class LineHandler:
     name: str
     default: RankHint = field(default_factory=RankHint)
     kind: str = "log"
-    _streams: dict[RankHint, _Stream] = field(default_factory=dict)
+    _streams: dict[tuple[RankHint, str], _Stream] = field(default_factory=dict)
     _current: RankHint = field(default_factory=RankHint)
+    _current_key: str = ""
     _style: str = ""
     _by_rank: dict[int, RankHint] = field(default_factory=dict)
     _patterns: list[_Compiled] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._patterns = [_Compiled(p.id, tuple(p.triggers), re.compile(p.regex))
-                          for p in self.catalog.patterns]
+                          for p in self.catalog.scanned_patterns()]
 
     @property
     def triggers(self) -> list[str]:
@@ -103,23 +124,31 @@ class LineHandler:
     def line(self, raw: bytes, lineno: int, triggered: bool = True) -> None:
         """Process one line (``raw`` without its newline). ``triggered``: the prefilter saw a
         trigger in it; patterns only run then (a line without any trigger cannot match)."""
-        text = raw[:MAX_LINE_CHARS].decode("utf-8", errors="replace").rstrip("\r")
-        rest, hint, style = strip_prefixes(text)
+        text = clean_line(raw[:MAX_LINE_CHARS].decode("utf-8", errors="replace"))
+        pre = strip_prefixes(text)
+        rest, hint, style, key = pre.rest, pre.hint, pre.style, pre.stream
         if style == "torch" and hint.rank is not None:
             # torchrun prefixes every line of a rank; the SGLang tags are only on the record's
             # first line, so remember them per torch rank
             if hint.tp is not None or hint.pp is not None:
                 self._by_rank[hint.rank] = hint
             hint = hint.merged(self._by_rank.get(hint.rank, RankHint()))
+        new_record = style in ("sglang", "generic")
         if style:
-            self._current = hint
+            self._current, self._current_key = hint, key
+        elif self._style == "sglang":
+            hint, key = self._current, self._current_key
         else:
-            hint = self._current if self._style == "sglang" else RankHint()
+            hint = RankHint()
         self._style = style or self._style
         hint = hint.merged(self.default)
         src = SourceRef(self.name, lineno)
-        stream = self._stream(hint, lineno)
-        self._blocks(stream, rest, src, lineno)
+        stream = self._stream(hint, key, lineno)
+        if new_record:
+            stream.tb.boundary()
+        if pre.site:
+            self.sink.slot(hint).add_site(pre.site, src)
+        self._blocks(stream, rest, src, lineno, hint)
         if triggered:
             self._match_patterns(rest, hint, src)
             if "_size" in rest or "--" in rest or "WORLD_SIZE" in rest:
@@ -129,8 +158,8 @@ class LineHandler:
         for s in self._streams.values():
             s.close()
 
-    def _stream(self, hint: RankHint, lineno: int) -> _Stream:
-        s = self._streams.get(hint)
+    def _stream(self, hint: RankHint, key: str, lineno: int) -> _Stream:
+        s = self._streams.get((hint, key))
         if s is None:
             slot = self.sink.slot(hint)
             slot.kinds.add(self.kind)
@@ -154,23 +183,33 @@ class LineHandler:
                 self.sink.expected_ranks.add(rank)
 
             holder.append(PySpyTextParser(on_thread))
-            s = self._streams[hint] = _Stream(
-                TracebackParser(on_exc), FaulthandlerParser(on_thread),
-                holder[0], TorchrunParser(on_exit), CppTerminateParser(on_exc))
+            claimed: list[_Stream] = []
+            s = _Stream(TracebackParser(on_exc, lambda line: claimed[0].claimed(line)),
+                        FaulthandlerParser(on_thread), holder[0], TorchrunParser(on_exit),
+                        CppTerminateParser(on_exc), NativeStackParser(on_thread))
+            claimed.append(s)
+            self._streams[(hint, key)] = s
         if s.open and lineno - s.opened_at > MAX_BLOCK_LINES:
             s.close()  # a block that never ends is not a block
         return s
 
-    def _blocks(self, s: _Stream, rest: str, src: SourceRef, lineno: int) -> None:
+    def _blocks(self, s: _Stream, rest: str, src: SourceRef, lineno: int,
+                hint: RankHint) -> None:
         was_open = s.open
-        for parser in (s.tb, s.fh, s.ps, s.tr, s.cpp):
+        for parser in s.parsers:
             if parser.open and parser.feed(rest, src):
                 return
-        for parser in (s.cpp, s.tb, s.fh, s.tr, s.ps):
+        for parser in s.parsers:
             if parser.starts(rest) and parser.feed(rest, src):
                 if not was_open:
                     s.opened_at = lineno
                 return
+        if "->" in rest or "<-" in rest or "→" in rest or "←" in rest:
+            chain = chain_stack(rest, src)
+            if chain is not None:
+                slot = self.sink.slot(hint)
+                slot.threads.append(chain)
+                slot.kinds.add("chain")
 
     def _match_patterns(self, rest: str, hint: RankHint, src: SourceRef) -> None:
         for p in self._patterns:

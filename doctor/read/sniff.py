@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from enum import Enum
 
+from doctor.read.pages import looks_like_html
+
 HEAD_BYTES = 64 << 10
 
 
@@ -36,8 +38,10 @@ class Kind(str, Enum):
     """A tar archive (optionally gzip/bz2/xz compressed)."""
     GZIP = "gzip"
     """A gzip-compressed single file."""
+    HTML = "html"
+    """An HTML page (a saved issue or mail): its text is scanned like a log."""
     TEXT = "text"
-    """Logs, tracebacks, faulthandler and py-spy text dumps."""
+    """Logs, tracebacks, faulthandler and py-spy text dumps (also pasted in Markdown)."""
     BINARY = "binary"
     """Anything else that is not text."""
 
@@ -61,6 +65,8 @@ def sniff(name: str, head: bytes) -> Kind:
     text = head.lstrip()[:1]
     if text in (b"{", b"["):
         return _json_kind(lower, head)
+    if looks_like_html(head):
+        return Kind.HTML
     return Kind.TEXT
 
 

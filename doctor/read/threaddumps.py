@@ -12,7 +12,9 @@ faulthandler::
       File "/.../ctypes/__init__.py", line 519 in string_at
 
 py-spy (``--native`` adds ``clock_nanosleep (libc.so.6)`` frames without a line; ``--locals``
-adds indented ``Arguments:``/``Locals:`` blocks, skipped here)::
+adds indented ``Arguments:``/``Locals:`` blocks, skipped here); pasted as a fragment it may have
+no ``Process``/``Thread`` header and any indentation: a run of ``func (file.py:123)`` lines is
+one thread::
 
     Process 6481: /usr/bin/python3 /srv/hung_rank.py
     Python v3.11.7 (/usr/bin/python3.11)
@@ -40,11 +42,16 @@ _FH_FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d{1,9}|\?\?\?) 
 _FH_SKIP = re.compile(r"^(\s+<no Python frame>|Extension modules:|Python runtime state:|"
                       r"Timeout \(\d+:\d\d:\d\d(?:\.\d+)?\)!|\s+\.\.\.|\s*$)")
 
+_FH_FRAME_ANY = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d{1,9}|\?\?\?) in '
+                           r'(?P<func>[^\s,]+)\s*$')
 _PS_PROCESS = re.compile(r"^Process (?P<pid>\d{1,9}): ")
 _PS_PYTHON = re.compile(r"^Python v\d")
-_PS_THREAD = re.compile(r'^Thread (?P<tid>0x[0-9a-fA-F]+|\d{1,12}) \((?P<state>[^)]*)\)'
+_PS_THREAD = re.compile(r'^\s*Thread (?P<tid>0x[0-9a-fA-F]+|\d{1,12}) \((?P<state>[^)]*)\)'
                         r'(?:: "(?P<name>.*)")?\s*$')
-_PS_FRAME = re.compile(r"^    (?P<func>\S.*?) \((?P<loc>[^()]*)\)\s*$")
+_PS_FRAME = re.compile(r"^\s*(?P<func>[^\s()][^()]{0,300}?) \((?P<loc>[^()]*)\)\s*$")
+#: A frame that is a py-spy frame on its face (a Python file and line): it opens a fragment.
+_PS_PY_FRAME = re.compile(r"^\s*(?P<func>[\w.<>\[\]-]{1,300}) "
+                          r"\((?P<loc>[^()\s]*\.py:\d{1,9})\)\s*$")
 
 
 class FaulthandlerParser:
@@ -61,7 +68,7 @@ class FaulthandlerParser:
     @staticmethod
     def starts(line: str) -> bool:
         return ("Fatal Python error:" in line or "(most recent call first):" in line
-                or line.startswith("Timeout ("))
+                or line.startswith("Timeout (") or bool(_FH_FRAME_ANY.match(line)))
 
     def feed(self, line: str, src: SourceRef) -> bool:
         m = _FH_FATAL.search(line)
@@ -82,8 +89,13 @@ class FaulthandlerParser:
             self._fatal_owned |= cur
             return True
         if not self.open:
-            return False
-        m = _FH_FRAME.match(line)
+            if not _FH_FRAME_ANY.match(line):
+                return False
+            # frames pasted without their thread header: one thread of unknown identity
+            self.open = True
+            self._thread = ThreadStack(name="", tid="?", frames=[], source=src,
+                                       origin="faulthandler")
+        m = _FH_FRAME.match(line) or _FH_FRAME_ANY.match(line)
         if m and self._thread is not None:
             if len(self._thread.frames) < MAX_FRAMES:
                 ln = m["line"]
@@ -124,7 +136,8 @@ class PySpyTextParser:
 
     @staticmethod
     def starts(line: str) -> bool:
-        return bool(_PS_PROCESS.match(line) or _PS_PYTHON.match(line))
+        return bool(_PS_PROCESS.match(line) or _PS_PYTHON.match(line)
+                    or _PS_THREAD.match(line) or _PS_PY_FRAME.match(line))
 
     def feed(self, line: str, src: SourceRef) -> bool:
         m = _PS_PROCESS.match(line)
@@ -136,7 +149,9 @@ class PySpyTextParser:
             self.open = True
             return True
         if not self.open:
-            return False
+            if not (_PS_THREAD.match(line) or _PS_PY_FRAME.match(line)):
+                return False
+            self.open = True
         m = _PS_THREAD.match(line)
         if m:
             self._flush()
@@ -145,12 +160,18 @@ class PySpyTextParser:
                 name=m["name"] or "", tid=m["tid"], frames=[], source=src, origin="pyspy",
                 idle="idle" in state)
             return True
+        if line.startswith("        ") and self._thread is not None and self._thread.frames \
+                and not _PS_PY_FRAME.match(line):
+            return True  # --locals: Arguments:/Locals: and their values
         m = _PS_FRAME.match(line)
-        if m and self._thread is not None:
+        if m and (self._thread is not None or _PS_PY_FRAME.match(line)):
+            if self._thread is None:  # frames pasted without a thread header
+                self._thread = ThreadStack(name="", tid="?", frames=[], source=src,
+                                           origin="pyspy")
             if len(self._thread.frames) < MAX_FRAMES:
                 self._thread.frames.append(_pyspy_frame(m["func"], m["loc"]))
             return True
-        if not line.strip() or line.startswith("        ") or line.startswith("Parent Process"):
+        if not line.strip() or line.startswith("Parent Process"):
             return True
         self.close()
         return False

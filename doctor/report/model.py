@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-DIAGNOSIS_SCHEMA_VERSION = "1.0"
+DIAGNOSIS_SCHEMA_VERSION = "1.1"
 DIAGNOSIS_KIND = "hicache-diagnosis"
 EXIT_DIAGNOSED, EXIT_NO_SIGNATURE, EXIT_UNREADABLE = 0, 1, 2
 
@@ -57,6 +57,18 @@ class NearMiss(BaseModel):
     because: str
 
 
+class LookalikeFinding(BaseModel):
+    """A failure class outside the catalog that fits what the inputs show (``lookalikes.yaml``):
+    what the doctor *does* see when no signature fits, or what competes with one that does."""
+
+    id: str
+    title: str
+    score: float
+    meaning: str
+    advice: str
+    evidence: list[EvidenceItem] = []
+
+
 class RankRow(BaseModel):
     """One line of the per-rank table."""
 
@@ -90,7 +102,8 @@ class CollectiveFinding(BaseModel):
     group: str
     seq: int
     kind: str
-    """missing-ranks | op-mismatch | site-mismatch | size-mismatch | seq-behind (collectives);
+    """missing-ranks | op-mismatch | site-mismatch | size-mismatch | seq-behind | crossed
+    (collectives);
     unreceived-send | unmatched-recv | size-mismatch (point-to-point pairs)"""
     detail: str
     ranks: list[int]
@@ -140,6 +153,7 @@ class Diagnosis(BaseModel):
     summary: str
     verdicts: list[Verdict] = []
     near_misses: list[NearMiss] = []
+    lookalikes: list[LookalikeFinding] = []
     observations: list[str] = []
     ranks: list[RankRow] = []
     blocked_sites: list[BlockedSite] = []

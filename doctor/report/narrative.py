@@ -23,7 +23,7 @@ def observations(ev: Evidence, facts: FactSet, rows: list[RankRow], sites: list[
         out.append("The other ranks' timeouts, lost connections and blocked collectives follow "
                    "from that failure: " + facts[Fact.PEER_EXITED_FIRST][0].text + ".")
     for e in list(ev.unranked.exceptions)[-2:]:
-        out.append(f"An exception from an unknown rank: {e.short_type}: {e.message}"[:300]
+        out.append(f"An exception from an unknown rank: {e.text}"[:300]
                    + f" ({e.source}).")
     if sites:
         parts = [f"ranks {s.ranks} ({s.role}) in {s.op} from {s.site}" for s in sites]
@@ -77,7 +77,7 @@ def _injected(ev: Evidence) -> list[str]:
             if e.short_type == "InjectedFault":
                 who = f"Rank {r.rank}" if r.rank >= 0 else "A rank"
                 faults = f" (the run's --fault {', '.join(ev.faults)})" if ev.faults else ""
-                out.append(f"{who} raised an injected fault, {e.short_type}: {e.message}"
+                out.append(f"{who} raised an injected fault, {e.text}"
                            f"{faults}: the test harness made it fail on purpose. This is not a "
                            "cache protocol bug; whatever the other ranks show follows from it.")
                 return out

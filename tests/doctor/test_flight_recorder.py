@@ -123,3 +123,38 @@ def test_torch_analyzer_fails_on_the_same_gloo_dumps(tmp_path: Path) -> None:
                           text=True, timeout=120, check=False)
     assert proc.returncode != 0
     assert "KeyError" in proc.stderr
+
+
+CROSSED = FIXTURES / "collective-order-deadlock" / "gloo-crossed-groups"
+
+
+def _crossed_verdict(paths: list[str]) -> None:
+    d = diagnose(paths)
+    assert d.verdicts[0].signature == "collective-order-deadlock"
+    assert d.verdicts[0].confidence >= 0.8
+    (crossed,) = [f for f in d.collectives if f.kind == "crossed"]
+    assert crossed.ranks == [0, 1]
+    evidence = " ".join(e.text for e in d.verdicts[0].evidence)
+    # the missing rank and the sequence number it never reached are in the evidence
+    assert "rank 0 waits in all_reduce #4 of group 1" in evidence
+    assert "which rank 1 never entered" in evidence
+    assert "rank 1 waits in broadcast #4 of group 2" in evidence
+
+
+def test_gloo_dumps_of_ranks_stopped_in_different_groups_name_the_deadlock() -> None:
+    """pg_config empty, every entry 'scheduled' forever, the ranks' last entries in different
+    process groups: still a collective-order deadlock, with who is missing where."""
+    data = load_plain((CROSSED / "nccl_trace_rank_0").read_bytes())
+    assert data["pg_config"] == {"": {"name": "", "desc": "", "ranks": "[]"}}
+    assert {e["state"] for e in data["entries"]} == {"scheduled"}
+    _crossed_verdict(sorted(str(p) for p in CROSSED.glob("nccl_trace_rank_*")))
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_fresh_gloo_dumps_of_a_crossed_hang(tmp_path: Path) -> None:
+    """The same from dumps this machine's torch writes now (two real gloo ranks)."""
+    tool = FIXTURES / "tools" / "gloo_crossed.py"
+    subprocess.run([sys.executable, str(tool), str(tmp_path), str(29600 + os.getpid() % 300)],
+                   check=True, timeout=180, capture_output=True)
+    _crossed_verdict(sorted(str(p) for p in tmp_path.glob("nccl_trace_rank_*")))

@@ -15,7 +15,8 @@ from doctor.ranks.builder import EvidenceBuilder
 from doctor.read.dumps import read_pyspy_json
 from doctor.read.lines import LineHandler
 from doctor.read.logscan import LogScanner
-from doctor.read.rankid import path_hint, strip_prefixes
+from doctor.read.prefixes import strip_prefixes
+from doctor.read.rankid import path_hint
 from doctor.read.threaddumps import FaulthandlerParser, PySpyTextParser
 from doctor.read.tracebacks import TracebackParser
 from signatures.loader import load_catalog
@@ -212,10 +213,10 @@ def test_real_pyspy_json_dump() -> None:
 
 
 def test_prefixes_and_path_hints() -> None:
-    assert strip_prefixes("[default0]:[2026-01-01 00:00:00 DP1 TP3] x")[1] == RankHint(
+    assert strip_prefixes("[default0]:[2026-01-01 00:00:00 DP1 TP3] x").hint == RankHint(
         rank=0, tp=3, dp=1)
-    assert strip_prefixes("[PG 0 Rank 2] Timeout at NCCL work: 1")[1].rank == 2
-    assert strip_prefixes("ERROR 02-12 03:41:17 engine.py:135] y")[0] == "y"
+    assert strip_prefixes("[PG 0 Rank 2] Timeout at NCCL work: 1").hint.rank == 2
+    assert strip_prefixes("ERROR 02-12 03:41:17 engine.py:135] y").rest == "y"
     assert path_hint("bundle/rank3/stacks.txt").rank == 3
     assert path_hint("run-tp8/server.log") == RankHint()
     assert path_hint("logs/tp1_pp0.log") == RankHint(tp=1, pp=0)

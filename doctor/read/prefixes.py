@@ -1,0 +1,128 @@
+"""Per-line prefixes that log writers, launchers and log collectors put before the text.
+
+A line may carry several, stacked (a collector's timestamp, then torchrun's ``[rank3]:``, then
+SGLang's ``[2026-05-26 13:36:14 TP5 PP1]``). :func:`strip_prefixes` removes them all and says
+what they told about the writer:
+
+* ranks: torchrun / torch ``[rank3]:`` ``[default3]:``; SGLang tags ``TP5 PP1 DP0`` (any order,
+  any subset; EP / ATTN_CP tags are ignored); vLLM ``(VllmWorker rank=2 pid=77)``,
+  ``(Worker_PP1_TP0 pid=9)``, ``(EngineCore_DP0 pid=5)``; NCCL's ``[Rank 3]`` / ``[PG 0 Rank 3]``
+  inside watchdog messages;
+* a *stream*: the process id in ``(VllmWorkerProcess pid=2491016)`` and Ray's ``(pid=812)``,
+  so that two workers' interleaved tracebacks never mix even when no rank is printed;
+* the *style*: ``torch`` (every line of a rank carries it), ``sglang`` (a log record starts
+  here and unprefixed lines that follow continue it), ``generic`` (any other per-line logger or
+  collector prefix) or ``""`` (none).
+
+Generic prefixes carry no rank but must go so that the text behind them parses: vLLM's
+``ERROR 04-16 20:47:15 [multiproc_worker_utils.py:238]``, LMCache's ``[2025-03-01 10:00:00,123]
+LMCache ERROR:``, glog's ``E1129 12:00:00.123456 123 tcp_transport.cpp:406]`` (bare or in
+brackets as torch's c10 logger prints it), Python ``logging`` and loguru formats, container
+runtime timestamps, docker compose service columns, syslog/journald and kubectl ``--prefix``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from doctor.evidence import RankHint
+
+_TORCH = re.compile(r"\[(?:rank|default|trainer|worker|local_rank)(?P<n>\d{1,6})\]:(?: (?=\S))?")
+_SGLANG = re.compile(r"\[(?P<ts>\d{4}-\d\d-\d\d[ T_]\d\d:\d\d:\d\d(?:[.,]\d+)?)"
+                     r"(?P<tags>(?: [A-Z][A-Z_]*\d+)*)\] ?")
+_TAG = re.compile(r"(?<![A-Z_])(TP|PP|DP)(\d{1,6})\b")
+_NAME_TAG = re.compile(r"(?:^|_)(TP|PP|DP)(\d{1,6})(?=_|$)")
+_LMCACHE = re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:[.,]\d+)?\] LMCache "
+                      r"(?:DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL):\s?")
+_VLLM_PROC = re.compile(r"\((?P<name>[A-Za-z_][\w]*|)(?: rank=(?P<rank>\d{1,6}))?"
+                        r"(?:,? ?pid=(?P<pid>\d{1,9}))(?:, ip=[^)]{1,64})?\) ")
+_LEVEL = r"(?:DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL)"
+_GENERIC = re.compile(
+    # vLLM: ERROR 04-16 20:47:15 [file.py:238] (new) or ERROR 02-12 03:41:17 engine.py:135] (old)
+    rf"{_LEVEL} \d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)? (?:\[[\w./-]+:\d+\]|[\w./-]+:\d+\]) ?"
+    # glog, bare or bracketed (torch's c10 logger): E1129 12:00:00.123456 123 file.cpp:406]
+    r"|\[?[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+(?: +\d+)? [\w./-]+:\d+\] ?"
+    # container runtimes and collectors: 2026-06-12T04:13:18.902123456Z (then maybe a level)
+    rf"|\d{{4}}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)? (?:{_LEVEL}\s+)?"
+    # Python logging / loguru: 2025-01-01 00:00:00,123 - name - ERROR - / ... | ERROR | mod:f:1 -
+    rf"|\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d(?:[.,]\d+)?(?: - [\w.]+)? [-|] {_LEVEL}\s*[-|]"
+    r"(?: [\w.]+:[\w<>]+:\d+ -)? ?"
+    rf"|{_LEVEL}:[\w.]+:"
+    # syslog / journald: Jun 12 04:13:18 host python3[1234]:
+    r"|[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d [\w.-]+ [\w.@/-]+(?:\[\d{1,9}\])?: "
+    # kubectl logs --prefix, docker compose service column
+    r"|\[pod/[^\]\s]{1,200}\] |[a-z][\w.-]{0,62}\s{1,20}\| "
+)
+_NCCL_RANK = re.compile(r"\[(?:PG [^\]]*?)?Rank (?P<n>\d{1,6})\]")
+_SITE = re.compile(r"(?P<file>[\w./-]+\.(?:py|cpp|cc|c|h|hpp|cu|rs)):\d{1,7}\]")
+#: LMCache ends its messages with ``(file.py:360:module.path)``.
+_TAIL_SITE = re.compile(r" \((?P<file>[\w./-]+\.py):\d{1,7}:[\w.<>]+\)\s*$")
+_MAX_PREFIXES = 6
+
+
+@dataclass(frozen=True)
+class Prefixed:
+    """A line without its prefixes, and what they said."""
+
+    rest: str
+    hint: RankHint
+    style: str
+    stream: str = ""
+    """A writer identity below the rank level (a process id), or ``""``."""
+    site: str = ""
+    """The source file the logger says the line comes from (``engine.py``,
+    ``tcp_transport.cpp``), or ``""``."""
+
+
+def strip_prefixes(line: str) -> Prefixed:
+    """Remove every known prefix from ``line`` (see the module docstring)."""
+    rank: int | None = None
+    tp = pp = dp = None
+    style, stream, site = "", "", ""
+    for _ in range(_MAX_PREFIXES):
+        m = _TORCH.match(line)
+        if m:
+            rank = int(m["n"]) if rank is None else rank
+            line, style = line[m.end():], "torch"
+            continue
+        m = _VLLM_PROC.match(line)
+        if m:
+            if m["rank"] is not None and rank is None:
+                rank = int(m["rank"])
+            for tag, num in _NAME_TAG.findall(m["name"] or ""):
+                tp, pp, dp = _tagged(tag, int(num), tp, pp, dp)
+            stream = stream or f"pid {m['pid']}"
+            line, style = line[m.end():], style or "torch"
+            continue
+        m = _LMCACHE.match(line) or _GENERIC.match(line)
+        if m:
+            at = _SITE.search(m[0]) if "]" in m[0] else None
+            site = site or (at["file"] if at else "")
+            line, style = line[m.end():], style or "generic"
+            continue
+        m = _SGLANG.match(line)
+        if m:
+            style = "sglang" if style in ("", "generic") else style
+            for tag, num in _TAG.findall(m["tags"]):
+                tp, pp, dp = _tagged(tag, int(num), tp, pp, dp)
+            line = line[m.end():]
+            continue
+        break
+    if rank is None and tp is None and pp is None:
+        m = _NCCL_RANK.search(line)
+        if m and ("NCCL" in line or "Watchdog" in line):
+            rank = int(m["n"])
+    if not site and line.endswith(")"):
+        tail = _TAIL_SITE.search(line)
+        site = tail["file"] if tail else ""
+    return Prefixed(line, RankHint(rank=rank, tp=tp, pp=pp, dp=dp), style, stream, site)
+
+
+def _tagged(tag: str, num: int, tp: int | None, pp: int | None,
+            dp: int | None) -> tuple[int | None, int | None, int | None]:
+    if tag == "TP":
+        return num, pp, dp
+    if tag == "PP":
+        return tp, num, dp
+    return tp, pp, num
