@@ -20,6 +20,7 @@ from doctor.ranks.divergence import all_divergences
 from doctor.ranks.frames import classifier_for
 from doctor.ranks.table import blocked_sites, rank_rows
 from doctor.read.ingest import Ingester
+from doctor.report.fingerprint import fingerprint
 from doctor.report.missing import missing_items
 from doctor.report.model import (
     EXIT_DIAGNOSED,
@@ -88,6 +89,8 @@ def analyse(ev: Evidence, catalog: Catalog) -> Diagnosis:
         ev, facts, rows, sites, findings, first), [])
     diag.missing = guard("missing evidence",
                          lambda: missing_items(ev, rows, Fact.HANG in facts), [])
+    diag.fingerprint = guard("fingerprint", lambda: fingerprint(
+        ev, frames, sites, facts, [m.lookalike.id for m in looks]), None)
     diag.problems = problems
     return diag
 

@@ -29,6 +29,7 @@ MAX_EVENTS = 20000
 MAX_SAMPLES = 512
 MAX_ARRIVALS = 200_000
 MAX_SITES = 256
+MAX_ERROR_LINES = 8
 
 
 @dataclass(frozen=True)
@@ -240,6 +241,9 @@ class RankEvidence:
     """The step of the earliest traced event: above 1, the event ring lost the run's start."""
     arrived: set[str] = field(default_factory=set)
     """Requests whose arrival is in the trace (their later decisions are all there too)."""
+    errors: Bounded[tuple[str, SourceRef]] = field(
+        default_factory=lambda: Bounded(MAX_ERROR_LINES, MAX_ERROR_LINES))
+    """Lines the logger marked as errors (first and last few), for the fingerprint."""
     sites: dict[str, SourceRef] = field(default_factory=dict)
     """Source files that log lines name (``[engine.py:135]``, ``client.cpp:406]``), first
     line of each; at most ``MAX_SITES``."""
@@ -306,6 +310,8 @@ class RankEvidence:
         self.arrived |= other.arrived
         for site, src in other.sites.items():
             self.add_site(site, src)
+        for item in other.errors:
+            self.errors.append(item)
 
 
 @dataclass

@@ -36,6 +36,9 @@ class Fact(str, Enum):
     """At the same (group, seq) ranks fed tensors of different sizes."""
     ALL_RANKS_IDLE = "all-ranks-idle"
     """A hang in which no rank is inside a collective or busy: every thread waits for work."""
+    SAME_COLLECTIVE_EVERYWHERE = "same-collective-everywhere"
+    """Two or more ranks wait in the same collective (same sequence number and operation, or
+    the same call site) and none is seen anywhere else."""
     BLOCKED_IN_PREFETCH_VOTE = "blocked-in-prefetch-vote"
     """A prefetch hit/progress vote thread is blocked inside its collective."""
     PEER_EXITED_FIRST = "peer-exited-first"
@@ -84,6 +87,8 @@ class Fact(str, Enum):
     """A device-side fault (CUDA illegal address, device-side assert, Xid)."""
     STARTUP_CONFIG_ERROR = "startup-config-error"
     """The job failed at start-up on its configuration, before serving anything."""
+    NO_FAILURE = "no-failure"
+    """The inputs record no failure at all: no exception, stack, hang, crash or error line."""
 
     def describe(self) -> str:
         """The one-line meaning of this fact."""

@@ -42,6 +42,7 @@ def derive_facts(evidence: Evidence, frames: FrameClassifier, rows: list[RankRow
         lambda: fact_size_abort(evidence, rows, facts),
         lambda: _fact_exceptions(evidence, frames, facts),
         lambda: _fact_logs(evidence, facts),
+        lambda: _fact_same_collective(evidence, sites, rows, facts),
     ]
     steps += [functools.partial(f, evidence, divergences, facts) for f in TRACE_FACTS]
     for step in steps:
@@ -49,7 +50,53 @@ def derive_facts(evidence: Evidence, frames: FrameClassifier, rows: list[RankRow
             step()
         except Exception as exc:  # one analyzer's bug must not stop the others
             problem(f"a fact analyzer failed ({type(exc).__name__}: {exc}); its facts are missing")
+    _fact_no_failure(evidence, facts)
     return facts
+
+
+def _fact_same_collective(ev: Evidence, sites: list[BlockedSite], rows: list[RankRow],
+                          facts: FactSet) -> None:
+    """Every rank that reported waits in the same collective: watchdog timeouts naming the
+    same (SeqNum, OpType), or blocked threads all at one call site."""
+    seen: dict[int, tuple[str, str, Witness]] = {}
+    for r in ev.ranks.values():
+        stats = r.hits.get("nccl-watchdog-timeout")
+        if stats:
+            h = next(iter(stats.kept))
+            seen[r.rank] = (h.groups.get("seq", "?"), h.groups.get("op", "?"),
+                            witness(h.text, h.source, r.rank))
+    if len(seen) >= 2 and len({(s, op) for s, op, _ in seen.values()}) == 1:
+        seq, op, w = next(iter(seen.values()))
+        facts.add(Fact.SAME_COLLECTIVE_EVERYWHERE, Witness(
+            f"ranks {sorted(seen)} all time out in SeqNum {seq} ({op})", w.file, w.line, w.rank))
+        return
+    main = [s for s in sites if s.role == "main"]
+    others = [r for r in rows if r.state in ("idle", "active", "crashed")]
+    if len(main) == 1 and len(main[0].ranks) >= 2 and not others:
+        s = main[0]
+        e = s.evidence[0] if s.evidence else None
+        facts.add(Fact.SAME_COLLECTIVE_EVERYWHERE, Witness(
+            f"ranks {s.ranks} all wait in {s.op} from {s.site}", e.file if e else None,
+            e.line if e else None, s.ranks[0]))
+
+
+#: Log patterns that only describe a healthy server (progress, capacities, samples).
+_QUIET = {"memory-sample", "host-capacity", "host-capacity-synced", "prefetch-start",
+          "prefetch-result"}
+
+
+def _fact_no_failure(ev: Evidence, facts: FactSet) -> None:
+    """Nothing in the inputs records a failure (a benchmark printout, warnings)."""
+    if facts or ev.outcome not in (None, "healthy") or ev.mismatches:
+        return
+    for r in ev.all_ranks():
+        if len(r.exceptions) or len(r.threads) or r.exits or r.collectives or r.decisions:
+            return
+        if any(pid not in _QUIET and not pid.startswith(("nccl-", "gloo-")) for pid in r.hits):
+            return
+    if any(i.status == "read" for i in ev.inputs):
+        facts.add(Fact.NO_FAILURE, Witness("no exception, stack, hang, crash or error line in "
+                                           "the inputs"))
 
 
 def _fact_outcome(ev: Evidence, frames: FrameClassifier, rows: list[RankRow],

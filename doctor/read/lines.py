@@ -49,6 +49,8 @@ BLOCK_TRIGGERS = ["Traceback (most recent call last)", "(most recent call first)
                   *NATIVE_TRIGGERS, *BACKTRACE_TRIGGERS, *TRACEBACK_TRIGGERS]
 _TOPO = re.compile(r"\b(?P<k>tp|pp|dp|world)_size=(?P<v>\d{1,6})\b|--(?P<k2>tp|pp|dp)-size[ =]"
                    r"(?P<v2>\d{1,6})\b|\bWORLD_SIZE[=:]\s*(?P<v3>\d{1,6})\b")
+_FAILURE_WORDS = re.compile(r"(?i)\b(?:error|failed|failure|exception|timed out|timeout|abort"
+                            r"(?:ed)?|refused|fatal|killed|segmentation fault)\b")
 _UNITS = {"k": 1 / 1024, "m": 1.0, "g": 1024.0, "t": 1024.0 * 1024}
 MAX_LINE_CHARS = 8192
 MAX_BLOCK_LINES = 20000
@@ -148,6 +150,8 @@ class LineHandler:
             stream.tb.boundary()
         if pre.site:
             self.sink.slot(hint).add_site(pre.site, src)
+        if (pre.error or _FAILURE_WORDS.search(rest)) and rest.strip():
+            self.sink.slot(hint).errors.append((rest.strip()[:300], src))
         self._blocks(stream, rest, src, lineno, hint)
         if triggered:
             self._match_patterns(rest, hint, src)

@@ -55,6 +55,7 @@ _GENERIC = re.compile(
     r"|\[pod/[^\]\s]{1,200}\] |[a-z][\w.-]{0,62}\s{1,20}\| "
 )
 _NCCL_RANK = re.compile(r"\[(?:PG [^\]]*?)?Rank (?P<n>\d{1,6})\]")
+_ERROR_LEVEL = re.compile(r"^\[?[EF]\d{4} |\b(?:ERROR|CRITICAL|FATAL)\b")
 _SITE = re.compile(r"(?P<file>[\w./-]+\.(?:py|cpp|cc|c|h|hpp|cu|rs)):\d{1,7}\]")
 #: LMCache ends its messages with ``(file.py:360:module.path)``.
 _TAIL_SITE = re.compile(r" \((?P<file>[\w./-]+\.py):\d{1,7}:[\w.<>]+\)\s*$")
@@ -73,6 +74,8 @@ class Prefixed:
     site: str = ""
     """The source file the logger says the line comes from (``engine.py``,
     ``tcp_transport.cpp``), or ``""``."""
+    error: bool = False
+    """The logger marked the line an error (glog ``E``/``F``, ``ERROR``, ``CRITICAL``)."""
 
 
 def strip_prefixes(line: str) -> Prefixed:
@@ -80,6 +83,7 @@ def strip_prefixes(line: str) -> Prefixed:
     rank: int | None = None
     tp = pp = dp = None
     style, stream, site = "", "", ""
+    error = False
     for _ in range(_MAX_PREFIXES):
         m = _TORCH.match(line)
         if m:
@@ -99,6 +103,7 @@ def strip_prefixes(line: str) -> Prefixed:
         if m:
             at = _SITE.search(m[0]) if "]" in m[0] else None
             site = site or (at["file"] if at else "")
+            error = error or bool(_ERROR_LEVEL.search(m[0]))
             line, style = line[m.end():], style or "generic"
             continue
         m = _SGLANG.match(line)
@@ -116,7 +121,7 @@ def strip_prefixes(line: str) -> Prefixed:
     if not site and line.endswith(")"):
         tail = _TAIL_SITE.search(line)
         site = tail["file"] if tail else ""
-    return Prefixed(line, RankHint(rank=rank, tp=tp, pp=pp, dp=dp), style, stream, site)
+    return Prefixed(line, RankHint(rank=rank, tp=tp, pp=pp, dp=dp), style, stream, site, error)
 
 
 def _tagged(tag: str, num: int, tp: int | None, pp: int | None,

@@ -57,6 +57,19 @@ class NearMiss(BaseModel):
     because: str
 
 
+class Fingerprint(BaseModel):
+    """What the failure is, with everything that varies between occurrences taken out (ranks,
+    paths, line numbers, numbers, ids); ``id`` hashes it. Equal ids: the same failure."""
+
+    id: str
+    exception: str | None = None
+    functions: list[str] = []
+    blocked: list[str] = []
+    logs: list[str] = []
+    facts: list[str] = []
+    lookalikes: list[str] = []
+
+
 class LookalikeFinding(BaseModel):
     """A failure class outside the catalog that fits what the inputs show (``lookalikes.yaml``):
     what the doctor *does* see when no signature fits, or what competes with one that does."""
@@ -154,6 +167,7 @@ class Diagnosis(BaseModel):
     verdicts: list[Verdict] = []
     near_misses: list[NearMiss] = []
     lookalikes: list[LookalikeFinding] = []
+    fingerprint: Fingerprint | None = None
     observations: list[str] = []
     ranks: list[RankRow] = []
     blocked_sites: list[BlockedSite] = []

@@ -140,9 +140,12 @@ def perturb(text: str, seed: int) -> str:
     text = _LINE.sub(lambda m: f"{m[1]}{max(1, int(m[2]) + shift)}", text)
     text = _ADDR.sub(lambda m: "0x" + "".join(rng.choice("0123456789abcdef")
                                               for _ in range(len(m[0]) - 2)), text)
-    text = _PID.sub(lambda m: f"{m[1]}{rng.randint(100, 999999)}", text)
-    text = _IP.sub(lambda m: f"10.{rng.randint(0, 255)}.{rng.randint(0, 255)}."
-                             f"{rng.randint(1, 254)}", text)
+    pids: dict[str, int] = {}
+    text = _PID.sub(lambda m: f"{m[1]}{pids.setdefault(m[2], rng.randint(100, 999999))}", text)
+    ips: dict[str, str] = {}
+    text = _IP.sub(lambda m: ips.setdefault(m[0], f"10.{rng.randint(0, 255)}."
+                                                  f"{rng.randint(0, 255)}.{rng.randint(1, 254)}"),
+                   text)
     text = _PREFIX.sub(lambda m: prefix, text)
     text = _HOME.sub(lambda m: f"/home/user{rng.randint(1, 99)}/", text)
     text = _TP.sub(lambda m: f"{m[1]}{new_rank('tp', int(m[2]))}", text)

@@ -1,0 +1,100 @@
+"""A stable fingerprint of a failure, so recurring unknown crashes group together.
+
+The fingerprint is the hash of what the failure *is*, with everything that differs between
+occurrences taken out:
+
+* the failing exception as ``Type: message`` with numbers, addresses, ids, quoted paths and
+  request ids replaced by placeholders (``shape '[N, -1, N]' is invalid for input of size N``);
+* the innermost in-app functions of its stack (names only: no files, no line numbers);
+* for hangs, the collective and the calling function each blocked group waits in;
+* without an exception, the first lines the loggers marked as errors, normalised alike;
+* the log patterns, facts and look-alikes that fired (their ids).
+
+Ranks never enter it, so the same failure on rank 3 of one run and rank 0 of another gives the
+same fingerprint; neither do paths, line numbers, timestamps or pids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+from doctor.facts.factset import FactSet
+from doctor.ranks.builder import Evidence
+from doctor.ranks.frames import FrameClassifier
+from doctor.ranks.table import failing_exception, is_comm_error
+from doctor.report.model import BlockedSite, Fingerprint
+from signatures.facts import Fact
+
+MAX_FUNCTIONS = 4
+MAX_ERRORS = 3
+_MARKER_KEY = re.compile(r"[+~-]\d+$")
+_OUTCOME = {Fact.HANG, Fact.CRASH, Fact.WRONG_OUTPUT, Fact.NO_FAILURE}
+_NORMALISE = [
+    (re.compile(r"(?:/[\w.@+-]+)+/([\w.-]+)"), r"\1"),          # paths: keep the file name
+    (re.compile(r"\b0x[0-9a-fA-F]+\b"), "X"),                   # addresses
+    (re.compile(r"\b[0-9a-f]{8}(?:-?[0-9a-f]{4}){3}-?[0-9a-f]{12}\b"), "ID"),  # uuids
+    (re.compile(r"\b[0-9a-fA-F]{16,}\b"), "ID"),                # hashes, request ids
+    (re.compile(r"\b\w*\d\w*-\w*\d\w*(?:-\w+)*\b"), "ID"),      # chatcmpl-2c45..., host-3f2
+    (re.compile(r"-?\d+(?:\.\d+)?(?:e[+-]?\d+)?"), "N"),        # numbers
+    (re.compile(r"\s+"), " "),
+]
+
+
+def normalise(text: str, limit: int = 160) -> str:
+    """A message with what varies between occurrences replaced by placeholders."""
+    for rx, repl in _NORMALISE:
+        text = rx.sub(repl, text)
+    return text.strip()[:limit]
+
+
+def fingerprint(ev: Evidence, frames: FrameClassifier, sites: list[BlockedSite],
+                facts: FactSet, lookalikes: list[str]) -> Fingerprint:
+    excs = []
+    funcs: list[str] = []
+    for r in ev.all_ranks():
+        exc = failing_exception(r, frames)
+        if exc is None or (is_comm_error(exc) and sites):
+            continue
+        excs.append(f"{exc.type or '(cut off)'}: {normalise(exc.message)}")
+        if not funcs:
+            funcs = _innermost(exc.frames, frames)
+    if not funcs:
+        for r in ev.all_ranks():
+            crashed = [t for t in r.threads if t.fatal]
+            if crashed:
+                funcs = _innermost(crashed[0].frames, frames)
+                excs.append(f"Fatal: {crashed[0].fatal}")
+                break
+    if not funcs and not sites:  # a hang or a stall: where the busy threads are
+        busy = [t for r in ev.all_ranks() for t in r.threads
+                if frames.state(t) in ("active", "crashed")]
+        funcs = _innermost(busy[0].frames, frames) if busy else []
+    errors = sorted({normalise(text, 100) for r in ev.all_ranks()
+                     for text, _ in list(r.errors)[:MAX_ERRORS]})[:MAX_ERRORS]
+    blocked = sorted({f"{s.op} from {s.site.split(' (')[0]} ({s.role})" for s in sites})
+    # shared pattern ids only: marker keys are positions in the catalog, not names
+    logs = sorted({pid for r in ev.all_ranks() for pid in r.hits
+                   if pid != "memory-sample" and not _MARKER_KEY.search(pid)})
+    fact_ids = sorted(f.value for f in facts if f not in _OUTCOME)
+    exception = sorted(set(excs))[0] if excs else None
+    basis = [f"exception {exception}" if exception else "", *[f"function {f}" for f in funcs],
+             *[f"blocked {b}" for b in blocked], *[f"log {p}" for p in logs],
+             *([] if exception else [f"error {e}" for e in errors]),
+             *[f"fact {f}" for f in fact_ids], *[f"look-alike {x}" for x in sorted(lookalikes)]]
+    digest = hashlib.sha1("\n".join(b for b in basis if b).encode()).hexdigest()[:12]
+    return Fingerprint(id=f"fp-{digest}", exception=exception, functions=funcs,
+                       blocked=blocked, logs=logs, facts=fact_ids,
+                       lookalikes=sorted(lookalikes))
+
+
+def _innermost(stack: list, frames: FrameClassifier) -> list[str]:  # type: ignore[type-arg]
+    """The innermost in-app function names (bare: ``Class.method`` becomes ``method``)."""
+    out: list[str] = []
+    for f in frames.in_app_frames(stack):
+        name = f.func.rsplit(".", 1)[-1]
+        if name not in out:
+            out.append(name)
+        if len(out) >= MAX_FUNCTIONS:
+            break
+    return out
