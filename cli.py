@@ -462,6 +462,42 @@ def signatures_show(
     render.signature_detail(sig)
 
 
+@signatures_app.command("new")
+@_handles_errors
+def signatures_new(
+    source: Annotated[Path, typer.Option("--from", help="A diagnosis written by "
+                                          "`hicache doctor --json` (the incident).")],
+    sig_id: Annotated[str | None, typer.Option("--id", help="Id of the new signature "
+                                                "(default: unknown-<fingerprint>).")] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the draft here.")]
+    = None,
+) -> None:
+    """Write a draft catalog entry from an incident's evidence, for a maintainer to finish."""
+    from pydantic import ValidationError
+
+    from doctor.report.draft import draft_yaml
+    from doctor.report.model import Diagnosis
+
+    try:
+        raw = source.read_bytes()[: 64 << 20]
+        diag = Diagnosis.model_validate_json(raw)
+    except OSError as exc:
+        raise ConfigError("--from", f"cannot read {source}: {exc.strerror or exc}") from None
+    except ValidationError as exc:
+        raise ConfigError("--from", f"{source} is not a diagnosis from `hicache doctor --json` "
+                                    f"({exc.error_count()} problem(s), first: "
+                                    f"{exc.errors()[0]['msg']})") from None
+    try:
+        text = draft_yaml(diag, sig_id)
+    except (ValueError, ValidationError) as exc:
+        raise ConfigError("--from", f"cannot draft an entry: {exc}") from None
+    if out is not None:
+        out.write_text(text, encoding="utf-8")
+        print(f"draft written to {out}")
+    else:
+        print(text, end="")
+
+
 @signatures_app.command("schema")
 @_handles_errors
 def signatures_schema(

@@ -145,6 +145,16 @@ def doctor_report(d: Any, verbose: bool = False) -> None:
                   f"#{fd.index}: {esc(vals)}", soft_wrap=True)
     for v in d.verdicts[:1]:
         _verdict_detail(con, v)
+    for look in getattr(d, "lookalikes", [])[:2]:
+        con.print(f"[{STYLE_KEY}]looks like[/] {esc(look.title)} ({look.score:.2f}): "
+                  f"{esc(look.meaning)}\n    [{STYLE_KEY}]what to do[/] {esc(look.advice)}",
+                  soft_wrap=True)
+        for e in look.evidence[:3]:
+            where = f"{e.file}:{e.line}" if e.file and e.line else (e.file or "")
+            con.print(f"    [{STYLE_DIM}]{esc(where)}[/] {esc(e.text)}", soft_wrap=True)
+    if not d.verdicts and d.near_misses:
+        con.print(f"[{STYLE_WARN}]not enough evidence to name a signature; closest "
+                  "candidates:[/]")
     for n in d.near_misses:
         con.print(f"[{STYLE_DIM}]similar to[/] {n.signature}, {n.score:.2f}, because "
                   f"{esc(n.because)}", soft_wrap=True)
@@ -185,6 +195,10 @@ def _doctor_head(d: Any) -> Table:
         table.add_row("missing ranks", f"[{STYLE_BAD}]{d.missing_ranks}[/]")
     table.add_row("inputs", f"{sum(i.status == 'read' for i in d.inputs)} read, "
                             f"{sum(i.status != 'read' for i in d.inputs)} unreadable")
+    fp = getattr(d, "fingerprint", None)
+    if fp is not None:
+        table.add_row("fingerprint", f"{fp.id}" + (f" ({esc(fp.exception)})"
+                                                    if fp.exception and not d.verdicts else ""))
     return table
 
 

@@ -286,24 +286,26 @@ _CODE_KINDS = (MarkerKind.FUNCTION, MarkerKind.FILE)
 
 def _upstream_rules(sig: Signature, obs: Observation) -> list[RuleResult]:
     """Two rules from the upstream markers for it (code: functions and files; texts: logs,
-    error codes, exceptions), together at most the entry's cap, and one against."""
+    error codes, exceptions). Every distinct marker seen adds its weight: each is a separate
+    confirmation from upstream's own code. Together they add at most the entry's cap. One rule
+    against, from the heaviest marker that points elsewhere."""
     up = sig.upstream
     assert up is not None  # only called for signatures with upstream knowledge
     source = "; ".join(up.read_from)
-    best: dict[bool, tuple[float, list[Witness]]] = {True: (0.0, []), False: (0.0, [])}
+    found: dict[bool, tuple[float, list[Witness]]] = {True: (0.0, []), False: (0.0, [])}
     for i, m in enumerate(up.evidence_for):
         hits = marker_hits(f"{sig.id}+{i}", m, obs)
         if hits:
             code = m.kind in _CODE_KINDS
-            weight, wits = best[code]
-            best[code] = (max(weight, m.value), wits + [Witness(
+            weight, wits = found[code]
+            found[code] = (weight + m.value, wits + [Witness(
                 f"{h.text} — upstream {m.kind.value} from {m.where}", h.file, h.line, h.rank)
                 for h in hits[:1]])
     rules = []
     room = up.cap
     for code in (True, False):
-        weight, wits = best[code]
-        weight = min(weight, room)
+        weight, wits = found[code]
+        weight = round(min(weight, room), 4)
         room -= weight
         label = "upstream code" if code else "upstream texts"
         rules.append(RuleResult(sig.id, label, weight > 0, weight, True,
@@ -349,7 +351,7 @@ def _frames_rule(sig: Signature, obs: Observation,
     if fr.where == "any":
         candidates += [(s.in_app, s.witness) for s in obs.stacks if s.kind == "exception"]
     for funcs, wit in candidates:
-        for func in funcs:
+        for func in funcs[:fr.innermost] if fr.innermost else funcs:
             if any(rx.search(func) for rx in rxs):
                 w = Witness(f"{func} on the {fr.where if fr.where != 'any' else 'failing'} "
                             f"stack: {wit.text}", wit.file, wit.line, wit.rank)

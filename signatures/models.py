@@ -78,6 +78,9 @@ class FrameRecogniser(_Strict):
     any: list[str] = Field(min_length=1)
     where: str = Field("any", pattern="^(exception|blocked|any)$")
     weight: float = Field(ge=0, le=1)
+    innermost: int | None = Field(None, ge=1, description=(
+        "only the innermost N in-app frames count: the function that raised, not one of its "
+        "callers (a crash inside dec_lock_ref called from writing_check is not the drain's)"))
 
     @field_validator("any")
     @classmethod

@@ -18,7 +18,7 @@ from doctor.facts.factset import FactSet, witness
 from doctor.facts.trace import TRACE_FACTS
 from doctor.ranks.builder import Evidence
 from doctor.ranks.frames import FrameClassifier
-from doctor.ranks.table import failing_exception, is_comm_error
+from doctor.ranks.table import failing_exception, is_comm_error, site_label
 from doctor.report.model import BlockedSite, CollectiveFinding, Divergence, RankRow
 from signatures.facts import Fact
 from signatures.matching import Witness
@@ -43,6 +43,8 @@ def derive_facts(evidence: Evidence, frames: FrameClassifier, rows: list[RankRow
         lambda: _fact_exceptions(evidence, frames, facts),
         lambda: _fact_logs(evidence, facts),
         lambda: _fact_same_collective(evidence, sites, rows, facts),
+        lambda: _fact_collective_reports(evidence, facts),
+        lambda: _fact_unranked_stacks(evidence, frames, facts),
     ]
     steps += [functools.partial(f, evidence, divergences, facts) for f in TRACE_FACTS]
     for step in steps:
@@ -52,6 +54,61 @@ def derive_facts(evidence: Evidence, frames: FrameClassifier, rows: list[RankRow
             problem(f"a fact analyzer failed ({type(exc).__name__}: {exc}); its facts are missing")
     _fact_no_failure(evidence, facts)
     return facts
+
+
+def _fact_collective_reports(ev: Evidence, facts: FactSet) -> None:
+    """What torch's own cross-rank checks printed: ``Detected mismatch between collectives``
+    (a different op or sequence number: an ordering fault; the same op with other shapes: a
+    size fault) and the NCCL desync report (ranks that never joined; ranks in different ops)."""
+    started: dict[str, Witness] = {}
+    for r in ev.all_ranks():
+        for h in r.hits.get("collective-fingerprint-mismatch", _EMPTY).kept:
+            g = h.groups
+            if "op_b" not in g:
+                continue
+            w = witness(h.text, h.source, r.rank)
+            if g["op_a"] != g["op_b"] or g["seq_a"] != g["seq_b"]:
+                facts.add(Fact.COLLECTIVE_OP_MISMATCH, Witness(
+                    f"rank {g['rank_a']} runs {g['op_a']} #{g['seq_a']} while rank {g['rank_b']} "
+                    f"runs {g['op_b']} #{g['seq_b']}", w.file, w.line, w.rank))
+            elif g.get("shape_a") != g.get("shape_b"):
+                facts.add(Fact.COLLECTIVE_SIZE_MISMATCH, Witness(
+                    f"{g['op_a']} #{g['seq_a']}: rank {g['rank_a']} shape [{g.get('shape_a')}], "
+                    f"rank {g['rank_b']} shape [{g.get('shape_b')}]", w.file, w.line, w.rank))
+        for h in r.hits.get("nccl-desync-lagging", _EMPTY).kept:
+            facts.add(Fact.RANK_MISSING_FROM_COLLECTIVE, witness(
+                f"ranks [{h.groups['ranks']}] never joined collective #{h.groups['seq']}: "
+                f"{h.text}", h.source, r.rank))
+        for h in r.hits.get("nccl-desync-state", _EMPTY).kept:
+            if h.groups.get("state") == "started":
+                started.setdefault(h.groups["op"], witness(h.text, h.source, r.rank))
+    if len(started) >= 2:
+        w = next(iter(started.values()))
+        facts.add(Fact.COLLECTIVE_OP_MISMATCH, Witness(
+            "the desync report has ranks started in different collectives: "
+            + ", ".join(sorted(started)), w.file, w.line, w.rank))
+
+
+def _fact_unranked_stacks(ev: Evidence, frames: FrameClassifier, facts: FactSet) -> None:
+    """Stacks pasted without their ranks: two main threads blocked in collectives entered
+    from different call sites are two processes that took different paths."""
+    sites: dict[str, Witness] = {}
+    for t in ev.unranked.threads:
+        if frames.state(t) != "blocked" or frames.role(t) != "main":
+            continue
+        idx = frames.collective_index(t.frames)
+        site = frames.call_site(t.frames)
+        if idx is None or site is None:
+            continue
+        label = f"{t.frames[idx].func} from {site_label(site)}"
+        sites.setdefault(site.func.rsplit(".", 1)[-1], Witness(
+            f"a stack of unknown rank waits in {label}", t.source.file, t.source.line, -1))
+    if len(sites) >= 2:
+        first = next(iter(sites.values()))
+        facts.add(Fact.BLOCKED_SITES_DIVERGE, Witness(
+            "stacks of unknown ranks are blocked at different call sites: "
+            + "; ".join(w.text.removeprefix("a stack of unknown rank waits in ")
+                        for w in sites.values()), first.file, first.line, -1))
 
 
 def _fact_same_collective(ev: Evidence, sites: list[BlockedSite], rows: list[RankRow],
@@ -90,7 +147,8 @@ def _fact_no_failure(ev: Evidence, facts: FactSet) -> None:
     if facts or ev.outcome not in (None, "healthy") or ev.mismatches:
         return
     for r in ev.all_ranks():
-        if len(r.exceptions) or len(r.threads) or r.exits or r.collectives or r.decisions:
+        if len(r.exceptions) or len(r.threads) or r.exits or r.collectives or r.decisions \
+                or len(r.errors):
             return
         if any(pid not in _QUIET and not pid.startswith(("nccl-", "gloo-")) for pid in r.hits):
             return

@@ -95,6 +95,19 @@ class _Compiled:
     regex: re.Pattern[str]
 
 
+_COMPILED: dict[int, tuple[Catalog, list[_Compiled]]] = {}
+
+
+def _compiled(catalog: Catalog) -> list[_Compiled]:
+    """The catalog's scanned patterns, compiled once per catalog (catalogs are immutable)."""
+    hit = _COMPILED.get(id(catalog))
+    if hit is None or hit[0] is not catalog:
+        hit = _COMPILED[id(catalog)] = (catalog, [
+            _Compiled(p.id, tuple(p.triggers), re.compile(p.regex))
+            for p in catalog.scanned_patterns()])
+    return hit[1]
+
+
 @dataclass
 class LineHandler:
     """Processes selected lines of one input. ``default`` is what the file path says."""
@@ -112,8 +125,7 @@ class LineHandler:
     _patterns: list[_Compiled] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._patterns = [_Compiled(p.id, tuple(p.triggers), re.compile(p.regex))
-                          for p in self.catalog.scanned_patterns()]
+        self._patterns = _compiled(self.catalog)
 
     @property
     def triggers(self) -> list[str]:
@@ -148,7 +160,7 @@ class LineHandler:
         stream = self._stream(hint, key, lineno)
         if new_record:
             stream.tb.boundary()
-        if pre.site:
+        if pre.site and pre.warning:
             self.sink.slot(hint).add_site(pre.site, src)
         if (pre.error or _FAILURE_WORDS.search(rest)) and rest.strip():
             self.sink.slot(hint).errors.append((rest.strip()[:300], src))

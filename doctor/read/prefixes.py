@@ -34,15 +34,17 @@ _SGLANG = re.compile(r"\[(?P<ts>\d{4}-\d\d-\d\d[ T_]\d\d:\d\d:\d\d(?:[.,]\d+)?)"
 _TAG = re.compile(r"(?<![A-Z_])(TP|PP|DP)(\d{1,6})\b")
 _NAME_TAG = re.compile(r"(?:^|_)(TP|PP|DP)(\d{1,6})(?=_|$)")
 _LMCACHE = re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:[.,]\d+)?\] LMCache "
-                      r"(?:DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL):\s?")
+                      r"(?:DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)\s?:\s?")
 _VLLM_PROC = re.compile(r"\((?P<name>[A-Za-z_][\w]*|)(?: rank=(?P<rank>\d{1,6}))?"
                         r"(?:,? ?pid=(?P<pid>\d{1,9}))(?:, ip=[^)]{1,64})?\) ")
 _LEVEL = r"(?:DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL)"
 _GENERIC = re.compile(
     # vLLM: ERROR 04-16 20:47:15 [file.py:238] (new) or ERROR 02-12 03:41:17 engine.py:135] (old)
     rf"{_LEVEL} \d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)? (?:\[[\w./-]+:\d+\]|[\w./-]+:\d+\]) ?"
-    # glog, bare or bracketed (torch's c10 logger): E1129 12:00:00.123456 123 file.cpp:406]
+    # glog, bare or bracketed (torch's c10 logger): E1129 12:00:00.123456 123 file.cpp:406],
+    # and glog without its date and thread (E nixl_agent.cpp:921]) as some wrappers print it
     r"|\[?[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+(?: +\d+)? [\w./-]+:\d+\] ?"
+    r"|\[?[IWEF] [\w./-]+\.(?:cc|cpp|c|h|hpp|cu|rs):\d+\] ?"
     # container runtimes and collectors: 2026-06-12T04:13:18.902123456Z (then maybe a level)
     rf"|\d{{4}}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)? (?:{_LEVEL}\s+)?"
     # Python logging / loguru: 2025-01-01 00:00:00,123 - name - ERROR - / ... | ERROR | mod:f:1 -
@@ -55,7 +57,8 @@ _GENERIC = re.compile(
     r"|\[pod/[^\]\s]{1,200}\] |[a-z][\w.-]{0,62}\s{1,20}\| "
 )
 _NCCL_RANK = re.compile(r"\[(?:PG [^\]]*?)?Rank (?P<n>\d{1,6})\]")
-_ERROR_LEVEL = re.compile(r"^\[?[EF]\d{4} |\b(?:ERROR|CRITICAL|FATAL)\b")
+_ERROR_LEVEL = re.compile(r"^\[?[EF](?:\d{4})? |\b(?:ERROR|CRITICAL|FATAL)\b")
+_WARN_LEVEL = re.compile(r"^\[?W(?:\d{4})? |\bWARN(?:ING)?\b")
 _SITE = re.compile(r"(?P<file>[\w./-]+\.(?:py|cpp|cc|c|h|hpp|cu|rs)):\d{1,7}\]")
 #: LMCache ends its messages with ``(file.py:360:module.path)``.
 _TAIL_SITE = re.compile(r" \((?P<file>[\w./-]+\.py):\d{1,7}:[\w.<>]+\)\s*$")
@@ -76,6 +79,9 @@ class Prefixed:
     ``tcp_transport.cpp``), or ``""``."""
     error: bool = False
     """The logger marked the line an error (glog ``E``/``F``, ``ERROR``, ``CRITICAL``)."""
+    warning: bool = False
+    """The logger marked the line a warning or worse (its ``site`` is then evidence: the
+    source files of a healthy server's INFO lines say nothing about a failure)."""
 
 
 def strip_prefixes(line: str) -> Prefixed:
@@ -83,7 +89,7 @@ def strip_prefixes(line: str) -> Prefixed:
     rank: int | None = None
     tp = pp = dp = None
     style, stream, site = "", "", ""
-    error = False
+    error = warning = False
     for _ in range(_MAX_PREFIXES):
         m = _TORCH.match(line)
         if m:
@@ -104,6 +110,7 @@ def strip_prefixes(line: str) -> Prefixed:
             at = _SITE.search(m[0]) if "]" in m[0] else None
             site = site or (at["file"] if at else "")
             error = error or bool(_ERROR_LEVEL.search(m[0]))
+            warning = warning or error or bool(_WARN_LEVEL.search(m[0]))
             line, style = line[m.end():], style or "generic"
             continue
         m = _SGLANG.match(line)
@@ -121,7 +128,8 @@ def strip_prefixes(line: str) -> Prefixed:
     if not site and line.endswith(")"):
         tail = _TAIL_SITE.search(line)
         site = tail["file"] if tail else ""
-    return Prefixed(line, RankHint(rank=rank, tp=tp, pp=pp, dp=dp), style, stream, site, error)
+    return Prefixed(line, RankHint(rank=rank, tp=tp, pp=pp, dp=dp), style, stream, site, error,
+                    warning)
 
 
 def _tagged(tag: str, num: int, tp: int | None, pp: int | None,

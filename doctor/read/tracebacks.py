@@ -29,8 +29,10 @@ from collections.abc import Callable
 from doctor.evidence import ExceptionRecord, Frame, SourceRef
 
 HEADER = "Traceback (most recent call last):"
-TRIGGERS = ("File \"",)
-_FRAME = re.compile(r'^\s*File "(?P<file>[^"]*)", line (?P<line>\d{1,9}), in (?P<func>.+?)\s*$')
+TRIGGERS = ("File \"", "File \\\"")
+#: ``File "x.py", line 3, in f``; also as JSON-escaped logs print it (``File \"x.py\"``).
+_FRAME = re.compile(r'^\s*File \\?"(?P<file>[^"\\]*)\\?", line (?P<line>\d{1,9}), '
+                    r'in (?P<func>.+?)\s*$')
 _EXC = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:::\w+)*)(?::\s?(?P<msg>.*))?$")
 #: A type that is an exception class on its face: a lone line of it is an exception.
 _STRONG = re.compile(

@@ -25,10 +25,25 @@ def diagnosis_markdown(d: Diagnosis) -> str:
            f"report schema {d.schema_version}.", ""]
     for i, v in enumerate(d.verdicts):
         out += _verdict(v, primary=i == 0)
+    for look in d.lookalikes:
+        out += [f"## Looks like: {look.title} ({look.score:.2f})", "", look.meaning, "",
+                f"What to do: {look.advice}", ""]
+        out += [f"- {cite(e) or '-'}: {md_escape(e.text)}" for e in look.evidence] + [""]
     if d.near_misses:
-        out += ["## Near misses", ""]
+        out += ["## Near misses" if d.verdicts else
+                "## Closest candidates (not enough evidence to name one)", ""]
         out += [f"- similar to `{n.signature}`, {n.score:.2f}, because {n.because}"
                 for n in d.near_misses]
+        out.append("")
+    if d.fingerprint is not None:
+        fp = d.fingerprint
+        out += ["## Fingerprint", "", f"`{fp.id}` — the same id groups the same failure across "
+                "ranks, runs, paths and line numbers.", ""]
+        if fp.exception:
+            out.append(f"- exception: `{md_escape(fp.exception)}`")
+        if fp.functions:
+            out.append(f"- functions: {', '.join(f'`{f}`' for f in fp.functions)}")
+        out += [f"- blocked: {md_escape(b)}" for b in fp.blocked]
         out.append("")
     if d.observations:
         out += ["## What the doctor sees", ""] + [f"- {o}" for o in d.observations] + [""]
