@@ -64,11 +64,13 @@ class RankHint:
 
 @dataclass(frozen=True)
 class Frame:
-    """One stack frame. ``line`` is None for native frames and unknown lines."""
+    """One stack frame. ``line`` is None for native frames and unknown lines; ``code`` is the
+    source line a traceback printed under it (``assert cd.lock_ref == 0``), when it did."""
 
     func: str
     file: str
     line: int | None = None
+    code: str = field(default="", compare=False)
 
     def __str__(self) -> str:
         where = self.file if self.line is None else f"{self.file}:{self.line}"

@@ -58,6 +58,8 @@ class ObservedException:
     """In-app function names of its stack, innermost first."""
     witness: Witness
     secondary: bool = False
+    files: list[str] = field(default_factory=list)
+    """The files of those frames, aligned with ``in_app``."""
     """It reports a peer's failure (a timeout, a lost connection), not this rank's own."""
 
 
@@ -67,6 +69,8 @@ class ObservedStack:
     """``exception`` (a failing stack) or ``blocked`` (a thread stuck in a collective)."""
     in_app: list[str]
     witness: Witness
+    files: list[str] = field(default_factory=list)
+    """The files of those frames, aligned with ``in_app``."""
 
 
 @dataclass
@@ -284,6 +288,13 @@ def _fact_rule(sig_id: str, fr: FactRecogniser, obs: Observation) -> RuleResult:
 _CODE_KINDS = (MarkerKind.FUNCTION, MarkerKind.FILE)
 
 
+def _frame_rule(text: str) -> tuple[re.Pattern[str] | None, re.Pattern[str] | None]:
+    """``FUNC_REGEX``, ``FUNC_REGEX@FILE_REGEX`` or ``@FILE_REGEX`` (any function in files
+    matching FILE_REGEX)."""
+    func, sep, file = text.partition("@")
+    return (_rx(func) if func else None), (_rx(file) if sep and file else None)
+
+
 def _upstream_rules(sig: Signature, obs: Observation) -> list[RuleResult]:
     """Two rules from the upstream markers for it (code: functions and files; texts: logs,
     error codes, exceptions). Every distinct marker seen adds its weight: each is a separate
@@ -341,22 +352,27 @@ def _frames_rule(sig: Signature, obs: Observation,
                  matched_exc: list[ObservedException]) -> RuleResult:
     fr = sig.recognisers.frames
     assert fr is not None  # only called when the signature has a frame recogniser
-    rxs = [re.compile(x) for x in fr.any]
-    candidates: list[tuple[list[str], Witness]] = []
+    rules = [_frame_rule(x) for x in fr.any]
+    candidates: list[tuple[list[str], list[str], Witness]] = []
     if fr.where in ("exception", "any"):
         excs = matched_exc or [e for e in obs.exceptions if not e.secondary]
-        candidates += [(e.in_app, e.witness) for e in excs]
+        candidates += [(e.in_app, e.files, e.witness) for e in excs]
     if fr.where in ("blocked", "any"):
-        candidates += [(s.in_app, s.witness) for s in obs.stacks if s.kind == "blocked"]
+        candidates += [(s.in_app, s.files, s.witness) for s in obs.stacks if s.kind == "blocked"]
     if fr.where == "any":
-        candidates += [(s.in_app, s.witness) for s in obs.stacks if s.kind == "exception"]
-    for funcs, wit in candidates:
-        for func in funcs[:fr.innermost] if fr.innermost else funcs:
-            if any(rx.search(func) for rx in rxs):
-                w = Witness(f"{func} on the {fr.where if fr.where != 'any' else 'failing'} "
+        candidates += [(s.in_app, s.files, s.witness) for s in obs.stacks
+                       if s.kind == "exception"]
+    for funcs, files, wit in candidates:
+        files = files + [""] * (len(funcs) - len(files))
+        pairs = list(zip(funcs, files))
+        for func, file in pairs[:fr.innermost] if fr.innermost else pairs:
+            if any((f is None or f.search(func)) and (p is None or p.search(file))
+                   for f, p in rules):
+                name = f"{func} ({file.rsplit('/', 1)[-1]})" if file else func
+                w = Witness(f"{name} on the {fr.where if fr.where != 'any' else 'failing'} "
                             f"stack: {wit.text}", wit.file, wit.line, wit.rank)
                 return RuleResult(sig.id, f"in-app frame ({fr.where})", True, fr.weight, True,
-                                  f"{func} is on the stack", [w], kind="code")
+                                  f"{name} is on the stack", [w], kind="code")
     return RuleResult(sig.id, f"in-app frame ({fr.where})", False, fr.weight, True,
                       "none of " + ", ".join(x.strip("^$()|.\\") for x in fr.any[:4])
                       + (" ..." if len(fr.any) > 4 else "") + " on a relevant stack", kind="code")

@@ -73,7 +73,8 @@ class ExceptionRecogniser(_Strict):
 class FrameRecogniser(_Strict):
     """In-app functions that must be on the failing (``exception``) or blocked (``blocked``)
     stack. Each entry is a regex searched in the frame's function name (py-spy qualifies it
-    with the class: ``HiCache._writing_check``)."""
+    with the class: ``HiCache._writing_check``), ``FUNC@FILE`` (both must match), or
+    ``@FILE`` (any function in such a file: the storage backends' modules)."""
 
     any: list[str] = Field(min_length=1)
     where: str = Field("any", pattern="^(exception|blocked|any)$")
@@ -85,7 +86,11 @@ class FrameRecogniser(_Strict):
     @field_validator("any")
     @classmethod
     def _regexes(cls, v: list[str]) -> list[str]:
-        return [_check_regex(x) for x in v]
+        for x in v:
+            func, _, file = x.partition("@")
+            _check_regex(func)
+            _check_regex(file)
+        return v
 
 
 class LogRecogniser(_Strict):

@@ -75,14 +75,19 @@ def fact_size_abort(ev: Evidence, rows: list[RankRow], facts: FactSet) -> None:
     """gloo's size check aborted a rank while its thread sat in a collective: the collective
     was fed a size this rank did not expect (the structure behind the message)."""
     by_rank = {row.rank: row for row in rows}
-    for r in ev.ranks.values():
+    for r in ev.all_ranks():
         row = by_rank.get(r.rank)
         where = (row.site or row.frame) if row is not None else None
         for h in r.hits.get("gloo-size-mismatch", _EMPTY).kept:
-            if where is None:
-                continue
             got, want = h.groups.get("got"), h.groups.get("expected")
             sizes = f": {got} bytes arrived where it expected {want}" if got and want else ""
+            if where is None:
+                # no stack says where, but the transport's own check is the structure: a peer
+                # sent more bytes than this rank posted for the same collective
+                facts.add(Fact.COLLECTIVE_SIZE_MISMATCH, witness(
+                    f"gloo's transport caught a peer sending more than this rank posted for the "
+                    f"same collective{sizes}", h.source, r.rank))
+                continue
             facts.add(Fact.COLLECTIVE_SIZE_MISMATCH, witness(
                 f"rank {r.rank} failed inside the collective entered from {where}{sizes}",
                 h.source, r.rank))

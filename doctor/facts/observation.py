@@ -54,24 +54,26 @@ def _names(r: RankEvidence, frames: FrameClassifier, obs: Observation) -> None:
 def _rank(r: RankEvidence, frames: FrameClassifier, obs: Observation) -> None:
     _names(r, frames, obs)
     for e in r.exceptions:
-        funcs = [f.func for f in frames.in_app_frames(e.frames)]
+        app = frames.in_app_frames(e.frames)
+        funcs, files = [f.func for f in app], [f.file for f in app]
         wit = _exc_witness(e, r.rank, frames)
         secondary = is_comm_error(e)
-        obs.exceptions.append(ObservedException(e.type, e.message, funcs, wit, secondary))
+        obs.exceptions.append(ObservedException(e.type, e.message, funcs, wit, secondary, files))
         if funcs and not secondary:
-            obs.stacks.append(ObservedStack("exception", funcs, wit))
+            obs.stacks.append(ObservedStack("exception", funcs, wit, files))
     for t in r.threads:
         if t.fatal:
-            funcs = [f.func for f in t.frames if frames.in_app(f)]
-            obs.stacks.append(ObservedStack("exception", funcs, Witness(
+            app = [f for f in t.frames if frames.in_app(f)]
+            obs.stacks.append(ObservedStack("exception", [f.func for f in app], Witness(
                 f"rank {r.rank} thread {t.name or t.tid}: Fatal Python error: {t.fatal}",
-                t.source.file, t.source.line, r.rank)))
+                t.source.file, t.source.line, r.rank), [f.file for f in app]))
     for t in blocked_threads(r, frames):
-        funcs = [f.func for f in frames.in_app_frames(t.frames)]
+        app = frames.in_app_frames(t.frames)
+        funcs = [f.func for f in app]
         site = site_label(frames.call_site(t.frames))
         obs.stacks.append(ObservedStack("blocked", funcs, Witness(
             f"rank {r.rank} thread {t.name or t.tid} blocked in a collective from {site}",
-            t.source.file, t.source.line, r.rank)))
+            t.source.file, t.source.line, r.rank), [f.file for f in app]))
     for pid, stats in r.hits.items():
         count, wits = obs.log_hits.get(pid, (0, []))
         wits = wits + [Witness(h.text, h.source.file, h.source.line, r.rank)

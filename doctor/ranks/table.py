@@ -35,7 +35,7 @@ def is_comm_error(e: ExceptionRecord) -> bool:
 
 def failing_exception(ev: RankEvidence, frames: FrameClassifier) -> ExceptionRecord | None:
     """The exception that best explains this rank's failure (the last in-app one wins)."""
-    excs = list(ev.exceptions)
+    excs = [e for e in ev.exceptions if not e.truncated] or list(ev.exceptions)
     own = [e for e in excs if not is_comm_error(e)]
     with_app = [e for e in own if frames.in_app_frames(e.frames)]
     for pool in (with_app, own, excs):

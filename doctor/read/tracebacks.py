@@ -179,6 +179,9 @@ class TracebackParser:
                 # the line after a frame is its source line, unless it is plainly an exception
                 # (collectors strip indentation, so indentation cannot tell them apart)
                 self._after_frame = False
+                last = self._frames[-1] if self._frames else None
+                if last is not None and not last.code:
+                    self._frames[-1] = Frame(last.func, last.file, last.line, stripped[:200])
                 return True
             self._after_frame = False
             if m is not None and (m["msg"] is not None or stripped[:1].isupper()) \
@@ -194,6 +197,9 @@ class TracebackParser:
         self._pending = ""
         msg = (m["msg"] or "").strip()[:_MAX_MESSAGE]
         frames = list(reversed(self._frames))
+        if not msg and m["type"].endswith("AssertionError") and frames \
+                and frames[0].code.startswith("assert "):
+            msg = frames[0].code  # a bare assert: the statement says what was asserted
         lone_rec = self._lone[0] if self._lone else None
         if (not lone and lone_rec is not None and not lone_rec.frames
                 and lone_rec.type == m["type"] and lone_rec.message == msg):
