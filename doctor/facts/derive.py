@@ -68,9 +68,13 @@ def _fact_collective_reports(ev: Evidence, facts: FactSet) -> None:
                 continue
             w = witness(h.text, h.source, r.rank)
             if g["op_a"] != g["op_b"] or g["seq_a"] != g["seq_b"]:
-                facts.add(Fact.COLLECTIVE_OP_MISMATCH, Witness(
-                    f"rank {g['rank_a']} runs {g['op_a']} #{g['seq_a']} while rank {g['rank_b']} "
-                    f"runs {g['op_b']} #{g['seq_b']}", w.file, w.line, w.rank))
+                text = (f"rank {g['rank_a']} runs {g['op_a']} #{g['seq_a']} while rank "
+                        f"{g['rank_b']} runs {g['op_b']} #{g['seq_b']}")
+                facts.add(Fact.COLLECTIVE_OP_MISMATCH, Witness(text, w.file, w.line, w.rank))
+                # two ranks inside different collectives at the same moment: the ranks took
+                # different paths, as blocked stacks at two call sites would show
+                facts.add(Fact.BLOCKED_SITES_DIVERGE, Witness(
+                    f"torch's collective check: {text}", w.file, w.line, w.rank))
             elif g.get("shape_a") != g.get("shape_b"):
                 facts.add(Fact.COLLECTIVE_SIZE_MISMATCH, Witness(
                     f"{g['op_a']} #{g['seq_a']}: rank {g['rank_a']} shape [{g.get('shape_a')}], "
@@ -137,6 +141,7 @@ def _fact_same_collective(ev: Evidence, sites: list[BlockedSite], rows: list[Ran
             e.line if e else None, s.ranks[0]))
 
 
+_MARKER_KEY = re.compile(r"[+~-]\d+$")
 #: Log patterns that only describe a healthy server (progress, capacities, samples).
 _QUIET = {"memory-sample", "host-capacity", "host-capacity-synced", "prefetch-start",
           "prefetch-result"}
@@ -150,7 +155,10 @@ def _fact_no_failure(ev: Evidence, facts: FactSet) -> None:
         if len(r.exceptions) or len(r.threads) or r.exits or r.collectives or r.decisions \
                 or len(r.errors):
             return
-        if any(pid not in _QUIET and not pid.startswith(("nccl-", "gloo-")) for pid in r.hits):
+        # catalog marker keys (sig+3, look~1) are texts of upstream code, often plain INFO
+        # lines; a failure among them also leaves an error line, an exception or a stack
+        if any(pid not in _QUIET and not pid.startswith(("nccl-", "gloo-"))
+               and not _MARKER_KEY.search(pid) for pid in r.hits):
             return
     if any(i.status == "read" for i in ev.inputs):
         facts.add(Fact.NO_FAILURE, Witness("no exception, stack, hang, crash or error line in "

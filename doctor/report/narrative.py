@@ -36,9 +36,62 @@ def observations(ev: Evidence, facts: FactSet, rows: list[RankRow], sites: list[
                    f"#{first.index}, steps {first.steps}): {vals}.")
     if Fact.OOM_KILLED in facts:
         out.append("A rank was killed by SIGKILL (exit -9), usually the kernel OOM killer.")
+    out += _timeouts(ev, facts)
+    if not out:
+        out += _unranked_stacks(ev) or _error_lines(ev)
     if not out and not ev.ranks and not ev.unranked.exceptions and not ev.unranked.hits:
         out.append("The inputs hold no failure evidence the doctor recognises.")
     return out
+
+
+def _timeouts(ev: Evidence, facts: FactSet) -> list[str]:
+    """Watchdogs and collective timeouts, said plainly: where each reporting rank waited."""
+    out: list[str] = []
+    waits = []
+    for r in ev.all_ranks():
+        for h in list(r.hits.get("nccl-watchdog-timeout", _NONE).kept)[:1]:
+            who = f"rank {r.rank}" if r.rank >= 0 else "a rank"
+            waits.append(f"{who} in SeqNum {h.groups.get('seq')} ({h.groups.get('op')})")
+    if waits:
+        same = Fact.SAME_COLLECTIVE_EVERYWHERE in facts
+        out.append("NCCL collective timeouts: " + "; ".join(waits[:6])
+                   + (" — every reporting rank waits in the same collective, so none took "
+                      "another path: look for a rank that is slow or gone (still loading, "
+                      "dead node, network)." if same else "."))
+    for r in ev.all_ranks():
+        for h in list(r.hits.get("scheduler-watchdog", _NONE).kept)[:1]:
+            out.append(f"The scheduler watchdog fired ({h.text[:120]}): a step made no progress "
+                       "for the whole timeout; the stacks of every rank at that moment tell "
+                       "where it stood.")
+            return out
+    return out
+
+
+def _unranked_stacks(ev: Evidence) -> list[str]:
+    """Stacks of unknown rank (a pasted py-spy or faulthandler dump): where the busy threads
+    are. An idle storage thread only says that HiCache was on."""
+    busy = [t for t in ev.unranked.threads if t.idle is not True and t.frames]
+    parts = []
+    for t in busy[:3]:
+        app = [f for f in t.frames if f.line is not None] or t.frames
+        parts.append(f"{t.name or 'a thread'} in {app[0].func} ({app[0].file.rsplit('/', 1)[-1]}"
+                     + (f":{app[0].line}" if app[0].line else "") + ")")
+    return ["Stacks without a rank: " + "; ".join(parts) + ". None of them is inside a "
+            "collective that another stack contradicts."] if parts else []
+
+
+def _error_lines(ev: Evidence) -> list[str]:
+    """When nothing else is recognised: the first lines the loggers marked as errors."""
+    lines = [(text, src) for r in ev.all_ranks() for text, src in list(r.errors)[:2]]
+    return ["Error lines in the inputs: " + " | ".join(f"{t[:160]} ({s})" for t, s in lines[:2])
+            ] if lines else []
+
+
+class _None:
+    kept: tuple[()] = ()
+
+
+_NONE = _None()
 
 
 def _outcome(ev: Evidence, first: Divergence | None) -> list[str]:
