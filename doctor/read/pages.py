@@ -22,8 +22,8 @@ from typing import BinaryIO
 _FENCE = re.compile(r"^\s{0,3}(?:```|~~~)[\w+.-]*\s*$")
 _QUOTE = re.compile(r"^(?:> ?){1,4}")
 _MARKUP_ONLY = re.compile(r"^\s*(?:</?(?:details|summary|pre|code|p|div|br|span|kbd|sub|sup|"
-                          r"blockquote|tt)\b[^>]{0,200}>\s*)+$|^\s*<summary>[^<]{0,200}</summary>"
-                          r"\s*$", re.IGNORECASE)
+                          r"blockquote|tt)\b[^>]{0,200}>\s*)+$|^\s*(?:<[^<>]{1,200}>\s*)*"
+                          r"<summary>[^<]{0,200}</summary>\s*$", re.IGNORECASE)
 _TABLE_ROW = re.compile(r"^[\s|]*(?P<ts>\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?Z?)\s*\|"
                         r" ?(?P<text>.*?)\s*\|?\s*$")
 _TABLE_RULE = re.compile(r"^\s*(?:-{2,}\s*\|\s*)+-{2,}\s*$|^[\s|]+$")

@@ -35,7 +35,8 @@ _TAG = re.compile(r"(?<![A-Z_])(TP|PP|DP)(\d{1,6})\b")
 _NAME_TAG = re.compile(r"(?:^|_)(TP|PP|DP)(\d{1,6})(?=_|$)")
 _LMCACHE = re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:[.,]\d+)?\] LMCache "
                       r"(?:DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)\s?:\s?")
-_VLLM_PROC = re.compile(r"\((?P<name>[A-Za-z_][\w]*|)(?: rank=(?P<rank>\d{1,6}))?"
+_VLLM_PROC = re.compile(r"\((?P<name>[A-Za-z_][\w]*|)(?P<tags>(?: (?:TP|PP|DP|EP)\d{1,6})*)"
+                        r"(?: rank=(?P<rank>\d{1,6}))?"
                         r"(?:,? ?pid=(?P<pid>\d{1,9}))(?:, ip=[^)]{1,64})?\) ")
 _LEVEL = r"(?:DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL)"
 _GENERIC = re.compile(
@@ -100,7 +101,7 @@ def strip_prefixes(line: str) -> Prefixed:
         if m:
             if m["rank"] is not None and rank is None:
                 rank = int(m["rank"])
-            for tag, num in _NAME_TAG.findall(m["name"] or ""):
+            for tag, num in _NAME_TAG.findall(m["name"] or "") + _TAG.findall(m["tags"]):
                 tp, pp, dp = _tagged(tag, int(num), tp, pp, dp)
             stream = stream or f"pid {m['pid']}"
             line, style = line[m.end():], style or "torch"

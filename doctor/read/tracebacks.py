@@ -44,6 +44,9 @@ _SEPARATOR = re.compile(r"^-+(?: \d+ -+| \.\.\.)?-*$|^\.\.\. and \d+ more except
 _CONTEXT = "During handling of the above exception, another exception occurred:"
 _CAUSE = "The above exception was the direct cause of the following exception:"
 _CARETS = re.compile(r"^\s*[\^~]+\s*$")
+#: A source line that calls something: ``x = self.cache.dec_lock_ref(node)``.
+_CALL = re.compile(r"^(?:[\w\s,.*]+=\s*)?(?:return\s+|await\s+)?(?:[\w]+\.)*(?P<func>[A-Za-z_]\w*)"
+                   r"\(")
 _RULE = re.compile(r"^[=\-_*#]{4,}$")
 MAX_FRAMES = 200
 _MAX_NOISE = 20
@@ -243,5 +246,10 @@ class TracebackParser:
             lone[0].frames = frames
             self._lone = None
             return
+        callee = _CALL.match(frames[0].code) if frames and frames[0].code else None
+        if callee:
+            # the paste ends while descending into a call: the innermost frame's source line
+            # names the function that was being entered (and that raised, in a crash report)
+            frames.insert(0, Frame(callee["func"], "(cut off)", None))
         self._emit(ExceptionRecord(type="", message="", frames=frames, source=src,
                                    chain="", truncated=True))
