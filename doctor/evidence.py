@@ -246,6 +246,10 @@ class RankEvidence:
     errors: Bounded[tuple[str, SourceRef]] = field(
         default_factory=lambda: Bounded(MAX_ERROR_LINES, MAX_ERROR_LINES))
     """Lines the logger marked as errors (first and last few), for the fingerprint."""
+    kv_lines: Bounded[tuple[str, str, SourceRef]] = field(
+        default_factory=lambda: Bounded(MAX_ERROR_LINES, MAX_ERROR_LINES))
+    """Lines of KV storage or transfer layers that report a failure or memory pressure:
+    ``(kind, text, source)``, kinds from :func:`doctor.read.kvstore.classify`."""
     sites: dict[str, SourceRef] = field(default_factory=dict)
     """Source files that log lines name (``[engine.py:135]``, ``client.cpp:406]``), first
     line of each; at most ``MAX_SITES``."""
@@ -314,6 +318,8 @@ class RankEvidence:
             self.add_site(site, src)
         for item in other.errors:
             self.errors.append(item)
+        for kv in other.kv_lines:
+            self.kv_lines.append(kv)
 
 
 @dataclass

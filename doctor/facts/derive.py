@@ -45,6 +45,7 @@ def derive_facts(evidence: Evidence, frames: FrameClassifier, rows: list[RankRow
         lambda: _fact_same_collective(evidence, sites, rows, facts),
         lambda: _fact_collective_reports(evidence, facts),
         lambda: _fact_unranked_stacks(evidence, frames, facts),
+        lambda: _fact_kv_layers(evidence, facts),
     ]
     steps += [functools.partial(f, evidence, divergences, facts) for f in TRACE_FACTS]
     for step in steps:
@@ -86,6 +87,15 @@ def _fact_collective_reports(ev: Evidence, facts: FactSet) -> None:
         for h in r.hits.get("nccl-desync-state", _EMPTY).kept:
             if h.groups.get("state") == "started":
                 started.setdefault(h.groups["op"], witness(h.text, h.source, r.rank))
+        for h in r.hits.get("fr-analyzer-mismatch", _EMPTY).kept:
+            kind = h.groups.get("kind", "")
+            fact = {"SIZE_OR_SYNTAX_MISMATCH": Fact.COLLECTIVE_SIZE_MISMATCH,
+                    "COLLECTIVE_DTYPE_MISMATCH": Fact.COLLECTIVE_SIZE_MISMATCH,
+                    "COLLECTIVE_TYPE_MISMATCH": Fact.COLLECTIVE_OP_MISMATCH,
+                    "COLLECTIVE_STATE_MISMATCH": Fact.RANK_MISSING_FROM_COLLECTIVE}.get(kind)
+            if fact is not None:
+                facts.add(fact, witness(f"torch's Flight Recorder analyzer: {h.text}", h.source,
+                                        r.rank))
     if len(started) >= 2:
         w = next(iter(started.values()))
         facts.add(Fact.COLLECTIVE_OP_MISMATCH, Witness(
@@ -95,8 +105,9 @@ def _fact_collective_reports(ev: Evidence, facts: FactSet) -> None:
 
 def _fact_unranked_stacks(ev: Evidence, frames: FrameClassifier, facts: FactSet) -> None:
     """Stacks pasted without their ranks: two main threads blocked in collectives entered
-    from different call sites are two processes that took different paths."""
-    sites: dict[str, Witness] = {}
+    from different call sites are two processes that took different paths (and when the
+    operations differ too, they can never pair up)."""
+    sites: dict[str, tuple[str, Witness]] = {}
     for t in ev.unranked.threads:
         if frames.state(t) != "blocked" or frames.role(t) != "main":
             continue
@@ -104,15 +115,37 @@ def _fact_unranked_stacks(ev: Evidence, frames: FrameClassifier, facts: FactSet)
         site = frames.call_site(t.frames)
         if idx is None or site is None:
             continue
-        label = f"{t.frames[idx].func} from {site_label(site)}"
-        sites.setdefault(site.func.rsplit(".", 1)[-1], Witness(
-            f"a stack of unknown rank waits in {label}", t.source.file, t.source.line, -1))
-    if len(sites) >= 2:
-        first = next(iter(sites.values()))
-        facts.add(Fact.BLOCKED_SITES_DIVERGE, Witness(
-            "stacks of unknown ranks are blocked at different call sites: "
-            + "; ".join(w.text.removeprefix("a stack of unknown rank waits in ")
-                        for w in sites.values()), first.file, first.line, -1))
+        op = t.frames[idx].func.rsplit(".", 1)[-1]
+        sites.setdefault(site.func.rsplit(".", 1)[-1], (op, Witness(
+            f"{op} from {site_label(site)}", t.source.file, t.source.line, -1)))
+    if len(sites) < 2:
+        return
+    first = next(iter(sites.values()))[1]
+    summary = "; ".join(w.text for _, w in sites.values())
+    facts.add(Fact.BLOCKED_SITES_DIVERGE, Witness(
+        f"stacks of unknown ranks are blocked at different call sites: {summary}", first.file,
+        first.line, -1))
+    if len({op for op, _ in sites.values()}) >= 2:
+        facts.add(Fact.COLLECTIVE_OP_MISMATCH, Witness(
+            f"stacks of unknown ranks wait in different collective operations: {summary}",
+            first.file, first.line, -1))
+
+
+def _fact_kv_layers(ev: Evidence, facts: FactSet) -> None:
+    """What the KV storage and transfer layers said (:mod:`doctor.read.kvstore`): a store that
+    failed, a host pool with no room, a disaggregation transfer that failed. A transfer engine's
+    failure belongs to the store when the inputs show a store in use and no disaggregation."""
+    kv = ev.kv
+    for r in ev.all_ranks():
+        for kind, text, src in r.kv_lines:
+            if kind == "store-failure" or (kind == "transfer-failure" and kv.store
+                                           and not kv.pd):
+                facts.add(Fact.STORAGE_ERRORS, witness(text, src, r.rank))
+            elif kind == "pool-pressure":
+                facts.add(Fact.HOST_ALLOC_FAILING, witness(
+                    f"a KV cache's host pool had no room: {text}", src, r.rank))
+            elif kind == "pd-failure" or (kind == "transfer-failure" and kv.pd):
+                facts.add(Fact.PD_TRANSFER_ERRORS, witness(text, src, r.rank))
 
 
 def _fact_same_collective(ev: Evidence, sites: list[BlockedSite], rows: list[RankRow],
@@ -256,8 +289,10 @@ def _one_exception(r: RankEvidence, e: ExceptionRecord, frames: FrameClassifier,
     in_cache = any(re.search(r"lock_ref|radix|pool|tree|allocator", f.file + f.func)
                    for f in frames.in_app_frames(e.frames))
     lost_key = e.short_type == "KeyError" and e.message.strip("'\"").isdigit()
+    # a node or slot that should hold a value does not: None where the tree promised pages
+    lost_value = e.short_type in ("TypeError", "AttributeError") and "NoneType" in e.message
     if _INVARIANT_TYPES.search(e.type) or (in_cache and (e.short_type == "AssertionError"
-                                                         or lost_key)):
+                                                         or lost_key or lost_value)):
         facts.add(Fact.INVARIANT_BROKEN, witness(text, e.source, r.rank))
     if re.search(r"Double-?(alloc|free)|DoubleAllocation|DoubleFree", e.type + e.message, re.I):
         facts.add(Fact.HOST_POOL_DOUBLE_USE, witness(text, e.source, r.rank))
@@ -283,6 +318,7 @@ def _fact_logs(ev: Evidence, facts: FactSet) -> None:
         "storage-connect-error": Fact.STORAGE_ERRORS,
         "storage-threads-stuck": Fact.STORAGE_ERRORS,
         "cuda-device-fault": Fact.DEVICE_FAULT,
+        "pool-leak-check": Fact.INVARIANT_BROKEN,
         "startup-usage-error": Fact.STARTUP_CONFIG_ERROR,
     }
     for r in ev.all_ranks():

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from doctor.evidence import InputRecord, RankEvidence, RankHint, SourceRef
+from doctor.read.kvstore import KvContext
 
 _Key = tuple[str, int | None, int | None, int | None]
 MAX_WORLD = 65536
@@ -64,6 +65,8 @@ class Evidence:
     expected_ranks: set[int]
     pid_ranks: dict[int, int] = field(default_factory=dict)
     mismatch_examples: list[dict[str, object]] = field(default_factory=list)
+    kv: KvContext = field(default_factory=KvContext)
+    """Which KV storage and transfer layers the inputs show in use."""
     """The first few output mismatches a manifest lists (rid, index, expected, got, note)."""
 
     def all_ranks(self) -> list[RankEvidence]:
@@ -89,6 +92,7 @@ class EvidenceBuilder:
         self.expected_ranks: set[int] = set()
         self.pid_ranks: dict[int, int] = {}
         """pid -> global rank, from bundles and capture manifests (py-spy dumps name pids)."""
+        self.kv = KvContext()
 
     def slot(self, hint: RankHint) -> RankEvidence:
         """The record for the rank ``hint`` names (the unranked record if it names none)."""
@@ -144,7 +148,7 @@ class EvidenceBuilder:
                         outcome=self.outcome, outcome_source=self.outcome_source,
                         mismatches=self.mismatches, expected_ranks=expected,
                         pid_ranks=dict(self.pid_ranks),
-                        mismatch_examples=list(self.mismatch_examples))
+                        mismatch_examples=list(self.mismatch_examples), kv=self.kv)
 
 
     def _assign_by_pid(self, ranks: dict[int, RankEvidence]) -> None:

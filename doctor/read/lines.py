@@ -30,6 +30,7 @@ from doctor.evidence import (
 from doctor.ranks.builder import EvidenceBuilder
 from doctor.read.backtraces import TRIGGERS as BACKTRACE_TRIGGERS
 from doctor.read.backtraces import NativeStackParser, chain_stack
+from doctor.read.kvstore import classify
 from doctor.read.native import TRIGGERS as NATIVE_TRIGGERS
 from doctor.read.native import CppTerminateParser
 from doctor.read.pages import clean_line
@@ -46,6 +47,8 @@ BLOCK_TRIGGERS = ["Traceback (most recent call last)", "(most recent call first)
                   "Python v3.", "tp_size=", "pp_size=", "dp_size=", "world_size=",
                   "WORLD_SIZE", "--tp-size", "--pp-size", "Failures:", "Timeout (0:",
                   "Thread ", ".py:", "Error: ", "Exception: ", "EnforceNotMet",
+                  "LMCache ERROR", "LMCache WARN", "[infini] [error]", "cannot store",
+                  "under pressure", "CQ error", "Mooncake store",
                   *NATIVE_TRIGGERS, *BACKTRACE_TRIGGERS, *TRACEBACK_TRIGGERS]
 _TOPO = re.compile(r"\b(?P<k>tp|pp|dp|world)_size=(?P<v>\d{1,6})\b|--(?P<k2>tp|pp|dp)-size[ =]"
                    r"(?P<v2>\d{1,6})\b|\bWORLD_SIZE[=:]\s*(?P<v3>\d{1,6})\b")
@@ -164,6 +167,9 @@ class LineHandler:
             self.sink.slot(hint).add_site(pre.site, src)
         if (pre.error or _FAILURE_WORDS.search(rest)) and rest.strip():
             self.sink.slot(hint).errors.append((rest.strip()[:300], src))
+        kv = classify(text, self.sink.kv)
+        if kv is not None:
+            self.sink.slot(hint).kv_lines.append((kv, rest.strip()[:300], src))
         self._blocks(stream, rest, src, lineno, hint)
         if triggered:
             self._match_patterns(rest, hint, src)

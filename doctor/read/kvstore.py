@@ -1,0 +1,92 @@
+"""Lines from the KV cache's storage layers, told apart from their look-alikes.
+
+Real reports about a failing KV cache tier are often a handful of log lines from the storage
+layer itself, in words no catalog can list in advance ("Store task 1 to adapter 0 failed",
+"CQ error: transport retry counter exceeded", "Request 553: cannot store 1 blocks"). What they
+share is the mechanism: *a KV storage component* (LMCache and its backends, Mooncake Store,
+InfiniStore, 3FS, NIXL storage plugins, SGLang's HiCache storage, vLLM's offloading connector,
+Dynamo's KVBM) reports that storing, retrieving or connecting failed, or that its host memory
+pool is full. This module recognises the component of a line, and whether the line says
+"failed" or "memory pressure":
+
+* ``store-failure`` — a storage component failed to store, retrieve, connect, read or write;
+* ``pool-pressure`` — a KV cache's host (CPU) pool had no room.
+
+The same words from the *transfer* layer of prefill/decode disaggregation (LMCache's PD
+backend, NIXL/Mooncake connectors, KVTransferError) are not the cache tier; lines of the
+transfer engines that both use (``transfer_task.cpp``, RDMA completion errors) count for the
+store only when the input shows a store in use and no disaggregation (:class:`KvContext`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+#: Components that are a KV storage tier (on the raw line: prefixes, tags, source sites).
+_STORE = re.compile(
+    r"LMCache (?:WARNING|WARN|ERROR|CRITICAL)\b|\[infini\] \[(?:warning|error|critical)\]"
+    r"|\b(?:store_py|real_client|client_service|master_client|pybind_client|file_storage|"
+    r"storage_backend|infinistore)\.cpp:\d+\]"
+    r"|\b(?:offloading_connector|lmcache_connector|remote_backend|local_disk_backend|"
+    r"gds_backend|nixl_storage_backend|redis_connector|s3_connector|mooncakestore_connector|"
+    r"fs_connector|storage_hf3fs|mooncake_store|hicache_storage|hicache_nixl)\.py"
+    r"|(?i:\bmooncake ?store\b|MooncakeDistributedStore|HiCache(?:File|HF3FS|Nixl|Storage)\b|"
+    r"\bhf3fs\b|\binfinistore\b|\bkvbm\b|block_manager|\bGDS_MT\b|\bkv_?offload|"
+    r"\bCPUOffloading)")
+#: Components every KV transfer uses, cache tier or disaggregation alike.
+_TRANSFER = re.compile(r"\b(?:transfer_task|transfer_engine\w*|rdma_transport|tcp_transport|"
+                       r"worker_pool|rdma_endpoint)\.cpp:\d+\]|\bCQ error\b")
+#: Disaggregation: the transfer between prefill and decode instances, not a cache tier.
+_PD = re.compile(r"(?i)disaggregation|KVTransferError|Nixl_?Connector|P2pNcclConnector|"
+                 r"\bMooncakeConnector\b|bootstrap_room|pd_backend|\bPDBackend\b|KVPoll|"
+                 r"kv_(?:producer|consumer)\b|\bprefill(?:er)? (?:instance|node|worker)\b")
+_PRESSURE = re.compile(
+    r"(?i)memory (?:is )?under pressure|cannot store \d+ blocks?|no (?:free )?memory (?:is )?"
+    r"available|not enough (?:cpu |host )?memory|failed to allocate (?:memory|buffer|block)|"
+    r"allocation failed|insufficient (?:memory|space)|(?:cpu|host|buffer|pool) (?:is )?full|"
+    r"NO_AVAILABLE_HANDLE|no space left|out of (?:host|cpu) memory")
+_FAILURE = re.compile(
+    r"(?i)\bfail(?:ed|s|ure)?\b|\berror\b|\bunable to\b|\bcannot\b|can't|could not|\btimed? ?out"
+    r"|\brefused\b|\breset by peer\b|broken pipe|\b0 out of \d+|\b0/\d+ (?:chunks|tokens|keys)"
+    r"|less than the expected|\brefusing\b|\bno (?:available|valid)\b"
+    r"|\bexceeds?\b.{0,60}\b(?:capacity|limit|buffer)")
+_NOT_FAILURE = re.compile(r"(?i)\bsuccess(?:ful(?:ly)?)?\b|\bno error\b|"
+                          r"\b(?:0|zero) (?:failed|failures?)\s*(?:[,;)]|$)|"
+                          r"\bfail(?:ed|ures?)[:=] ?0\b")
+
+
+@dataclass
+class KvContext:
+    """What the whole input says about which KV layers are in use (all ranks together)."""
+
+    store: set[str] = field(default_factory=set)
+    """Store components seen anywhere (even on healthy lines)."""
+    pd: bool = False
+    """Prefill/decode disaggregation is in the picture."""
+
+    def observe(self, raw: str) -> None:
+        m = _STORE.search(raw)
+        if m and len(self.store) < 16:
+            self.store.add(m[0][:40])
+        if not self.pd and _PD.search(raw):
+            self.pd = True
+
+
+def classify(raw: str, ctx: KvContext) -> str | None:
+    """What one raw line (prefixes included) says: ``store-failure``, ``pool-pressure``,
+    ``pd-failure`` (the disaggregation transfer failed), ``transfer-failure`` (a transfer
+    engine both use failed: :class:`KvContext` decides whose) or None."""
+    ctx.observe(raw)
+    pd = _PD.search(raw) is not None
+    store = not pd and _STORE.search(raw) is not None
+    transfer = not store and _TRANSFER.search(raw) is not None
+    if not (store or transfer or pd):
+        return None
+    if store and _PRESSURE.search(raw):
+        return "pool-pressure"
+    if not _FAILURE.search(raw) or _NOT_FAILURE.search(raw):
+        return None
+    if pd:
+        return "pd-failure"
+    return "store-failure" if store else "transfer-failure"
