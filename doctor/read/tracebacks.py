@@ -44,9 +44,9 @@ _SEPARATOR = re.compile(r"^-+(?: \d+ -+| \.\.\.)?-*$|^\.\.\. and \d+ more except
 _CONTEXT = "During handling of the above exception, another exception occurred:"
 _CAUSE = "The above exception was the direct cause of the following exception:"
 _CARETS = re.compile(r"^\s*[\^~]+\s*$")
-#: A source line that calls something: ``x = self.cache.dec_lock_ref(node)``.
-_CALL = re.compile(r"^(?:[\w\s,.*]+=\s*)?(?:return\s+|await\s+)?(?:[\w]+\.)*(?P<func>[A-Za-z_]\w*)"
-                   r"\(")
+#: The first call on a source line: ``x = self.cache.dec_lock_ref(node)``,
+#: ``if self.load_back(node, quota):``, ``return func(*args)``.
+_CALL = re.compile(r"(?:^|(?<=[\s=(,!]))(?:[A-Za-z_]\w*\.)*(?P<func>[A-Za-z_]\w*)\(")
 _RULE = re.compile(r"^[=\-_*#]{4,}$")
 MAX_FRAMES = 200
 _MAX_NOISE = 20
@@ -84,6 +84,7 @@ class TracebackParser:
         self._last: ExceptionRecord | None = None
         """The exception last emitted, while its message may still continue."""
         self._continued = 0
+        self._cut = False
         self._lone: tuple[ExceptionRecord, int] | None = None
         """A frameless exception (and its line) that frames pasted after it may belong to."""
 
@@ -114,6 +115,8 @@ class TracebackParser:
             return False
         if self._continue_message(stripped):
             return True
+        if stripped.startswith(("File \"", "File \\\"")):
+            self._cut = True  # a frame line cut off mid-way: the paste ends inside the stack
         self._noise += 1
         if self._noise > (2 if not self._in_tb else _MAX_NOISE):
             self.close()
@@ -241,15 +244,17 @@ class TracebackParser:
         self._frames = []
         lone = self._lone
         src = self._frames_src or SourceRef("?", None)
-        if lone is not None and not lone[0].frames \
-                and 0 < (src.line or 0) - lone[1] <= _ATTACH_GAP:
-            lone[0].frames = frames
-            self._lone = None
-            return
-        callee = _CALL.match(frames[0].code) if frames and frames[0].code else None
-        if callee:
+        attach = lone is not None and not lone[0].frames \
+            and 0 < (src.line or 0) - lone[1] <= _ATTACH_GAP
+        callee = _CALL.search(frames[0].code) if frames and frames[0].code else None
+        if callee and (not attach or self._cut):
             # the paste ends while descending into a call: the innermost frame's source line
             # names the function that was being entered (and that raised, in a crash report)
             frames.insert(0, Frame(callee["func"], "(cut off)", None))
+        self._cut = False
+        if attach and lone is not None:
+            lone[0].frames = frames
+            self._lone = None
+            return
         self._emit(ExceptionRecord(type="", message="", frames=frames, source=src,
                                    chain="", truncated=True))

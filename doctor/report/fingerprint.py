@@ -88,11 +88,23 @@ def fingerprint(ev: Evidence, frames: FrameClassifier, sites: list[BlockedSite],
                        lookalikes=sorted(lookalikes))
 
 
+#: Frames that say nothing about *which* failure it is, wherever things are installed: the
+#: standard library, torch's internals, the interpreter, native libraries.
+_PLUMBING = re.compile(r"(^|/)lib/python3(\.\d+)?/(?!site-packages|dist-packages)|(^|/)torch/|"
+                       r"\.so(\.\d+)*$|^<|^\(cut off\)$|^(threading|runpy|contextlib|"
+                       r"functools|multiprocessing/\w+)\.py$")
+_ADDRESS = re.compile(r"\s*\[0x[0-9a-fA-F]+\]|\s*\+\s*0x[0-9a-fA-F]+")
+
+
 def _innermost(stack: list, frames: FrameClassifier) -> list[str]:  # type: ignore[type-arg]
-    """The innermost in-app function names (bare: ``Class.method`` becomes ``method``)."""
+    """The innermost function names that are not plumbing (bare: ``Class.method`` becomes
+    ``method``; native addresses dropped). Independent of where a library is installed: a
+    source checkout and a site-packages install give the same list."""
     out: list[str] = []
-    for f in frames.in_app_frames(stack):
-        name = f.func.rsplit(".", 1)[-1]
+    for f in stack:
+        if _PLUMBING.search(f.file) or f.func.startswith("_Py"):
+            continue
+        name = _ADDRESS.sub("", f.func).rsplit(".", 1)[-1]
         if name not in out:
             out.append(name)
         if len(out) >= MAX_FUNCTIONS:
