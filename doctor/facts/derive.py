@@ -319,6 +319,7 @@ def _fact_logs(ev: Evidence, facts: FactSet) -> None:
         "storage-threads-stuck": Fact.STORAGE_ERRORS,
         "cuda-device-fault": Fact.DEVICE_FAULT,
         "pool-leak-check": Fact.INVARIANT_BROKEN,
+        "kv-manager-assert": Fact.INVARIANT_BROKEN,
         "startup-usage-error": Fact.STARTUP_CONFIG_ERROR,
     }
     for r in ev.all_ranks():

@@ -27,13 +27,15 @@ from dataclasses import dataclass, field
 _STORE = re.compile(
     r"LMCache (?:WARNING|WARN|ERROR|CRITICAL)\b|\[infini\] \[(?:warning|error|critical)\]"
     r"|\b(?:store_py|real_client|client_service|master_client|pybind_client|file_storage|"
-    r"storage_backend|infinistore)\.cpp:\d+\]"
+    r"storage_backend|infinistore|master_service|ha_helper|etcd_helper|rpc_service|"
+    r"dummy_client)\.cpp:\d+\]"
     r"|\b(?:offloading_connector|lmcache_connector|remote_backend|local_disk_backend|"
     r"gds_backend|nixl_storage_backend|redis_connector|s3_connector|mooncakestore_connector|"
-    r"fs_connector|storage_hf3fs|mooncake_store|hicache_storage|hicache_nixl)\.py"
+    r"fs_connector|storage_hf3fs|mooncake_store|mooncake_backend|hicache_storage|hicache_nixl)"
+    r"\.py"
     r"|(?i:\bmooncake ?store\b|MooncakeDistributedStore|HiCache(?:File|HF3FS|Nixl|Storage)\b|"
     r"\bhf3fs\b|\binfinistore\b|\bkvbm\b|block_manager|\bGDS_MT\b|\bkv_?offload|"
-    r"\bCPUOffloading)")
+    r"\bCPUOffloading|\bkv_?pool\b|\bmooncake_master\b)")
 #: Components every KV transfer uses, cache tier or disaggregation alike.
 _TRANSFER = re.compile(r"\b(?:transfer_task|transfer_engine\w*|rdma_transport|tcp_transport|"
                        r"worker_pool|rdma_endpoint)\.cpp:\d+\]|\bCQ error\b")
@@ -43,6 +45,8 @@ _PD = re.compile(r"(?i)disaggregation|KVTransferError|Nixl_?Connector|P2pNcclCon
                  r"kv_(?:producer|consumer)\b|\bprefill(?:er)? (?:instance|node|worker)\b")
 _PRESSURE = re.compile(
     r"(?i)memory (?:is )?under pressure|cannot store \d+ blocks?|no (?:free )?memory (?:is )?"
+    r"available|allocat(?:ion|ing) fail(?:ed|ure)|MemoryAllocator\W{1,3}allocat|"
+    r"no (?:free )?memory (?:is )?"
     r"available|not enough (?:cpu |host )?memory|failed to allocate (?:memory|buffer|block)|"
     r"allocation failed|insufficient (?:memory|space)|(?:cpu|host|buffer|pool) (?:is )?full|"
     r"NO_AVAILABLE_HANDLE|no space left|out of (?:host|cpu) memory")

@@ -44,10 +44,12 @@ _GENERIC = re.compile(
     rf"{_LEVEL} \d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)? (?:\[[\w./-]+:\d+\]|[\w./-]+:\d+\]) ?"
     # glog, bare or bracketed (torch's c10 logger): E1129 12:00:00.123456 123 file.cpp:406],
     # and glog without its date and thread (E nixl_agent.cpp:921]) as some wrappers print it
-    r"|\[?[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+(?: +\d+)? [\w./-]+:\d+\] ?"
+    r"|\[?[IWEF](?:\d{4})?\d{4} \d\d:\d\d:\d\d\.\d+(?: +\d+)? [\w./-]+:\d+\] ?"
     r"|\[?[IWEF] [\w./-]+\.(?:cc|cpp|c|h|hpp|cu|rs):\d+\] ?"
-    # container runtimes and collectors: 2026-06-12T04:13:18.902123456Z (then maybe a level)
-    rf"|\d{{4}}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)? (?:{_LEVEL}\s+)?"
+    # container runtimes and collectors: 2026-06-12T04:13:18.902123456Z (then maybe a level);
+    # cloud logging exports put the severity first: ERROR 2026-06-15T14:10:59.392125190Z
+    rf"|(?:{_LEVEL} )?\d{{4}}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)? "
+    rf"(?:{_LEVEL}\s+)?"
     # Python logging / loguru: 2025-01-01 00:00:00,123 - name - ERROR - / ... | ERROR | mod:f:1 -
     rf"|\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d(?:[.,]\d+)?(?: - [\w.]+)? [-|] {_LEVEL}\s*[-|]"
     r"(?: [\w.]+:[\w<>]+:\d+ -)? ?"
@@ -58,8 +60,8 @@ _GENERIC = re.compile(
     r"|\[pod/[^\]\s]{1,200}\] |[a-z][\w.-]{0,62}\s{1,20}\| "
 )
 _NCCL_RANK = re.compile(r"\[(?:PG [^\]]*?)?Rank (?P<n>\d{1,6})\]")
-_ERROR_LEVEL = re.compile(r"^\[?[EF](?:\d{4})? |\b(?:ERROR|CRITICAL|FATAL)\b")
-_WARN_LEVEL = re.compile(r"^\[?W(?:\d{4})? |\bWARN(?:ING)?\b")
+_ERROR_LEVEL = re.compile(r"^\[?[EF](?:\d{4}){0,2} |\b(?:ERROR|CRITICAL|FATAL)\b")
+_WARN_LEVEL = re.compile(r"^\[?W(?:\d{4}){0,2} |\bWARN(?:ING)?\b")
 _SITE = re.compile(r"(?P<file>[\w./-]+\.(?:py|cpp|cc|c|h|hpp|cu|rs)):\d{1,7}\]")
 #: LMCache ends its messages with ``(file.py:360:module.path)``.
 _TAIL_SITE = re.compile(r" \((?P<file>[\w./-]+\.py):\d{1,7}:[\w.<>]+\)\s*$")
