@@ -20,7 +20,7 @@ from hicache_runtime.config import RuntimeConfig
 from hicache_runtime.rank import RankRuntime
 from hicache_runtime.run import RunSummary, run_single
 from hicache_runtime.storage.base import StorageBackend
-from hicache_runtime.storage.redis_server import LocalRedisServer, free_port
+from hicache_runtime.storage.redis_server import LocalRedisServer, free_port, redis_server_binary
 from hicache_runtime.tracing import Ev
 from tests.runtime.test_l3 import healthy, l3_config
 
@@ -181,6 +181,8 @@ def test_redis_killed_mid_run_disables_then_reenables_l3(
 @pytest.mark.redis
 def test_optional_redis_absent_at_start_connects_when_started(
         tmp_path: Path, built_ranks: list[RankRuntime], bundle_root: Path) -> None:
+    if redis_server_binary() is None:
+        pytest.skip("redis-server binary not found on PATH (apt-get install redis-server)")
     server = LocalRedisServer(workdir=tmp_path / "redis")  # port chosen, not started yet
     started: list[int] = []
 
