@@ -153,10 +153,10 @@ class LineHandler:
         new_record = style in ("sglang", "generic")
         if style:
             self._current, self._current_key = hint, key
+        elif not hint.empty:
+            pass  # no prefix, but the message names its rank ("[Rank 4] Watchdog caught...")
         elif self._style == "sglang":
             hint, key = self._current, self._current_key
-        else:
-            hint = RankHint()
         self._style = style or self._style
         hint = hint.merged(self.default)
         src = SourceRef(self.name, lineno)
