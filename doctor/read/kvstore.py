@@ -35,7 +35,7 @@ _STORE = re.compile(
     r"\.py"
     r"|(?i:\bmooncake ?store\b|MooncakeDistributedStore|HiCache(?:File|HF3FS|Nixl|Storage)\b|"
     r"\bhf3fs\b|\binfinistore\b|\bkvbm\b|block_manager|\bGDS_MT\b|\bkv_?offload|"
-    r"\bCPUOffloading|\bkv_?pool\b|\bmooncake_master\b)")
+    r"\bCPUOffloading|\bkv[_ ]?pool\b|\bmooncake_master\b)")
 #: Components every KV transfer uses, cache tier or disaggregation alike.
 _TRANSFER = re.compile(r"\b(?:transfer_task|transfer_engine\w*|rdma_transport|tcp_transport|"
                        r"worker_pool|rdma_endpoint)\.cpp:\d+\]|\bCQ error\b")
@@ -60,6 +60,19 @@ _NOT_FAILURE = re.compile(r"(?i)\bsuccess(?:ful(?:ly)?)?\b|\bno error\b|"
                           r"\bfail(?:ed|ures?)[:=] ?0\b")
 
 
+#: Substrings (lower case) at least one of which every line the regexes above can match holds:
+#: a cheap gate so that ordinary log lines never reach the case-insensitive regexes.
+_GATE = ("lmcache", "infini", ".cpp:", "mooncake", "hicache", "hf3fs", "kvbm", "block_manager",
+         "gds_mt", "offload", "kv_pool", "kvpool", "kv pool", "connector", "_backend", "_storage",
+         "disaggregation", "kvtransfer", "nixl", "bootstrap", "kvpoll", "cq error", "kv_producer",
+         "kv_consumer", "prefill", "pd_backend", "pdbackend", "p2pnccl", "mooncake_master")
+
+
+def _gated(raw: str) -> bool:
+    low = raw.lower()
+    return any(k in low for k in _GATE)
+
+
 @dataclass
 class KvContext:
     """What the whole input says about which KV layers are in use (all ranks together)."""
@@ -81,6 +94,8 @@ def classify(raw: str, ctx: KvContext) -> str | None:
     """What one raw line (prefixes included) says: ``store-failure``, ``pool-pressure``,
     ``pd-failure`` (the disaggregation transfer failed), ``transfer-failure`` (a transfer
     engine both use failed: :class:`KvContext` decides whose) or None."""
+    if not _gated(raw):
+        return None
     ctx.observe(raw)
     pd = _PD.search(raw) is not None
     store = not pd and _STORE.search(raw) is not None

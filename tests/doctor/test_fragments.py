@@ -245,3 +245,29 @@ def test_html_page_text_streams_across_chunk_boundaries(monkeypatch) -> None:  #
 
 def test_a_log_that_mentions_a_tag_is_not_html() -> None:
     assert not looks_like_html(b"[2026-01-01 00:00:00 TP0] got <Req rid=1> from tokenizer\n")
+
+
+# --- KV storage layers ---------------------------------------------------------------------
+
+def test_kv_layers_tell_store_pool_and_disaggregation_apart() -> None:
+    from doctor.read.kvstore import KvContext, classify
+
+    ctx = KvContext()
+    assert classify("[2026-09-15 06:24:51,595] LMCache WARNING: Store task 1 to adapter 0 "
+                    "failed for keys: ....", ctx) == "store-failure"
+    assert classify("[2025-11-18 09:45:28,885] LMCache WARNING: Local cpu memory under pressure "
+                    "so choosing to not store the KV cache. (cache_engine.py:265:lmcache.v1."
+                    "cache_engine)", ctx) == "pool-pressure"
+    assert classify("E0328 09:06:16.412825 114360 client_service.cpp:1126] Transfer failed for "
+                    "key k: TRANSFER_FAIL (Transfer 0 failed)", ctx) == "store-failure"
+    assert classify("[2025-09-17 16:23:13 TP1] Decode transfer failed for request rank=1 with "
+                    "exception KVTransferError(bootstrap_room=1): Failed due to an unknown "
+                    "reason from another rank", ctx) == "pd-failure"
+    # a transfer engine both use: attributed later, from the whole input's context
+    assert classify("E1120 11:10:27.133715 203020 transfer_task.cpp:305] Failed to complete "
+                    "transfers after 60 seconds for batch 2586731328", ctx) == "transfer-failure"
+    assert classify("[2026-01-01 00:00:00 TP0] Decode batch. #running-req: 3", ctx) is None
+    assert classify("[2025-09-05 14:46:37,864] LMCache INFO: Stored 100 out of total 100 tokens "
+                    "(0 failed)", ctx) is None
+    assert ctx.store
+    assert ctx.pd
