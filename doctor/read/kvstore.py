@@ -55,9 +55,10 @@ _FAILURE = re.compile(
     r"|\brefused\b|\breset by peer\b|broken pipe|\b0 out of \d+|\b0/\d+ (?:chunks|tokens|keys)"
     r"|less than the expected|\brefusing\b|\bno (?:available|valid)\b"
     r"|\bexceeds?\b.{0,60}\b(?:capacity|limit|buffer)")
-_NOT_FAILURE = re.compile(r"(?i)\bsuccess(?:ful(?:ly)?)?\b|\bno error\b|"
-                          r"\b(?:0|zero) (?:failed|failures?)\s*(?:[,;)]|$)|"
-                          r"\bfail(?:ed|ures?)[:=] ?0\b")
+_NOT_FAILURE = re.compile(r"(?i)\bsuccess(?:ful(?:ly)?)?\b|\bno error\b")
+#: "(0 failed)", "failures: 0": a count of nothing, taken out before looking for failure words
+_ZERO_FAILED = re.compile(r"(?i)\(\s*(?:0|zero) failed\s*\)|[,;]\s*(?:0|zero) failed\b|"
+                          r"\b(?:0|zero) failures?\b|\bfail(?:ed|ures?)[:=] ?0\b")
 
 
 #: Substrings (lower case) at least one of which every line the regexes above can match holds:
@@ -104,7 +105,7 @@ def classify(raw: str, ctx: KvContext) -> str | None:
         return None
     if store and _PRESSURE.search(raw):
         return "pool-pressure"
-    if not _FAILURE.search(raw) or _NOT_FAILURE.search(raw):
+    if not _FAILURE.search(_ZERO_FAILED.sub("", raw)) or _NOT_FAILURE.search(raw):
         return None
     if pd:
         return "pd-failure"
