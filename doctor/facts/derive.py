@@ -68,9 +68,12 @@ def _fact_collective_reports(ev: Evidence, facts: FactSet) -> None:
             if "op_b" not in g:
                 continue
             w = witness(h.text, h.source, r.rank)
-            if g["op_a"] != g["op_b"] or g["seq_a"] != g["seq_b"]:
-                text = (f"rank {g['rank_a']} runs {g['op_a']} #{g['seq_a']} while rank "
-                        f"{g['rank_b']} runs {g['op_b']} #{g['seq_b']}")
+            seq_a, seq_b = g.get("seq_a"), g.get("seq_b")
+            at_a = f" #{seq_a}" if seq_a else ""
+            at_b = f" #{seq_b}" if seq_b else ""
+            if g["op_a"] != g["op_b"] or seq_a != seq_b:
+                text = (f"rank {g['rank_a']} runs {g['op_a']}{at_a} while rank "
+                        f"{g['rank_b']} runs {g['op_b']}{at_b}")
                 facts.add(Fact.COLLECTIVE_OP_MISMATCH, Witness(text, w.file, w.line, w.rank))
                 # two ranks inside different collectives at the same moment: the ranks took
                 # different paths, as blocked stacks at two call sites would show
@@ -78,7 +81,7 @@ def _fact_collective_reports(ev: Evidence, facts: FactSet) -> None:
                     f"torch's collective check: {text}", w.file, w.line, w.rank))
             elif g.get("shape_a") != g.get("shape_b"):
                 facts.add(Fact.COLLECTIVE_SIZE_MISMATCH, Witness(
-                    f"{g['op_a']} #{g['seq_a']}: rank {g['rank_a']} shape [{g.get('shape_a')}], "
+                    f"{g['op_a']}{at_a}: rank {g['rank_a']} shape [{g.get('shape_a')}], "
                     f"rank {g['rank_b']} shape [{g.get('shape_b')}]", w.file, w.line, w.rank))
         for h in r.hits.get("nccl-desync-lagging", _EMPTY).kept:
             facts.add(Fact.RANK_MISSING_FROM_COLLECTIVE, witness(
@@ -286,7 +289,9 @@ def _fact_exceptions(ev: Evidence, frames: FrameClassifier, facts: FactSet) -> N
 def _one_exception(r: RankEvidence, e: ExceptionRecord, frames: FrameClassifier,
                    facts: FactSet) -> None:
     text = f"{e.text}"
-    in_cache = any(re.search(r"lock_ref|radix|pool|tree|allocator", f.file + f.func)
+    # the KV cache's bookkeeping: tree, pools, allocators, and the offload tiers' block maps
+    in_cache = any(re.search(r"lock_ref|radix|pool|tree|allocator|kv_offload|/offloading/",
+                             f.file + f.func)
                    for f in frames.in_app_frames(e.frames))
     lost_key = e.short_type == "KeyError" and e.message.strip("'\"").isdigit()
     # a node or slot that should hold a value does not: None where the tree promised pages
