@@ -14,7 +14,11 @@ The checksum covers the object key too, so a page stored (or renamed, or copied)
 key fails the check instead of being served as someone else's KV. The length field catches
 truncation and trailing garbage. CRC-32 (zlib, hardware-assisted) is chosen over a
 cryptographic hash because it runs at memory speed and we guard against accidents (torn files,
-bit flips, wrong objects), not against an adversary.
+bit flips, wrong objects), not against an adversary: anyone who can write the store can seal a
+page with a valid checksum, so the store's access control is the trust boundary (the default
+file store is a private per-user directory, see ``file.default_dir``). What the envelope does
+promise against hostile contents is bounded cost: sizes are checked before payloads are read
+(:func:`check_size`), so a huge object is a miss, not an allocation.
 
 Pure functions; thread-safe.
 """
@@ -30,6 +34,12 @@ MAGIC = b"HCL3"
 VERSION = 1
 _HEADER = struct.Struct("<4sHHQII")
 HEADER_SIZE = _HEADER.size
+
+DEFAULT_MAX_PAYLOAD_BYTES = 64 << 20
+"""Largest payload a backend reads when its caller has not said how big a page is. Store
+contents are untrusted: a page file or value larger than this is rejected from its size alone,
+before any of it is read (a planted sparse 1 GiB file must not cost 1 GiB). The runtime passes
+its exact page size (``make_backend(..., max_payload_bytes=)``), which is far smaller."""
 
 
 def _crc(object_key: str, length: int, payload: bytes | memoryview) -> int:
@@ -69,6 +79,17 @@ def parse_header(object_key: str, header: bytes) -> tuple[int, int]:
         # Reserved words are zero in version 1; anything else is damage.
         raise CorruptPage(f"{object_key}: reserved header fields are not zero")
     return length, crc
+
+
+def check_size(object_key: str, stored: int, limit: int) -> None:
+    """Reject an object from its stored size alone (header included), before reading it.
+
+    Raises :class:`CorruptPage` when ``stored`` exceeds one header plus ``limit`` payload
+    bytes: no page this reader could use is that big, so none of it is worth reading.
+    """
+    if stored > HEADER_SIZE + limit:
+        raise CorruptPage(f"{object_key}: object is {stored} bytes, more than any page "
+                          f"({HEADER_SIZE + limit} bytes with its header)")
 
 
 def check_payload(object_key: str, length: int, crc: int, payload: bytes) -> bytes:

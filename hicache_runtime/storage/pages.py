@@ -104,6 +104,11 @@ class PageCodec:
         return cls(PageLayout.of(pool.shape, pool.page_size, layer_start=layer_start,
                                  head_start=head_start))
 
+    @property
+    def payload_bytes(self) -> int:
+        """Size of every payload this codec encodes or accepts."""
+        return self._size
+
     # --- one page ---------------------------------------------------------------------------
 
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> bytes:
@@ -220,6 +225,11 @@ class SidecarCodec:
                                head_start=head_start)
         return cls(name, layout, pool.shape.aux_dims(name))
 
+    @property
+    def payload_bytes(self) -> int:
+        """Size of every payload this codec encodes or accepts."""
+        return self._size
+
     def fits(self, payload: bytes) -> bool:
         return len(payload) == self._size and payload[: len(self._header)] == self._header
 
@@ -242,3 +252,9 @@ class SidecarCodec:
         parts = [torch.frombuffer(bytearray(memoryview(p)[n:]), dtype=torch.uint8)
                  .view(self.layout.dtype).reshape(self.page_dims) for p in payloads]
         pool.write_aux(self.name, slots, torch.cat(parts, dim=1))
+
+
+def max_payload_bytes(*codecs: PageCodec | SidecarCodec) -> int:
+    """The largest payload any of ``codecs`` accepts: the read bound to give an L3 backend
+    (``make_backend(..., max_payload_bytes=)``), so nothing bigger is ever read from a store."""
+    return max(c.payload_bytes for c in codecs)

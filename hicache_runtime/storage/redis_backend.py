@@ -1,7 +1,11 @@
 """The Redis L3 backend: pages as Redis strings on a real server (``redis://host:port/db``).
 
-Each batch is one pipelined round trip (EXISTS / GET / SET NX per key, no MULTI). Values are
-the same sealed envelopes as the file backend, so corruption is caught the same way.
+Each batch is one pipelined round trip (EXISTS / STRLEN+GETRANGE / SET NX per key, no
+MULTI). Values are the same sealed envelopes as the file backend, so corruption is caught the
+same way. Values are untrusted: a read fetches at most one header plus ``max_payload_bytes``
+of each (``GETRANGE``), and ``STRLEN`` rejects a longer value from its size alone, so a huge
+value planted under a page key is a counted miss, not an allocation; a key of another type is
+a counted miss for that key only.
 
 Connection loss: the runtime must keep serving from L1/L2 while Redis is away. So
 
@@ -34,7 +38,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from hicache_runtime.errors import ConfigError, StorageUnavailable
+from hicache_runtime.errors import ConfigError, CorruptPage, StorageUnavailable
 from hicache_runtime.storage import envelope
 from hicache_runtime.storage.base import RawPage, StorageBackend
 from hicache_runtime.storage.keys import KeyScheme
@@ -63,6 +67,7 @@ class RedisBackend(StorageBackend):
     def __init__(self, url: str, scheme: KeyScheme, *, required: bool = True,
                  reconnect_backoff_s: float = 0.5, max_backoff_s: float = 5.0,
                  connect_timeout_s: float = 0.5, socket_timeout_s: float = 5.0,
+                 max_payload_bytes: int = envelope.DEFAULT_MAX_PAYLOAD_BYTES,
                  tracer: Tracer | None = None) -> None:
         """Connect and PING.
 
@@ -72,6 +77,10 @@ class RedisBackend(StorageBackend):
         soft, reconnection is probed with backoff).
         """
         super().__init__(scheme, tracer=tracer)
+        if max_payload_bytes < 1:
+            raise ValueError(f"max_payload_bytes must be positive, got {max_payload_bytes}")
+        self.max_payload_bytes = max_payload_bytes
+        """Largest page payload read or written; longer values are rejected unread."""
         self.url = _redact(url)
         """The server URL without credentials (safe for logs, errors and traces)."""
         self.base_backoff_s = reconnect_backoff_s
@@ -116,12 +125,14 @@ class RedisBackend(StorageBackend):
 
     @classmethod
     def from_config(cls, cfg: StorageConfig, scheme: KeyScheme, *, required: bool = True,
-                    tracer: Tracer | None = None) -> RedisBackend:
+                    tracer: Tracer | None = None,
+                    max_payload_bytes: int = envelope.DEFAULT_MAX_PAYLOAD_BYTES) -> RedisBackend:
         if not cfg.url:
             raise ConfigError("storage.url", "the redis backend needs redis://host:port/db")
         return cls(cfg.url, scheme, required=required,
                    reconnect_backoff_s=cfg.reconnect_backoff_s,
-                   max_backoff_s=cfg.reconnect_backoff_max_s, tracer=tracer)
+                   max_backoff_s=cfg.reconnect_backoff_max_s, tracer=tracer,
+                   max_payload_bytes=max_payload_bytes)
 
     def describe(self) -> str:
         return f"redis:{self.url} (suffix {self.scheme.suffix})"
@@ -145,22 +156,67 @@ class RedisBackend(StorageBackend):
         return self._call("exists", run, 0)
 
     def read_raw(self, object_keys: list[str]) -> list[RawPage | None]:
-        def run(pipe: redis.client.Pipeline) -> list[RawPage | None]:
+        last = envelope.HEADER_SIZE + self.max_payload_bytes  # GETRANGE's end is inclusive
+
+        def run(pipe: redis.client.Pipeline) -> list[tuple[str, object, object]]:
             for key in object_keys:
-                pipe.get(key)
-            return [None if blob is None else envelope.split(blob) for blob in pipe.execute()]
-        return self._call("get", run, [None] * len(object_keys))
+                pipe.strlen(key)
+                pipe.getrange(key, 0, last)
+            # raise_on_error=False: a key of another type (WRONGTYPE) fails that key only.
+            replies = pipe.execute(raise_on_error=False)
+            return [(key, replies[2 * i], replies[2 * i + 1])
+                    for i, key in enumerate(object_keys)]
+
+        got = self._call("get", run, None)
+        if got is None:
+            return [None] * len(object_keys)
+        out: list[RawPage | None] = []
+        for key, size, blob in got:
+            try:
+                out.append(self._bounded(key, size, blob))
+            except CorruptPage as exc:
+                # Rejected without decoding: a miss, counted and dropped here (``verify``
+                # only sees what was accepted).
+                self._report_corrupt(exc)
+                self._count(corrupt=1, discarded=int(self._discard(key)))
+                out.append(None)
+        return out
+
+    def _bounded(self, key: str, size: object, blob: object) -> RawPage | None:
+        """One key's STRLEN and GETRANGE replies as a raw page; ``None`` when absent (STRLEN
+        is 0 for a missing key, and an empty value is no page either)."""
+        for reply in (size, blob):
+            if isinstance(reply, Exception):
+                raise CorruptPage(f"{key}: not a string value ({_short(reply)})")
+        if not isinstance(size, int) or not isinstance(blob, bytes):
+            raise CorruptPage(f"{key}: unexpected reply types {type(size).__name__}, "
+                              f"{type(blob).__name__}")
+        if size == 0:
+            return None
+        envelope.check_size(key, size, self.max_payload_bytes)
+        return envelope.split(blob)
 
     def write_sealed(self, object_keys: list[str], pages: list[RawPage]) -> list[bool]:
+        fits = [len(p[1]) <= self.max_payload_bytes for p in pages]
+        if not all(fits):
+            # Such a value could never be read back (reads reject it from its size).
+            log.warning("L3 redis: %d page(s) larger than max_payload_bytes %d; not stored",
+                        fits.count(False), self.max_payload_bytes)
+        keys = [k for k, ok in zip(object_keys, fits) if ok]
+        sized = [p for p, ok in zip(pages, fits) if ok]
+
         def run(pipe: redis.client.Pipeline) -> list[bool]:
-            for key, blob in zip(object_keys, self._joined(pages)):
+            for key, blob in zip(keys, self._joined(sized)):
                 # NX: an existing object is kept (same content by construction of the key).
                 pipe.set(key, blob, nx=True)
             # SET NX answers None when the key existed: stored already, so success.
             replies = pipe.execute()
             self._count(set_skipped=sum(r is None for r in replies))
             return [True] * len(replies)
-        return self._call("set", run, [False] * len(object_keys))
+
+        stored = self._call("set", run, [False] * len(keys)) if keys else []
+        it = iter(stored)
+        return [next(it) if ok else False for ok in fits]
 
     def _clear(self) -> None:
         def run(pipe: redis.client.Pipeline) -> None:

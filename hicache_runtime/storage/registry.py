@@ -27,7 +27,8 @@ class BackendFactory(Protocol):
     """What a registered backend class provides (``FileBackend``, ``RedisBackend``)."""
 
     def from_config(self, cfg: StorageConfig, scheme: KeyScheme, *, required: bool = True,
-                    tracer: Tracer | None = None) -> StorageBackend: ...
+                    tracer: Tracer | None = None,
+                    max_payload_bytes: int = ...) -> StorageBackend: ...
 
 
 _REGISTRY: dict[str, str] = {
@@ -70,7 +71,8 @@ def backend_class(name: str) -> BackendFactory:
 
 def make_backend(cfg: StorageConfig, rank: RankInfo, *, model: str, required: bool = True,
                  faults: FaultInjector | None = None, tracer: Tracer | None = None,
-                 step: Callable[[], int] | None = None) -> StorageBackend | None:
+                 step: Callable[[], int] | None = None,
+                 max_payload_bytes: int | None = None) -> StorageBackend | None:
     """Build this rank's L3 backend, or ``None`` when ``cfg.backend == "none"``.
 
     ``model`` is the ``<model>`` part of key suffixes (``keys.model_id(cfg.model)``). Keys are
@@ -79,13 +81,17 @@ def make_backend(cfg: StorageConfig, rank: RankInfo, *, model: str, required: bo
     reconnects); with ``required=True`` an unreachable server raises
     :class:`~hicache_runtime.errors.StorageUnavailable`. The result is wrapped for fault
     injection only when ``faults`` arms a storage point on this rank; ``step`` reads the
-    scheduler step for ``steps=`` selectors.
+    scheduler step for ``steps=`` selectors. ``max_payload_bytes`` is the largest page payload
+    this rank reads or writes (its biggest codec's payload size): store contents are untrusted,
+    and the backend rejects any bigger object from its size, unread; ``None`` keeps the
+    backend's default bound (:data:`~hicache_runtime.storage.envelope.DEFAULT_MAX_PAYLOAD_BYTES`).
     """
     if cfg.backend == "none":
         return None
     scheme = KeyScheme.for_rank(model, rank, shared_across_tp=cfg.single_writer)
+    bound = {} if max_payload_bytes is None else {"max_payload_bytes": max_payload_bytes}
     backend = backend_class(cfg.backend).from_config(cfg, scheme, required=required,
-                                                     tracer=tracer)
+                                                     tracer=tracer, **bound)
     return wrap_faults(backend, faults, step)
 
 
