@@ -1,8 +1,12 @@
 """Shrinking a failing run to the smallest fault schedule and request set that still shows the
 same signature (test-case minimisation, as fuzzers do for crashing inputs).
 
-Greedy passes, each step one real run judged by :meth:`ReplayCase.shows`; a step is kept only
-when the run fails the same way, so the result always reproduces:
+Greedy passes, each step real runs judged by :meth:`ReplayCase.shows`. Failures that depend on
+thread timing reproduce only sometimes, so one failing run of a candidate proves little: a step
+is kept only when ``step_runs`` runs of it in a row (default 2) all fail the same way, and the
+final case is rerun ``confirm`` more times (default 3) to say how often it reproduces (k/N).
+A final case that did not reproduce every time is reported ``flaky``, and so is the campaign
+cell written for it. The passes:
 
 1. drop whole fault specs (when there are several);
 2. fewer requests: bisect ``workload.requests`` down (the workload is drawn from the seed, so
@@ -12,7 +16,9 @@ when the run fails the same way, so the result always reproduces:
    most firings on one rank), ``rank=`` when it fired on one rank only, ``steps=`` to the
    first..last step it fired at.
 
-The search stops when the run budget is spent; what it has by then still reproduces.
+The search stops when the run budget (``max_runs``, the step confirmations included) is
+spent; what it has by then reproduced in every run of it. The final confirmation runs come on
+top of the budget.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from faults.campaign import cell_from_config
 from faults.replay import ReplayCase, TrialRecord, load_case, run_trial
@@ -40,6 +46,20 @@ _STEPPED = frozenset({FaultKind.STAGE_LAG, FaultKind.HOST_ALLOC_FAIL, FaultKind.
 
 Trial = Callable[[RuntimeConfig, str], tuple[TrialRecord, Observation]]
 """Runs a candidate config (with a description of the change) and judges it."""
+
+DEFAULT_CONFIRM = 3
+"""Reruns of the final case that say how often it reproduces."""
+DEFAULT_STEP_RUNS = 2
+"""Runs of a candidate, all failing the same way, before a step keeps it."""
+
+
+class ShrinkTrial(TrialRecord):
+    """One run of the search or of the final confirmation."""
+
+    kept: bool = False
+    """This run completed a candidate's runs and the candidate became the current case."""
+    confirm: bool = False
+    """A confirmation run of the final case (outside the search budget)."""
 
 
 class CaseSummary(BaseModel):
@@ -58,8 +78,17 @@ class ShrinkResult(BaseModel):
     original: CaseSummary
     shrunk: CaseSummary
     runs: int
+    """Every run made: the replay, the search (with its step confirmations) and the final
+    confirmation."""
     budget_exhausted: bool
-    trials: list[TrialRecord]
+    confirm_runs: int = 0
+    """Reruns of the final case after the search."""
+    confirmed: int = 0
+    """How many of them failed the same way."""
+    flaky: bool = False
+    """The final case did not fail the same way in every confirmation run: as a campaign
+    cell it will not fail reliably."""
+    trials: list[ShrinkTrial] = Field(default_factory=list)
     final_bundle: str | None = None
     """A bundle of the smallest run that still fails the same way."""
     cell_spec: str | None = None
@@ -71,41 +100,75 @@ class _Search:
     case: ReplayCase
     trial: Trial
     max_runs: int
+    step_runs: int
     cfg: RuntimeConfig
     obs: Observation
-    trials: list[TrialRecord] = field(default_factory=list)
+    record: ShrinkTrial
+    """The current case's last run (its bundle is the result's)."""
+    trials: list[ShrinkTrial] = field(default_factory=list)
 
     @property
     def spent(self) -> bool:
         return len(self.trials) >= self.max_runs
 
+    def run(self, cfg: RuntimeConfig, change: str, *,
+            confirm: bool = False) -> tuple[ShrinkTrial, Observation]:
+        record, obs = self.trial(cfg, change)
+        trial = ShrinkTrial(**record.model_dump(), confirm=confirm)
+        self.trials.append(trial)
+        return trial, obs
+
     def attempt(self, cfg: RuntimeConfig, change: str) -> bool:
-        """Run ``cfg``; keep it as the current case when it fails the same way."""
+        """Run ``cfg`` up to ``step_runs`` times; keep it as the current case only when every
+        run fails the same way (a candidate that fails once in two is not kept: the case it
+        would replace fails more reliably). A candidate whose runs the budget cannot finish
+        is not kept either."""
         if self.spent or cfg == self.cfg:
             return False
-        record, obs = self.trial(cfg, change)
-        self.trials.append(record)
-        if record.reproduced:
-            self.cfg, self.obs = cfg, obs
-        return record.reproduced
+        for i in range(self.step_runs):
+            if self.spent:
+                return False
+            trial, obs = self.run(cfg, change if i == 0 else f"{change} (run {i + 1})")
+            if not trial.reproduced:
+                return False
+        trial.kept = True
+        self.cfg, self.obs, self.record = cfg, obs, trial
+        return True
 
 
 def shrink(case: ReplayCase, first: TrialRecord, first_obs: Observation, *, trial: Trial,
-           max_runs: int) -> ShrinkResult:
-    """Shrink ``case``; ``first`` is its unshrunk replay (counted against ``max_runs``)."""
-    s = _Search(case=case, trial=trial, max_runs=max_runs, cfg=case.cfg, obs=first_obs,
-                trials=[first])
+           max_runs: int, confirm: int = DEFAULT_CONFIRM,
+           step_runs: int = DEFAULT_STEP_RUNS) -> ShrinkResult:
+    """Shrink ``case``; ``first`` is its unshrunk replay (counted against ``max_runs``).
+
+    Each kept step ran ``step_runs`` times, all failing the same way; the final case then
+    runs ``confirm`` more times (outside ``max_runs``) and the result says how many of those
+    failed the same way, and ``flaky`` when not all did.
+    """
+    if confirm < 0 or step_runs < 1:
+        raise ValueError(f"confirm must be >= 0 and step_runs >= 1 (got {confirm}, "
+                         f"{step_runs})")
+    start = ShrinkTrial(**first.model_dump(), kept=first.reproduced)
+    s = _Search(case=case, trial=trial, max_runs=max_runs, step_runs=step_runs, cfg=case.cfg,
+                obs=first_obs, record=start, trials=[start])
     original = _summary(case.cfg, first)
+    confirmed = 0
     if first.reproduced:
         _drop_faults(s)
         _fewer_requests(s)
         _pin_schedules(s)
-    last = next((t for t in reversed(s.trials) if t.reproduced), first)
+        spent = s.spent
+        for i in range(confirm):
+            run, _ = s.run(s.cfg, f"confirm {i + 1}/{confirm}", confirm=True)
+            confirmed += run.reproduced
+    else:
+        spent, confirm = s.spent, 0
     return ShrinkResult(bundle=case.source, signature=case.signature,
                         reproduced=first.reproduced, original=original,
-                        shrunk=_summary(s.cfg, last), runs=len(s.trials),
-                        budget_exhausted=s.spent, trials=s.trials,
-                        final_bundle=last.bundle if last.reproduced else None)
+                        shrunk=_summary(s.cfg, s.record), runs=len(s.trials),
+                        budget_exhausted=spent, confirm_runs=confirm, confirmed=confirmed,
+                        flaky=confirmed < confirm, trials=s.trials,
+                        final_bundle=s.record.bundle if first.reproduced else None)
 
 
 def _drop_faults(s: _Search) -> None:
@@ -172,9 +235,11 @@ def _summary(cfg: RuntimeConfig, record: TrialRecord) -> CaseSummary:
 
 
 def shrink_bundle(bundle: Path, out: Path, *, max_runs: int = 16,
-                  warm: bool | None = None) -> ShrinkResult:
-    """Replay ``bundle``, shrink it, and leave in ``out`` the smallest reproducing run's bundle
-    (``out/bundle``) and a one-cell campaign spec that reruns it (``out/cell.yaml``)."""
+                  confirm: int = DEFAULT_CONFIRM, warm: bool | None = None) -> ShrinkResult:
+    """Replay ``bundle``, shrink it, rerun the result ``confirm`` times, and leave in ``out``
+    the smallest reproducing run's bundle (``out/bundle``) and a one-cell campaign spec that
+    reruns it (``out/cell.yaml``, marked flaky when the confirmation runs were not all
+    failures of the same kind)."""
     case, manifest = load_case(bundle, warm=warm)
     if out.exists() and any(out.iterdir()):
         raise ConfigError("out", f"{out} exists and is not empty", hint="pick a new --out")
@@ -185,24 +250,44 @@ def shrink_bundle(bundle: Path, out: Path, *, max_runs: int = 16,
             return run_trial(case, cfg, work=work, bundle_root=bundles, change=change)
 
         first, first_obs = trial(case.cfg, "replay")
-        result = shrink(case, first, first_obs, trial=trial, max_runs=max_runs)
+        result = shrink(case, first, first_obs, trial=trial, max_runs=max_runs,
+                        confirm=confirm)
         if result.final_bundle is None:
             return result
         out.mkdir(parents=True, exist_ok=True)
         final = out / "bundle"
         shutil.copytree(result.final_bundle, final)
     result.final_bundle = str(final)
+    origin = manifest.origin.cell if manifest.origin else bundle.name
+    result.cell_spec = str(write_cell_spec(out / "cell.yaml", case, result, origin=origin))
+    return result
+
+
+def write_cell_spec(path: Path, case: ReplayCase, result: ShrinkResult, *, origin: str) -> Path:
+    """Write the one-cell campaign spec that reruns ``result``'s final case to ``path``;
+    a flaky case is marked so (in a leading comment, the name and the description)."""
     shrunk_cfg = case.cfg.with_overrides(**{"workload.requests": result.shrunk.requests},
                                          faults=_parse(result.shrunk.faults))
     cell = cell_from_config(shrunk_cfg, expect=case.signature, warm=case.warm)
-    origin = manifest.origin.cell if manifest.origin else bundle.name
-    spec = {"name": f"shrunk-{case.signature}",
-            "description": f"{origin} shrunk by hicache inject --shrink from {bundle}",
+    bundle = result.bundle
+    rate = reproduction(result)
+    spec = {"name": f"shrunk-{case.signature}" + ("-flaky" if result.flaky else ""),
+            "description": f"{origin} shrunk by hicache inject --shrink from {bundle}; "
+                           f"{rate}",
             "cells": [cell.model_dump(exclude_defaults=True) | {"id": cell.id}]}
-    cell_yaml = out / "cell.yaml"
-    cell_yaml.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
-    result.cell_spec = str(cell_yaml)
-    return result
+    # The cell schema has no place for it, so the verdict on reliability is a comment (and
+    # the name and description above): a flaky cell is a lead, not a regression test.
+    head = f"# flaky: {rate}; as a campaign cell it will not fail every time\n" \
+        if result.flaky else f"# {rate}\n"
+    path.write_text(head + yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def reproduction(result: ShrinkResult) -> str:
+    """How often the final case reproduced, in words: ``reproduced 2/3 confirmation runs``."""
+    if not result.confirm_runs:
+        return "not confirmed (no confirmation runs)"
+    return f"reproduced {result.confirmed}/{result.confirm_runs} confirmation runs"
 
 
 def _parse(faults: list[str]) -> tuple[FaultSpec, ...]:

@@ -125,7 +125,8 @@ def test_replay_and_shrink_a_campaign_bundle(spec_file: Path, tmp_path: Path,
     out = tmp_path / "shrunk"
     shrunk = shrink_bundle(bundle, out, max_runs=5)
     assert shrunk.reproduced
-    assert shrunk.runs <= 5
+    assert shrunk.runs <= 5 + shrunk.confirm_runs  # the search budget, then confirmation
+    assert shrunk.confirm_runs == 3
     assert shrunk.shrunk.requests < shrunk.original.requests
     assert all(t.reproduced for t in shrunk.trials if t.change.startswith("requests=")
                and t.requests == shrunk.shrunk.requests)

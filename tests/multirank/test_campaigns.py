@@ -38,9 +38,10 @@ def test_replay_and_shrink_a_pipeline_crash(bundle_root: Path, tmp_path: Path) -
     assert again.reproduced, again.trial
     assert again.signature == first.verdict
 
-    shrunk = shrink_bundle(bundle, tmp_path / "shrunk", max_runs=3)
+    shrunk = shrink_bundle(bundle, tmp_path / "shrunk", max_runs=3, confirm=2)
     assert shrunk.reproduced
-    assert shrunk.runs == 3
+    assert shrunk.runs == 3 + 2  # the search's budget, then the final case's confirmation
+    assert shrunk.flaky == (shrunk.confirmed < 2)
     # halving the 48 requests keeps the crash: the dma-lag race needs few requests
     assert shrunk.shrunk.requests < shrunk.original.requests
     assert (tmp_path / "shrunk" / "cell.yaml").exists()
