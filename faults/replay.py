@@ -5,9 +5,14 @@ switches), so the run can be repeated exactly: same requests, same fault draws. 
 again and says whether it fails the *same way*: the doctor must name the same signature for
 the new bundle as for the original (or, where nothing fit the original, the same outcome).
 
+The bundle is untrusted input (see ``faults.replay_guard`` and docs/threat-model.md): its
+config runs only after paths, URLs and output locations are taken out of it and its sizes are
+checked against caps; everything a replay writes lies under its own work and bundle directories.
+
 Storage isolation: a file-backed L3 gets a fresh directory per run, so a replay (or a shrink
 trial) never reads pages an earlier one left; cells that ran ``warm`` repeat their fault-free
-warm-up first. A Redis-backed L3 is reused as configured (its server must be reachable).
+warm-up first. A bundle whose run used Redis replays against a private file store unless the
+user names a server (``storage_url``, ``--storage-url``).
 """
 
 from __future__ import annotations
@@ -18,12 +23,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
+from faults.replay_guard import (
+    GuardedConfig,
+    ReplayPlan,
+    guard_config,
+    printable,
+    read_manifest,
+    temp_files_under,
+)
 from faults.runner import HEALTHY, NO_SIGNATURE, Observation, observe
-from hicache_runtime.bundle import Manifest, RunOutcome, load_manifest
-from hicache_runtime.config import RuntimeConfig, load_config
-from hicache_runtime.errors import ConfigError, DumpFormatError
+from hicache_runtime.bundle import Manifest, RunOutcome
+from hicache_runtime.config import RuntimeConfig
+from hicache_runtime.errors import ConfigError
 
 _TRIAL = itertools.count()
 
@@ -74,41 +87,60 @@ class ReplayResult(BaseModel):
     same_fault_schedule: bool
     """The replay's fault firings (kind, rank, step) equal the original's."""
     trial: TrialRecord
+    plan: ReplayPlan | None = None
+    """What ran, as shown before it ran (the bundle's config after the replay's guards)."""
 
 
-def load_case(bundle: Path, *, warm: bool | None = None) -> tuple[ReplayCase, Manifest]:
-    """Read what ran from ``bundle`` and what it showed (the doctor's verdict)."""
-    from doctor.diagnose import diagnose
-
-    try:
-        manifest = load_manifest(bundle)
-    except FileNotFoundError:
-        raise DumpFormatError(f"{bundle} holds no manifest.json",
-                              hint="replay takes a crash bundle directory") from None
-    except (OSError, ValidationError, ValueError) as exc:
-        raise DumpFormatError(f"{bundle}/manifest.json is not a bundle manifest: "
-                              f"{str(exc).splitlines()[0]}") from None
+def plan(bundle: Path, *, output: Path | None = None, warm: bool | None = None,
+         storage_url: str | None = None) -> tuple[ReplayPlan, GuardedConfig, Manifest]:
+    """What replaying ``bundle`` would run, checked against the caps; runs nothing, and does
+    not yet let the doctor read the bundle."""
+    manifest = read_manifest(bundle)
     if manifest.outcome is RunOutcome.HEALTHY:
         raise ConfigError("bundle", f"{bundle} records a healthy run: nothing to replay")
-    try:
-        cfg = load_config(manifest.config)
-    except ConfigError as exc:
-        raise ConfigError("bundle", f"{bundle}: its config no longer validates: {exc}",
-                          hint="it was written by another version of hicache") from None
+    guarded = guard_config(manifest.config, storage_url=storage_url)
+    cfg, origin = guarded.cfg, manifest.origin
+    the_plan = ReplayPlan(
+        bundle=str(bundle), outcome=manifest.outcome.value,
+        cell=printable(origin.cell) if origin else None, tp=cfg.topology.tp,
+        pp=cfg.topology.pp, world_size=cfg.topology.world_size, seed=cfg.seed,
+        requests=cfg.workload.requests,
+        warm=(origin.warm if origin else False) if warm is None else warm,
+        faults=[f.compact() for f in cfg.faults], legacy=sorted(s.value for s in cfg.legacy),
+        storage=guarded.storage, output=str(output) if output is not None else None,
+        notes=list(guarded.notes))
+    return the_plan, guarded, manifest
+
+
+def load_case(bundle: Path, *, warm: bool | None = None,
+              storage_url: str | None = None) -> tuple[ReplayCase, Manifest]:
+    """Read what ran from ``bundle`` (guarded, see :func:`plan`) and what it showed (the
+    doctor's verdict)."""
+    case, manifest, _ = _load(bundle, None, warm, storage_url)
+    return case, manifest
+
+
+def _load(bundle: Path, output: Path | None, warm: bool | None,
+          storage_url: str | None) -> tuple[ReplayCase, Manifest, ReplayPlan]:
+    from doctor.diagnose import diagnose
+
+    the_plan, guarded, manifest = plan(bundle, output=output, warm=warm,
+                                       storage_url=storage_url)
     diagnosis = diagnose([str(bundle)])
     top = diagnosis.verdicts[0].signature if diagnosis.verdicts else NO_SIGNATURE
-    origin_warm = manifest.origin.warm if manifest.origin else False
-    case = ReplayCase(cfg=cfg, warm=origin_warm if warm is None else warm, signature=top,
+    case = ReplayCase(cfg=guarded.cfg, warm=the_plan.warm, signature=top,
                       outcome=manifest.outcome.value, source=str(bundle))
-    return case, manifest
+    return case, manifest, the_plan
 
 
 def run_trial(case: ReplayCase, cfg: RuntimeConfig, *, work: Path, bundle_root: Path,
               change: str) -> tuple[TrialRecord, Observation]:
     """Run ``cfg`` in isolation (fresh file L3) and judge it against ``case``."""
     t0 = time.monotonic()
-    cfg = isolate(cfg, work / f"trial{next(_TRIAL)}")
-    obs = observe(cfg, warm=case.warm, compare=True, bundle_root=bundle_root)
+    where = work / f"trial{next(_TRIAL)}"
+    cfg = isolate(cfg, where)
+    with temp_files_under(where / "tmp"):
+        obs = observe(cfg, warm=case.warm, compare=True, bundle_root=bundle_root)
     record = TrialRecord(change=change, requests=cfg.workload.requests,
                          faults=[f.compact() for f in cfg.faults], reproduced=case.shows(obs),
                          observed=obs.observed, outcome=obs.outcome,
@@ -117,17 +149,18 @@ def run_trial(case: ReplayCase, cfg: RuntimeConfig, *, work: Path, bundle_root: 
     return record, obs
 
 
-def replay(bundle: Path, *, work: Path, bundle_root: Path,
-           warm: bool | None = None) -> ReplayResult:
-    """Repeat the run behind ``bundle`` once; see the module docstring."""
-    case, manifest = load_case(bundle, warm=warm)
+def replay(bundle: Path, *, work: Path, bundle_root: Path, warm: bool | None = None,
+           storage_url: str | None = None) -> ReplayResult:
+    """Repeat the run behind ``bundle`` once; see the module docstring. Files go under
+    ``work`` (scratch: stores, run directories) and ``bundle_root`` (the new bundle) only."""
+    case, manifest, the_plan = _load(bundle, bundle_root, warm, storage_url)
     record, obs = run_trial(case, case.cfg, work=work, bundle_root=bundle_root,
                             change="replay")
     return ReplayResult(bundle=str(bundle), signature=case.signature, outcome=case.outcome,
-                        cell=manifest.origin.cell if manifest.origin else None,
+                        cell=printable(manifest.origin.cell) if manifest.origin else None,
                         reproduced=record.reproduced,
                         same_fault_schedule=_schedule(manifest.faults_fired)
-                        == _schedule(obs.fired), trial=record)
+                        == _schedule(obs.fired), trial=record, plan=the_plan)
 
 
 def isolate(cfg: RuntimeConfig, where: Path) -> RuntimeConfig:
