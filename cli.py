@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import json
 import sys
-import tomllib
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -45,13 +44,65 @@ def _handles_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except HiCacheError as exc:
-            render.error(str(exc), exc.hint)
+            render.error(_one_line(str(exc)), _one_line(exc.hint))
             raise typer.Exit(EXIT_USAGE) from None
         except OSError as exc:
-            render.error(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
+            render.error(_one_line(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": ")))
             raise typer.Exit(EXIT_USAGE) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _one_line(text: str) -> str:
+    """An error message as shown: one line, and never rich markup (it may quote file names
+    and values from files, which may hold brackets)."""
+    import render
+
+    return render.esc(" ".join(text.split()))
+
+
+def _version() -> str:
+    """The installed distribution's version; from ``pyproject.toml`` in a plain checkout."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hicache-doctor")
+    except PackageNotFoundError:
+        import tomllib
+
+        meta = tomllib.loads((Path(__file__).parent / "pyproject.toml").read_text("utf-8"))
+        return str(meta["project"]["version"])
+
+
+@functools.cache
+def _config_defaults() -> Any:
+    from hicache_runtime.config import load_config
+
+    return load_config({})
+
+
+def _dflt(dotted: str) -> str:
+    """The runtime config's default of a field, shown by ``--help`` for the options that
+    leave the field to the config (their own default is None, which says nothing)."""
+    value: Any = _config_defaults()
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return str(getattr(value, "value", value))
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"hicache {_version()}")
+        raise typer.Exit(EXIT_OK)
+
+
+@app.callback()
+def _options(
+    version: Annotated[bool, typer.Option(
+        "--version", callback=_print_version, is_eager=True,
+        help="Print the version and exit.")] = False,
+) -> None:
+    """Run, break and diagnose a hierarchical KV cache (SGLang HiCache)."""
 
 
 # --- run ------------------------------------------------------------------------------------
@@ -60,29 +111,43 @@ def _handles_errors(fn: F) -> F:
 @app.command()
 @_handles_errors
 def run(
-    tp: Annotated[int | None, typer.Option(help="Tensor-parallel ranks.")] = None,
-    pp: Annotated[int | None, typer.Option(help="Pipeline stages.")] = None,
-    requests: Annotated[int | None, typer.Option(help="Requests in the workload.")] = None,
+    tp: Annotated[int | None, typer.Option(help="Tensor-parallel ranks.",
+                                           show_default=_dflt("topology.tp"))] = None,
+    pp: Annotated[int | None, typer.Option(help="Pipeline stages.",
+                                           show_default=_dflt("topology.pp"))] = None,
+    requests: Annotated[int | None, typer.Option(
+        help="Requests in the workload.", show_default=_dflt("workload.requests"))] = None,
     workload: Annotated[str | None, typer.Option(
-        help="multi_turn | shared_prefix | long_context | mixed")] = None,
-    seed: Annotated[int | None, typer.Option(help="Seed of the workload and faults.")] = None,
-    device_tokens: Annotated[int | None, typer.Option(help="L1 (device) pool size.")] = None,
-    host_tokens: Annotated[int | None, typer.Option(help="L2 (host) pool size.")] = None,
-    page_size: Annotated[int | None, typer.Option(help="Tokens per page.")] = None,
+        help="multi_turn | shared_prefix | long_context | mixed",
+        show_default=_dflt("workload.kind"))] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed of the workload and faults.",
+                                             show_default=_dflt("seed"))] = None,
+    device_tokens: Annotated[int | None, typer.Option(
+        help="L1 (device) pool size.", show_default=_dflt("cache.device_tokens"))] = None,
+    host_tokens: Annotated[int | None, typer.Option(
+        help="L2 (host) pool size.",
+        show_default=f"{_dflt('cache.host_ratio')} x device tokens")] = None,
+    page_size: Annotated[int | None, typer.Option(
+        help="Tokens per page.", show_default=_dflt("cache.page_size"))] = None,
     write_policy: Annotated[str | None, typer.Option(
-        help="write_through | write_through_selective | write_back")] = None,
-    max_new_tokens: Annotated[int | None, typer.Option(help="Tokens generated per request.")]
+        help="write_through | write_through_selective | write_back",
+        show_default=_dflt("cache.write_policy"))] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(
+        help="Tokens generated per request.", show_default=_dflt("workload.max_new_tokens"))]
     = None,
-    storage: Annotated[str | None, typer.Option(help="L3 backend: none | file | redis.")]
+    storage: Annotated[str | None, typer.Option(
+        help="L3 backend: none | file | redis.", show_default=_dflt("storage.backend"))]
     = None,
-    storage_path: Annotated[Path | None, typer.Option(help="Directory of the file backend.")]
-    = None,
+    storage_path: Annotated[Path | None, typer.Option(
+        help="Directory of the file backend.",
+        show_default="a private per-user directory under $TMPDIR")] = None,
     storage_url: Annotated[str | None, typer.Option(
         help="Redis URL for the redis backend, e.g. redis://127.0.0.1:6379/0.")] = None,
     storage_optional: Annotated[bool, typer.Option(
         help="Start even if the L3 backend is unreachable (it reconnects later).")] = False,
     prefetch_policy: Annotated[str | None, typer.Option(
-        help="best_effort | wait_complete | timeout")] = None,
+        help="best_effort | wait_complete | timeout",
+        show_default=_dflt("storage.prefetch_policy"))] = None,
     sidecar_pools: Annotated[str | None, typer.Option(
         help="Hybrid-model sidecar pools: all_pages, trailing_pages or both (comma-separated).")]
     = None,
@@ -93,11 +158,14 @@ def run(
     config: Annotated[Path | None, typer.Option(help="YAML, TOML or JSON config file.")] = None,
     trace: Annotated[Path | None, typer.Option(help="Write every event to this JSONL file.")]
     = None,
-    bundle_dir: Annotated[Path | None, typer.Option(help="Where crash bundles go.")] = None,
+    bundle_dir: Annotated[Path | None, typer.Option(
+        help="Where crash bundles go.", show_default="hicache-bundles")] = None,
     watchdog_timeout: Annotated[float | None, typer.Option(
-        help="Seconds without progress before a run counts as hung.")] = None,
+        help="Seconds without progress before a run counts as hung.",
+        show_default=_dflt("observability.watchdog_timeout_s"))] = None,
     protocol_timeout: Annotated[float | None, typer.Option(
-        help="Timeout of protocol collectives between ranks (seconds).")] = None,
+        help="Timeout of protocol collectives between ranks (seconds).",
+        show_default=_dflt("observability.protocol_timeout_s"))] = None,
     consensus_check: Annotated[bool, typer.Option(
         help="Hash decisions that must agree and compare them across ranks.")] = False,
     compare: Annotated[bool, typer.Option(
@@ -136,11 +204,16 @@ def run(
         data["legacy"] = parse_legacy(legacy)
     cfg = load_config(data)
     if torchrun_dir is not None:
+        # The ranks run on other machines: only their sizes are checked, not this machine.
+        from hicache_runtime.config import check_run_limits
+
+        check_run_limits(cfg, memory=False)
         torchrun_dir.mkdir(parents=True, exist_ok=True)
         (torchrun_dir / "config.json").write_text(cfg.model_dump_json(indent=1))
         print(f"torchrun --nproc-per-node {cfg.topology.world_size} "
               f"-m hicache_runtime.rank_main --run-dir {torchrun_dir}")
         raise typer.Exit(EXIT_OK)
+    _check_machine(cfg)
     summary = _execute(cfg, compare, progress=not json_out)
     if json_out:
         print(summary.model_dump_json(indent=2))
@@ -149,6 +222,21 @@ def run(
 
         render.run_summary(summary)
     raise typer.Exit(EXIT_OK if summary.outcome.value == "healthy" else EXIT_UNHEALTHY)
+
+
+def _check_machine(cfg: Any) -> None:
+    """Refuse, in one line, a run this machine cannot hold: before any pool is allocated or
+    rank started (a typo in --device-tokens must not end in an allocator traceback)."""
+    from hicache_runtime.config import check_run_limits
+
+    accelerator, device_free = False, None
+    import torch
+
+    if torch.cuda.is_available():
+        accelerator = True
+        if cfg.topology.world_size == 1:  # the rank runs in this process: ask the device
+            device_free = int(torch.cuda.mem_get_info()[0])
+    check_run_limits(cfg, accelerator=accelerator, device_free=device_free)
 
 
 def _execute(cfg: Any, compare: bool, progress: bool) -> Any:
@@ -160,18 +248,10 @@ def _execute(cfg: Any, compare: bool, progress: bool) -> Any:
 
 
 def _read_config(path: Path) -> dict[str, Any]:
-    text = path.read_text(encoding="utf-8")
-    try:
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
+    """A ``--config`` file: bounded read, aliases bounded (``config_files``), one-line errors."""
+    from hicache_runtime.config_files import load_file
 
-            data = yaml.safe_load(text)
-        elif path.suffix == ".toml":
-            data = tomllib.loads(text)
-        else:
-            data = json.loads(text)
-    except Exception as exc:
-        raise ConfigError("config", f"cannot parse {path}: {exc}") from None
+    data = load_file(path, "config", default="json")
     if not isinstance(data, dict):
         raise ConfigError("config", f"{path} must hold a mapping at top level")
     return data
@@ -204,13 +284,18 @@ def campaign(
     end as expected (healthy with outputs identical to a cache-disabled run, or failed with
     the doctor naming the expected signature). Exit 1 when any cell did not."""
     import render
-    from faults.campaign import load_campaign
+    from faults.campaign import MAX_CELLS, load_campaign
     from faults.reports import junit_xml
     from faults.reports import markdown as markdown_report
     from faults.runner import run_campaign, select
 
     camp = load_campaign(spec)
     seed_list = _seeds(seeds) if seeds else None
+    if seed_list is not None:  # counted before select() multiplies the cells
+        n = len(select(camp, only)) * len(seed_list)
+        if n > MAX_CELLS:
+            raise ConfigError("seeds", f"{n} cell runs ({len(seed_list)} seeds); at most "
+                                       f"{MAX_CELLS}")
     cells = select(camp, only, seed_list)
     if not cells:
         raise ConfigError("only", f"no cell of campaign {camp.name!r} matches {only!r}",
@@ -236,11 +321,17 @@ def campaign(
 
 
 def _seeds(text: str) -> list[int]:
+    from faults.campaign import MAX_CELLS
+
     out: list[int] = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         lo, sep, hi = part.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()) or (sep and int(hi) < int(lo)):
-            raise ConfigError("seeds", f"{text!r}: expected seeds like 0-4 or 0,3,7")
+        if not lo.isdigit() or (sep and not hi.isdigit()) or (sep and int(hi) < int(lo)) \
+                or len(lo) > 18 or len(hi) > 18:
+            raise ConfigError("seeds", f"{text[:60]!r}: expected seeds like 0-4 or 0,3,7")
+        count = int(hi) - int(lo) + 1 if sep else 1
+        if len(out) + count > MAX_CELLS:  # counted before the range is materialised
+            raise ConfigError("seeds", f"more than {MAX_CELLS} seeds")
         out.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
     if not out:
         raise ConfigError("seeds", "no seeds given")
@@ -258,28 +349,46 @@ def inject(
     shrink: Annotated[bool, typer.Option(
         help="With --replay: shrink to the fewest requests and the narrowest fault schedule "
              "that still show the same signature.")] = False,
-    max_runs: Annotated[int, typer.Option(min=1, help="Run budget of --shrink.")] = 16,
+    max_runs: Annotated[int, typer.Option(
+        min=1, help="Run budget of --shrink's search (a step is kept after 2 runs that both "
+                    "fail the same way).")] = 16,
+    confirm: Annotated[int, typer.Option(
+        min=0, max=100, help="With --shrink: rerun the final case N more times and report how "
+                             "often it reproduced (k/N); a case short of N/N is marked flaky."
+                             )] = 3,
     out: Annotated[Path | None, typer.Option(
-        help="--shrink output directory (default: shrunk-<bundle name>).")] = None,
+        help="Output directory: of --shrink (default: shrunk-<bundle name>); of --replay, "
+             "where its bundle and scratch files go (default: --bundle-dir, else "
+             "hicache-bundles).")] = None,
+    storage_url: Annotated[str | None, typer.Option(
+        help="With --replay: run the bundle's L3 on this Redis server (by default a replay "
+             "uses a private file store and never contacts a server the bundle names).")]
+    = None,
+    dry_run: Annotated[bool, typer.Option(
+        help="With --replay: show what would run (topology, requests, faults, storage, "
+             "output) and run nothing.")] = False,
     warm: Annotated[bool | None, typer.Option(
         help="Warm L3 with a fault-free run first (default: as the bundle's cell did).")]
     = None,
-    tp: Annotated[int | None, typer.Option(help="Tensor-parallel ranks.")] = None,
-    pp: Annotated[int | None, typer.Option(help="Pipeline stages.")] = None,
+    tp: Annotated[int | None, typer.Option(help="Tensor-parallel ranks.",
+                                           show_default=_dflt("topology.tp"))] = None,
+    pp: Annotated[int | None, typer.Option(help="Pipeline stages.",
+                                           show_default=_dflt("topology.pp"))] = None,
     legacy: Annotated[list[str] | None, typer.Option(
         help="Restore a pre-fix protocol (repeatable).")] = None,
-    seed: Annotated[int | None, typer.Option(help="Seed of the workload and faults.")] = None,
-    requests: Annotated[int | None, typer.Option(help="Requests in the workload.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed of the workload and faults.",
+                                             show_default=_dflt("seed"))] = None,
+    requests: Annotated[int | None, typer.Option(
+        help="Requests in the workload.", show_default=_dflt("workload.requests"))] = None,
     config: Annotated[Path | None, typer.Option(help="YAML, TOML or JSON config file.")] = None,
-    bundle_dir: Annotated[Path | None, typer.Option(help="Where crash bundles go.")] = None,
+    bundle_dir: Annotated[Path | None, typer.Option(
+        help="Where crash bundles go.", show_default="hicache-bundles")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Inject faults into a run and name what they caused; or replay (and shrink) a bundle.
 
     Exit codes: 0 the run stayed healthy / the replay failed the same way; 1 it did not.
     """
-    import render
-
     if replay is None:
         if shrink or not faults:
             raise ConfigError("inject", "give fault specs, or --replay BUNDLE [--shrink]")
@@ -287,24 +396,54 @@ def inject(
                        json_out)
     if faults:
         raise ConfigError("inject", "--replay reruns the bundle's own faults; drop the specs")
+    given = [name for name, v in (("--tp", tp), ("--pp", pp), ("--legacy", legacy),
+                                  ("--seed", seed), ("--requests", requests),
+                                  ("--config", config)) if v is not None]
+    if given:
+        raise ConfigError("inject", f"--replay reruns the bundle's own run; {', '.join(given)} "
+                                    "do not apply")
+    _replay(replay, shrink=shrink, max_runs=max_runs, confirm=confirm, out=out,
+            bundle_dir=bundle_dir, storage_url=storage_url, dry_run=dry_run, warm=warm,
+            json_out=json_out)
+
+
+def _replay(bundle: Path, *, shrink: bool, max_runs: int, confirm: int, out: Path | None,
+            bundle_dir: Path | None, storage_url: str | None, dry_run: bool,
+            warm: bool | None, json_out: bool) -> None:
+    """Replay (or shrink) a bundle. The bundle is untrusted (docs/threat-model.md): what runs
+    is shown first, and paths, servers and sizes come from this command line, not from it."""
+    import tempfile
+
+    import render
+    from faults.replay import plan
+    from faults.replay import replay as replay_bundle
+    from hicache_runtime.run import DEFAULT_BUNDLE_ROOT
+
+    if shrink and storage_url is not None:
+        raise ConfigError("--storage-url", "--shrink always uses private file stores")
+    output = (out or Path(f"shrunk-{bundle.resolve().name}")) if shrink \
+        else (out or bundle_dir or DEFAULT_BUNDLE_ROOT)
+    the_plan, _, _ = plan(bundle, output=output, warm=warm, storage_url=storage_url)
+    if dry_run:
+        print(the_plan.model_dump_json(indent=2) if json_out else "\n".join(the_plan.lines()))
+        raise typer.Exit(EXIT_OK)
+    # What is about to run goes to stderr (stdout stays the result); with --json only for a
+    # person watching, since the JSON result carries the plan too.
+    if not json_out or sys.stderr.isatty():
+        print("\n".join(the_plan.lines()), file=sys.stderr)
     if shrink:
         from faults.shrink import shrink_bundle
 
-        result = shrink_bundle(replay, out or Path(f"shrunk-{replay.resolve().name}"),
-                               max_runs=max_runs, warm=warm)
+        result = shrink_bundle(bundle, output, max_runs=max_runs, confirm=confirm, warm=warm)
         if json_out:
             print(result.model_dump_json(indent=2))
         else:
             render.shrink_summary(result)
         raise typer.Exit(EXIT_OK if result.reproduced else EXIT_UNHEALTHY)
-    import tempfile
-
-    from faults.replay import replay as replay_bundle
-    from hicache_runtime.run import DEFAULT_BUNDLE_ROOT
-
-    with tempfile.TemporaryDirectory(prefix="hicache-replay-") as work:
-        res = replay_bundle(replay, work=Path(work), bundle_root=bundle_dir or DEFAULT_BUNDLE_ROOT,
-                            warm=warm)
+    output.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".replay-", dir=output) as work:
+        res = replay_bundle(bundle, work=Path(work), bundle_root=bundle_dir or output,
+                            warm=warm, storage_url=storage_url)
     if json_out:
         print(res.model_dump_json(indent=2))
     else:
@@ -330,6 +469,7 @@ def _inject_faults(faults: list[str], tp: int | None, pp: int | None,
     if legacy:
         data["legacy"] = parse_legacy(legacy)
     cfg = load_config(data)
+    _check_machine(cfg)
     obs = observe(cfg, warm=bool(warm), compare=True,
                   bundle_root=bundle_dir or cfg.observability.bundle_dir or DEFAULT_BUNDLE_ROOT)
     if json_out:
@@ -349,19 +489,27 @@ def trace_export(
     out: Annotated[Path, typer.Option("--out", "-o", help="Output file.")] = Path("trace.json"),
     perfetto: Annotated[bool, typer.Option(
         "--perfetto", help="Chrome/Perfetto trace JSON (the only format so far).")] = True,
+    json_out: Annotated[bool, typer.Option(
+        "--json", help="Print what was written and skipped as JSON.")] = False,
 ) -> None:
-    """Convert runtime traces into a Perfetto/Chrome trace: one track per rank and thread."""
-    from hicache_runtime.tracing import read_jsonl, to_perfetto
+    """Convert runtime traces into a Perfetto/Chrome trace: one track per rank and thread.
 
-    events: list[dict[str, Any]] = []
-    for path in traces:
-        files = sorted(path.glob("rank*/events.jsonl")) if path.is_dir() else [path]
-        if not files:
-            raise ConfigError("traces", f"no events.jsonl under {path}")
-        for f in files:
-            events.extend(read_jsonl(f))
-    out.write_text(json.dumps(to_perfetto(events)), encoding="utf-8")
-    print(f"wrote {len(events)} events to {out} (open in https://ui.perfetto.dev)")
+    Lines that are not events are skipped and counted; an input without any event is an error
+    (exit 2).
+    """
+    import render
+    from hicache_runtime.perfetto import export_perfetto
+
+    stats = export_perfetto(list(traces), out)
+    for problem in stats.problems:
+        render.warn(problem)
+    if json_out:
+        import dataclasses
+
+        print(json.dumps({"out": str(out), **dataclasses.asdict(stats)}, indent=2))
+        return
+    skipped = f"; skipped {stats.skipped_text}" if stats.skipped_text else ""
+    print(f"wrote {stats.events} events to {out}{skipped} (open in https://ui.perfetto.dev)")
 
 
 @trace_app.command("schema")
@@ -404,7 +552,8 @@ def doctor(
 
     Reads crash bundles, tracebacks, SGLang/torchrun logs, py-spy and faulthandler dumps and
     PyTorch Flight Recorder dumps. Exit codes: 0 a known signature was named, 1 no known
-    signature fits, 2 bad usage or no readable input.
+    signature fits (also: the inputs are empty), 2 bad usage or no readable input (a path not
+    found, a device).
     """
     from doctor.diagnose import diagnose
     from doctor.report.markdown import diagnosis_markdown
@@ -419,6 +568,10 @@ def doctor(
                        encoding="utf-8")
     if text is not None and out is None:
         print(text)
+    elif text is None and diag.status == "unreadable":
+        import render
+
+        render.error(diag.summary)  # nothing was read: one line, not an empty report
     elif text is None:
         import render
 
@@ -519,6 +672,29 @@ def signatures_schema(
         print(text)
 
 
+faults_app = typer.Typer(no_args_is_help=True,
+                         help="The faults --fault injects: kinds, parameters, selectors, points.")
+app.add_typer(faults_app, name="faults")
+
+
+@faults_app.command("list")
+@_handles_errors
+def faults_list(
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """List every fault kind with its parameters, the selectors all kinds take, and the fault
+    points of the runtime."""
+    from faults.describe import describe_faults
+
+    listing = describe_faults()
+    if json_out:
+        print(listing.model_dump_json(indent=2))
+        return
+    import render
+
+    render.fault_listing(listing)
+
+
 def _signature(sig_id: str) -> Any:
     from signatures.loader import load_catalog
 
@@ -538,8 +714,14 @@ def runbook(
     out: Annotated[Path | None, typer.Option(
         "--out", "-o", help="Directory (catalog runbooks) or file (incident runbook).")] = None,
     html_out: Annotated[bool, typer.Option("--html", help="Also write HTML.")] = False,
+    json_out: Annotated[bool, typer.Option(
+        "--json", help="Print the runbooks (and the files written) as JSON.")] = False,
 ) -> None:
-    """Write runbooks: one per signature, or one for an incident (--from DIAGNOSIS.json)."""
+    """Write runbooks: one per signature, or one for an incident (--from DIAGNOSIS.json).
+
+    A diagnosis is read as untrusted data: its text is escaped in the Markdown and the HTML,
+    and the HTML links only to http(s) addresses and the sibling runbooks.
+    """
     from doctor.report.model import Diagnosis
     from doctor.report.runbook import catalog_index, incident_runbook, signature_runbook
     from signatures.loader import load_catalog
@@ -547,39 +729,64 @@ def runbook(
     catalog = load_catalog()
     if from_diagnosis is not None:
         try:
-            diag = Diagnosis.model_validate_json(from_diagnosis.read_bytes())
+            diag = Diagnosis.model_validate_json(_read_capped(from_diagnosis, "--from"))
         except ValueError as exc:
             raise ConfigError("--from", f"{from_diagnosis} is not a diagnosis: "
                                         f"{str(exc).splitlines()[0]}") from None
-        _emit_docs({"incident": incident_runbook(diag, catalog)}, out, html_out, single=True)
+        _emit_docs({"incident": incident_runbook(diag, catalog)}, out, html_out, single=True,
+                   json_out=json_out)
         return
     sigs = [_signature(s) for s in signature] if signature else catalog.signatures
     docs = {s.id: signature_runbook(s) for s in sigs}
     if out is not None and not signature:
         docs["index"] = catalog_index(catalog)
-    _emit_docs(docs, out, html_out, single=False)
+    _emit_docs(docs, out, html_out, single=False, json_out=json_out)
 
 
-def _emit_docs(docs: dict[str, str], out: Path | None, html_out: bool, single: bool) -> None:
+#: A diagnosis the doctor writes is far smaller; a bigger file is not one.
+MAX_DIAGNOSIS_BYTES = 64 << 20
+
+
+def _read_capped(path: Path, what: str, limit: int = MAX_DIAGNOSIS_BYTES) -> bytes:
+    """Read at most ``limit`` bytes of ``path`` (a FIFO or /dev/zero cannot make it read on)."""
+    with path.open("rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ConfigError(what, f"{path} is larger than {limit >> 20} MiB: not a diagnosis")
+    return data
+
+
+def _emit_docs(docs: dict[str, str], out: Path | None, html_out: bool, single: bool,
+               json_out: bool = False) -> None:
     from doctor.report.runbook import to_html
 
-    if out is None:
-        print("\n\n".join(docs.values()).rstrip())
-        return
-    if single:
+    written: dict[str, dict[str, str]] = {name: {} for name in docs}
+    if out is not None and single:
         out.parent.mkdir(parents=True, exist_ok=True)
-        text = next(iter(docs.values()))
+        name, text = next(iter(docs.items()))
         out.write_text(text, encoding="utf-8")
+        written[name]["markdown"] = str(out)
         if html_out:
             out.with_suffix(".html").write_text(to_html(text, out.stem), encoding="utf-8")
-        print(f"wrote {out}")
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    for name, text in docs.items():
-        (out / f"{name}.md").write_text(text, encoding="utf-8")
-        if html_out:
-            (out / f"{name}.html").write_text(to_html(text, name), encoding="utf-8")
-    print(f"wrote {len(docs)} runbook(s) to {out}")
+            written[name]["html"] = str(out.with_suffix(".html"))
+    elif out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, text in docs.items():
+            (out / f"{name}.md").write_text(text, encoding="utf-8")
+            written[name]["markdown"] = str(out / f"{name}.md")
+            if html_out:
+                (out / f"{name}.html").write_text(to_html(text, name), encoding="utf-8")
+                written[name]["html"] = str(out / f"{name}.html")
+    if json_out:
+        print(json.dumps({"runbooks": [{"name": name, "markdown": text,
+                                        "files": written[name]}
+                                       for name, text in docs.items()]}, indent=2))
+    elif out is None:
+        print("\n\n".join(docs.values()).rstrip())
+    elif single:
+        print(f"wrote {out}" + (f" and {out.with_suffix('.html')}" if html_out else ""))
+    else:
+        print(f"wrote {len(docs)} runbook(s) to {out}")
 
 
 @app.command()
@@ -598,6 +805,9 @@ def capture(
     native: Annotated[bool, typer.Option(help="Include native frames.")] = False,
     locals_: Annotated[bool, typer.Option("--locals", help="Include local variables.")]
     = False,
+    json_out: Annotated[bool, typer.Option(
+        "--json", help="Print the capture manifest (ranks, pids, dumps, errors) as JSON.")]
+    = False,
 ) -> None:
     """Take py-spy dumps of every rank of a live job at about the same time, plus logs.
 
@@ -614,14 +824,35 @@ def capture(
     dest = out or Path(f"capture-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
     result = do_capture(targets, dest, logs=list(log or []), timeout_s=timeout, native=native,
                         locals_=locals_)
-    render.capture_summary(result)
+    if json_out:
+        print(json.dumps({"out": str(result.out), "failures": result.failures,
+                          "hint": result.hint,
+                          "manifest": result.manifest.model_dump(mode="json")}, indent=2))
+    else:
+        render.capture_summary(result)
     captured = sum(1 for t in result.manifest.targets if not t.error)
     raise typer.Exit(EXIT_OK if not result.failures else
                      (EXIT_UNHEALTHY if captured else EXIT_USAGE))
 
 
-def main() -> None:
-    app()
+def main(argv: list[str] | None = None) -> None:
+    """The ``hicache`` entry point. Usage errors (an unknown option, ``--tp abc``) are one line
+    on stderr and exit 2, like every other user error; not click's usage box."""
+    try:
+        code = app(args=argv, standalone_mode=False)
+    except typer.Abort:
+        print("error: aborted", file=sys.stderr)
+        sys.exit(EXIT_UNHEALTHY)
+    except typer.TyperException as exc:  # click's ClickException: usage errors and kin
+        if type(exc).__name__ == "NoArgsIsHelpError":  # the help was shown; nothing to add
+            sys.exit(EXIT_USAGE)
+        message = " ".join(str(exc.format_message()).split())  # type: ignore[attr-defined]
+        ctx = getattr(exc, "ctx", None)
+        where = f"{ctx.command_path}: " if ctx is not None else ""
+        hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+        print(f"error: {where}{message}{hint}", file=sys.stderr)
+        sys.exit(int(getattr(exc, "exit_code", EXIT_USAGE)))
+    sys.exit(code if isinstance(code, int) else EXIT_OK)
 
 
 if __name__ == "__main__":

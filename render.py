@@ -8,12 +8,14 @@ prints except ``cli.py``'s plain ``--json`` output. Width and colour follow the 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -31,11 +33,79 @@ OUTCOME_STYLE = {"healthy": STYLE_OK, "crash": STYLE_BAD, "hang": STYLE_BAD,
                  "wrong-output": STYLE_BAD}
 
 
+#: Width of output that does not go to a terminal (a pipe, a file, CI logs) and has no
+#: ``COLUMNS``: rich would assume 80, which folds the wider tables needlessly.
+PIPE_WIDTH = 100
+
+
+def _width(stderr: bool) -> int | None:
+    """``TERMINAL_WIDTH``, else the terminal's own width (rich reads it, and ``COLUMNS``), else
+    ``COLUMNS``, else :data:`PIPE_WIDTH`."""
+    value = os.environ.get("TERMINAL_WIDTH", "")
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    stream = sys.stderr if stderr else sys.stdout
+    try:
+        if stream.isatty():
+            return None
+    except (AttributeError, ValueError):  # a closed or unusual stream: treat it as a pipe
+        pass
+    columns = os.environ.get("COLUMNS", "")
+    return int(columns) if columns.isdigit() and int(columns) > 0 else PIPE_WIDTH
+
+
 def console(stderr: bool = False) -> Console:
-    width = os.environ.get("TERMINAL_WIDTH")
-    return Console(stderr=stderr, width=int(width) if width and width.isdigit() else None,
+    return Console(stderr=stderr, width=_width(stderr),
                    no_color=bool(os.environ.get("NO_COLOR")), highlight=False,
                    soft_wrap=False)
+
+
+def _short(table: Table, header: str, **kw: Any) -> None:
+    """A column of short values (numbers, states, ids): never wrapped. Left to rich, a narrow
+    terminal squeezes every column alike and folds these to a character per line; this way the
+    long columns give way instead."""
+    table.add_column(header, no_wrap=True, **kw)
+
+
+def _long(table: Table, header: str, **kw: Any) -> None:
+    """A column of free text: wraps at words and folds only words longer than the column.
+    How narrow it may get is :func:`_fit`'s business."""
+    table.add_column(header, overflow="fold", **kw)
+
+
+def _fit(con: Console, table: Table, mins: dict[str, int]) -> Table:
+    """Fit ``table`` to the console: as it is when its natural width fits; otherwise the short
+    columns keep their width and the long ones (the keys of ``mins``) share the rest, the
+    widest narrowed first, none below ``mins[header]`` (or its content's width if less).
+
+    The widths are set here because rich's own narrowing ignores ``min_width`` (it clamps
+    afterwards and runs past the terminal, cropping the last column and its header) and its
+    ``ratio`` split can overshoot and then truncate short columns."""
+    unbounded = con.options.update_width(1 << 16)
+    total = con.measure(table, options=unbounded).maximum
+    if total <= con.width:
+        return table
+
+    def natural(col: Any) -> int:
+        cells = [col.header, *col.cells] if table.show_header else list(col.cells)
+        return max([1] + [Measurement.get(con, unbounded, c).maximum for c in cells])
+
+    widths = [natural(col) for col in table.columns]
+    overhead = total - sum(widths)  # padding and borders
+    long = [i for i, col in enumerate(table.columns) if str(col.header) in mins]
+    room = con.width - overhead - sum(w for i, w in enumerate(widths) if i not in long)
+    floor = {i: min(mins[str(table.columns[i].header)], widths[i]) for i in long}
+
+    def used(level: int) -> int:
+        return sum(min(widths[i], max(floor[i], level)) for i in long)
+
+    lo, hi = 0, max((widths[i] for i in long), default=0)
+    while lo < hi:  # the highest level whose columns fit the room
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if used(mid) <= room else (lo, mid - 1)
+    for i in long:
+        table.columns[i].width = min(widths[i], max(floor[i], lo))
+    return table
 
 
 def error(message: str, hint: str = "") -> None:
@@ -77,8 +147,8 @@ def run_summary(s: RunSummary) -> None:
     con = console()
     style = OUTCOME_STYLE.get(s.outcome.value, STYLE_WARN)
     table = Table(show_header=False, box=None, pad_edge=False)
-    table.add_column(style=STYLE_KEY)
-    table.add_column()
+    table.add_column(style=STYLE_KEY, no_wrap=True)
+    table.add_column(overflow="fold")
     match = {True: f"[{STYLE_OK}]identical to the cache-disabled run[/]",
              False: f"[{STYLE_BAD}]{len(s.mismatches)} request(s) differ[/]",
              None: f"[{STYLE_DIM}]not compared[/]"}[s.output_match]
@@ -111,8 +181,8 @@ def run_summary(s: RunSummary) -> None:
 
 def key_values(title: str, data: dict[str, Any]) -> None:
     table = Table(title=title, show_header=False)
-    table.add_column(style=STYLE_KEY)
-    table.add_column()
+    table.add_column(style=STYLE_KEY, no_wrap=True)
+    table.add_column(overflow="fold")
     for k, v in data.items():
         table.add_row(str(k), str(v))
     console().print(table)
@@ -125,6 +195,9 @@ def key_values(title: str, data: dict[str, Any]) -> None:
 from rich.markup import escape as esc  # noqa: E402 - evidence text is data, never markup
 
 SEVERITY_STYLE = {"critical": STYLE_BAD, "high": STYLE_BAD, "medium": STYLE_WARN, "low": STYLE_DIM}
+#: Console width from which tables show every column side by side.
+WIDE = 120
+
 STATE_STYLE = {"crashed": STYLE_BAD, "blocked": STYLE_WARN, "missing": STYLE_BAD,
                "exited": STYLE_BAD, "failed": STYLE_WARN, "idle": STYLE_DIM,
                "finished": STYLE_DIM}
@@ -137,7 +210,8 @@ def doctor_report(d: Any, verbose: bool = False) -> None:
     for o in d.observations:
         con.print(f"  • {esc(o)}", soft_wrap=True)
     if d.ranks:
-        con.print(_rank_table(d))
+        con.print(_fit(con, _rank_table(d), {"frame / call site": 16, "error": 14,
+                                             "last seq": 12}))
     if d.first_divergence is not None:
         fd = d.first_divergence
         vals = ", ".join(f"rank {r}: {v}" for r, v in sorted(fd.values.items()))
@@ -175,8 +249,8 @@ def doctor_report(d: Any, verbose: bool = False) -> None:
 
 def _doctor_head(d: Any) -> Table:
     table = Table(show_header=False, box=None, pad_edge=False)
-    table.add_column(style=STYLE_KEY)
-    table.add_column()
+    table.add_column(style=STYLE_KEY, no_wrap=True)
+    table.add_column(overflow="fold")
     if d.verdicts:
         v = d.verdicts[0]
         style = SEVERITY_STYLE.get(v.severity, STYLE_WARN)
@@ -189,10 +263,11 @@ def _doctor_head(d: Any) -> Table:
         table.add_row("verdict", f"[{STYLE_WARN}]{esc(d.summary)}[/]")
     topo = d.topology
     if topo.get("world_size"):
-        table.add_row("job", f"world {topo['world_size']} (tp={topo.get('tp')} "
-                             f"pp={topo.get('pp')})")
+        shape = " ".join(f"{k}={topo[k]}" for k in ("tp", "pp") if topo.get(k) is not None)
+        table.add_row("job", f"world {topo['world_size']}" + (f" ({shape})" if shape else ""))
     if d.missing_ranks:
-        table.add_row("missing ranks", f"[{STYLE_BAD}]{d.missing_ranks}[/]")
+        ranges = getattr(d, "missing_rank_ranges", "") or str(d.missing_ranks)
+        table.add_row("missing ranks", f"[{STYLE_BAD}]{esc(ranges)}[/]")
     table.add_row("inputs", f"{sum(i.status == 'read' for i in d.inputs)} read, "
                             f"{sum(i.status != 'read' for i in d.inputs)} unreadable")
     fp = getattr(d, "fingerprint", None)
@@ -204,8 +279,12 @@ def _doctor_head(d: Any) -> Table:
 
 def _rank_table(d: Any) -> Table:
     table = Table(title="ranks", title_justify="left")
-    for col in ("rank", "role", "state", "frame / call site", "error", "last seq"):
-        table.add_column(col, overflow="fold")
+    _short(table, "rank", justify="right")
+    _short(table, "role")
+    _short(table, "state")
+    _long(table, "frame / call site")
+    _long(table, "error")
+    _long(table, "last seq")
     for r in d.ranks:
         style = STATE_STYLE.get(r.state, "")
         where = r.frame or ""
@@ -233,14 +312,28 @@ def _verdict_detail(con: Console, v: Any) -> None:
 
 
 def signature_table(catalog: Any) -> None:
+    con = console()
+    # Narrower than PIPE_WIDTH the kind goes under the severity and the campaign cell under
+    # the title: five columns with an unbroken id do not fit 80 characters otherwise.
+    wide = con.width >= PIPE_WIDTH
     table = Table(title=f"signatures (catalog {catalog.version})", title_justify="left")
-    for col in ("id", "severity", "kind", "title", "campaign cell"):
-        table.add_column(col, overflow="fold")
+    _short(table, "id")
+    _short(table, "severity" if wide else "severity / kind")
+    if wide:
+        _short(table, "kind")
+    _long(table, "title" if wide else "title / campaign cell")
+    if wide:
+        _long(table, "campaign cell")
     for s in catalog.signatures:
         style = SEVERITY_STYLE.get(s.severity.value, "")
-        table.add_row(s.id, f"[{style}]{s.severity.value}[/]", s.kind.value, esc(s.title),
-                      esc(s.campaign.cell) if s.campaign else "-")
-    console().print(table)
+        severity = f"[{style}]{s.severity.value}[/]"
+        cell = esc(s.campaign.cell) if s.campaign else "-"
+        if wide:
+            table.add_row(s.id, severity, s.kind.value, esc(s.title), cell)
+        else:
+            table.add_row(s.id, f"{severity}\n{s.kind.value}",
+                          f"{esc(s.title)}\n[{STYLE_DIM}]{cell}[/]")
+    con.print(_fit(con, table, {"title": 16, "campaign cell": 16, "title / campaign cell": 16}))
 
 
 def signature_detail(sig: Any) -> None:
@@ -322,21 +415,30 @@ def _cell_line(r: Any) -> str:
 
 def campaign_summary(result: Any) -> None:
     con = console()
-    table = Table(title=f"campaign {esc(result.name)}", title_justify="left", expand=True)
-    table.add_column("cell", overflow="fold", ratio=4)
-    table.add_column("expected", overflow="fold", ratio=2)
-    table.add_column("observed", overflow="fold", ratio=2)
-    table.add_column("outcome", no_wrap=True)
-    table.add_column("wall s", justify="right", no_wrap=True)
-    table.add_column("", no_wrap=True)
-    table.add_column("bundle", overflow="fold", ratio=2)
+    # No ``expand``/``ratio``: rich gives ratio columns their share with no regard for
+    # ``min_width``, which folded cells to a character per line on narrow terminals. The bundle
+    # column only fits wide terminals; the bundle root (and each failing cell's bundle) is
+    # printed below the table in any case.
+    wide = con.width >= WIDE
+    table = Table(title=f"campaign {esc(result.name)}", title_justify="left")
+    _long(table, "cell")
+    _long(table, "expected")
+    _long(table, "observed")
+    _short(table, "outcome")
+    _short(table, "wall s", justify="right")
+    _short(table, "result")
+    if wide:
+        _long(table, "bundle")
     for c in result.cells:
         obs = c.observed + (f" ({c.confidence:.2f})" if c.confidence is not None else "")
         mark = f"[{STYLE_OK}]pass[/]" if c.passed else f"[{STYLE_BAD}]FAIL[/]"
-        table.add_row(esc(c.id), esc(c.expect), esc(obs),
-                      f"[{OUTCOME_STYLE.get(c.outcome, STYLE_WARN)}]{c.outcome}[/]",
-                      f"{c.wall_s:.1f}", mark, esc(Path(c.bundle).name) if c.bundle else "")
-    con.print(table)
+        row = [esc(c.id), esc(c.expect.replace("|", " | ")), esc(obs),
+               f"[{OUTCOME_STYLE.get(c.outcome, STYLE_WARN)}]{c.outcome}[/]",
+               f"{c.wall_s:.1f}", mark]
+        if wide:
+            row.append(esc(Path(c.bundle).name) if c.bundle else "")
+        table.add_row(*row)
+    con.print(_fit(con, table, {"cell": 16, "expected": 10, "observed": 10, "bundle": 12}))
     style = STYLE_OK if result.failed == 0 else STYLE_BAD
     con.print(f"[{style}]{result.passed} of {len(result.cells)} cells behaved as expected[/] "
               f"in {result.wall_s:.0f}s")
@@ -354,11 +456,13 @@ def campaign_summary(result: Any) -> None:
 
 def campaign_cells(cells: list[Any]) -> None:
     table = Table(show_header=True, box=None, pad_edge=False)
-    for col in ("cell", "expect", "warm"):
-        table.add_column(col, overflow="fold")
+    _long(table, "cell")
+    _long(table, "expect")
+    _short(table, "warm")
     for c in cells:
-        table.add_row(esc(c.id), esc(c.expect), "yes" if c.warm else "")
-    console().print(table)
+        table.add_row(esc(c.id), esc(c.expect.replace("|", " | ")), "yes" if c.warm else "")
+    con = console()
+    con.print(_fit(con, table, {"cell": 24, "expect": 16}))
 
 
 def replay_summary(r: Any) -> None:
@@ -382,18 +486,30 @@ def shrink_summary(r: Any) -> None:
         con.print(f"[{STYLE_BAD}]the replay did not show {esc(r.signature)}[/]: nothing to "
                   "shrink (is the failure timing-dependent? try again, or raise the lag)")
     table = Table(title=f"shrinking {esc(r.signature)}", title_justify="left")
-    for col in ("#", "change", "requests", "observed", "wall s", ""):
-        table.add_column(col, overflow="fold")
+    _short(table, "#", justify="right")
+    _long(table, "change")
+    _short(table, "requests", justify="right")
+    _long(table, "observed")
+    _short(table, "wall s", justify="right")
+    _short(table, "kept")
     for i, t in enumerate(r.trials):
-        mark = f"[{STYLE_OK}]kept[/]" if t.reproduced else f"[{STYLE_DIM}]no[/]"
+        # kept: the candidate became the case; same: this run failed the same way but the
+        # candidate was not (yet) kept; confirmation runs say only whether they reproduced.
+        mark = (f"[{STYLE_OK}]kept[/]" if t.kept else
+                f"[{STYLE_DIM}]same[/]" if t.reproduced else
+                f"[{STYLE_BAD}]no[/]" if t.confirm else f"[{STYLE_DIM}]no[/]")
         table.add_row(str(i), esc(t.change), str(t.requests), esc(t.observed),
                       f"{t.wall_s:.1f}", mark)
-    con.print(table)
+    con.print(_fit(con, table, {"change": 16, "observed": 12}))
     o, s = r.original, r.shrunk
     con.print(f"requests {o.requests} -> {s.requests}; faults {esc('; '.join(o.faults))} -> "
               f"{esc('; '.join(s.faults))}; firings {o.faults_fired} -> {s.faults_fired}; "
               f"{r.runs} run(s)" + (" (budget spent)" if r.budget_exhausted else ""),
               soft_wrap=True)
+    if r.confirm_runs:
+        rate = f"reproduced {r.confirmed}/{r.confirm_runs} confirmation runs"
+        con.print(f"[{STYLE_BAD}]flaky[/]: {rate}; as a campaign cell it will not fail every "
+                  "time" if r.flaky else f"[{STYLE_OK}]{rate}[/]", soft_wrap=True)
     if r.final_bundle:
         con.print(f"bundle {esc(r.final_bundle)}", soft_wrap=True)
     if r.cell_spec:
@@ -418,3 +534,31 @@ def inject_summary(obs: Any) -> None:
     if obs.bundle:
         con.print(f"replay: hicache inject --replay {esc(obs.bundle)} [--shrink]",
                   soft_wrap=True)
+
+
+def fault_listing(listing: Any) -> None:
+    """``hicache faults list``: kinds with their parameters, then selectors and points."""
+    con = console()
+    con.print(f"fault spec: {esc(listing.syntax)}", soft_wrap=True)
+    table = Table(title="fault kinds", title_justify="left")
+    _short(table, "kind")
+    _long(table, "parameters")
+    _long(table, "what it does")
+    for k in listing.kinds:
+        params = "\n".join(f"{p.name}: {p.description}" for p in k.params) or "-"
+        acts = f"\n[{STYLE_DIM}]acts at {k.point}[/]" if k.point else ""
+        table.add_row(k.kind, esc(params), esc(k.summary) + acts)
+    con.print(_fit(con, table, {"parameters": 18, "what it does": 24}))
+    table = Table(title="selectors (every kind; unset = everywhere)", title_justify="left")
+    _short(table, "selector")
+    _long(table, "meaning")
+    for s in listing.selectors:
+        table.add_row(s.name, esc(s.description))
+    con.print(_fit(con, table, {"meaning": 20}))
+    table = Table(title="fault points", title_justify="left")
+    _short(table, "point")
+    _long(table, "where")
+    for p in listing.points:
+        table.add_row(p.point + (" *" if p.crashable else ""), esc(p.summary))
+    con.print(_fit(con, table, {"where": 20}))
+    con.print(f"[{STYLE_DIM}]* crash and hang may name this point with point=[/]")
