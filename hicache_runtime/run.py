@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from hicache_runtime.bundle import (
     FiredFaultRecord,
@@ -35,6 +35,7 @@ from hicache_runtime.engine import Engine, EngineResult, dump_rank
 from hicache_runtime.errors import StepStalled
 from hicache_runtime.rank import RankRuntime, build_rank
 from hicache_runtime.request import Req, ReqStatus
+from hicache_runtime.storage.base import StorageStats
 from hicache_runtime.watchdog import StepWatchdog, install_interrupt_handler, interrupt_main_thread
 from hicache_runtime.workload import Workload
 
@@ -61,9 +62,81 @@ class Mismatch(BaseModel):
     note: str = ""
 
 
-class RunSummary(BaseModel):
-    """What ``hicache run --json`` prints."""
+TIME_DECIMALS = 3
+"""Every duration in a run result is in seconds, rounded to the millisecond."""
 
+
+def seconds(value: float | None) -> float | None:
+    return None if value is None else round(float(value), TIME_DECIMALS)
+
+
+class L3Stats(BaseModel):
+    """One rank's L3 pipeline counters and its backend's (``StorageStats``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    prefetch_issued: int = 0
+    prefetch_revoked: int = 0
+    prefetch_rate_limited: int = 0
+    prefetched_tokens: int = 0
+    backup_pages: int = 0
+    backup_failed_pages: int = 0
+    backend: StorageStats = Field(default_factory=StorageStats)
+
+    @field_validator("backend", mode="after")
+    @classmethod
+    def _round_times(cls, b: StorageStats) -> StorageStats:
+        return StorageStats(**{k: seconds(v) if isinstance(v, float) else v
+                               for k, v in b.as_dict().items()})
+
+
+class RankCacheStats(BaseModel):
+    """One rank's cache counters (tokens, L1/L2); ``l3`` when the run has an L3 store."""
+
+    model_config = ConfigDict(extra="forbid")
+    backup_tokens: int = 0
+    backup_skipped: int = 0
+    load_tokens: int = 0
+    load_skipped: int = 0
+    evicted_device: int = 0
+    evicted_host: int = 0
+    l3: L3Stats | None = None
+
+
+class CacheStats(BaseModel):
+    """Cache counters of every rank, keyed by global rank, and their sum over the ranks: the
+    same shape for one rank and for many (a single-rank run has rank 0)."""
+
+    model_config = ConfigDict(extra="forbid")
+    ranks: dict[int, RankCacheStats] = {}
+    total: RankCacheStats = RankCacheStats()
+
+    @classmethod
+    def of(cls, ranks: dict[int, dict[str, Any]]) -> CacheStats:
+        """From each rank's raw counters (as the rank reports them)."""
+        per = {r: RankCacheStats.model_validate(raw) for r, raw in sorted(ranks.items())}
+        return cls(ranks=per, total=_total(list(per.values())))
+
+
+def _total(ranks: list[RankCacheStats]) -> RankCacheStats:
+    def summed(model: type[BaseModel], items: list[Any]) -> dict[str, int]:
+        return {name: sum(getattr(x, name) for x in items)
+                for name, f in model.model_fields.items() if f.annotation is int}
+
+    l3s = [r.l3 for r in ranks if r.l3 is not None]
+    l3 = None
+    if l3s:
+        backend = StorageStats()
+        for x in l3s:
+            backend = backend + x.backend
+        l3 = L3Stats(**summed(L3Stats, l3s), backend=backend)
+    return RankCacheStats(**summed(RankCacheStats, ranks), l3=l3)
+
+
+class RunSummary(BaseModel):
+    """What ``hicache run --json`` prints: one schema for every topology (``cache_stats`` is
+    always per rank plus the total; durations in seconds, rounded to the millisecond)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
     outcome: RunOutcome
     requests: int
     completed: int
@@ -80,7 +153,12 @@ class RunSummary(BaseModel):
     bundle: str | None = None
     error: str | None = None
     mismatches: list[Mismatch] = []
-    cache_stats: dict[str, Any] = {}
+    cache_stats: CacheStats = CacheStats()
+
+    @field_validator("wall_s", "reference_wall_s", mode="after")
+    @classmethod
+    def _round(cls, v: float | None) -> float | None:
+        return seconds(v)
 
 
 def run(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn | None = None,
@@ -167,7 +245,7 @@ def _multi_summary(cfg: RuntimeConfig, res: Any, reqs: dict[str, Req]) -> RunSum
         faults_fired=sum(len(x.get("faults_fired", [])) for x in res.results.values()),
         bundle=str(res.bundle) if res.bundle else None,
         error=res.error or (errors[0] if errors else None),
-        cache_stats={"ranks": {str(r): x.get("stats", {}) for r, x in res.results.items()}})
+        cache_stats=CacheStats.of({r: x.get("stats") or {} for r, x in res.results.items()}))
 
 
 def run_single(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn | None = None,
@@ -264,10 +342,7 @@ def compare_outputs(got: dict[str, Req], ref: dict[str, Req]) -> list[Mismatch]:
 def _summary(cfg: RuntimeConfig, rt: RankRuntime, result: EngineResult | None,
              outcome: RunOutcome, error: str | None, bundle: Path | None, steps: int,
              wall: float) -> RunSummary:
-    stats: dict[str, Any] = dict(getattr(rt.cache, "stats", {}))
-    l3 = getattr(rt.cache, "l3", None)
-    if l3 is not None:
-        stats["l3"] = {**l3.stats, "backend": l3.workers.backend.stats().as_dict()}
+    stats = rank_stats(rt)
     fired = len(rt.faults.fired) if rt.faults is not None else 0
     return RunSummary(
         outcome=outcome, requests=cfg.workload.requests,
@@ -279,7 +354,16 @@ def _summary(cfg: RuntimeConfig, rt: RankRuntime, result: EngineResult | None,
         topology={"tp": cfg.topology.tp, "pp": cfg.topology.pp},
         legacy=sorted(s.value for s in cfg.legacy), faults=[f.compact() for f in cfg.faults],
         faults_fired=fired, bundle=str(bundle) if bundle else None, error=error,
-        cache_stats=stats)
+        cache_stats=CacheStats.of({rt.rank.rank: stats}))
+
+
+def rank_stats(rt: RankRuntime) -> dict[str, Any]:
+    """A rank's raw cache counters (what :class:`RankCacheStats` reads)."""
+    stats: dict[str, Any] = dict(getattr(rt.cache, "stats", {}))
+    l3 = getattr(rt.cache, "l3", None)
+    if l3 is not None:
+        stats["l3"] = {**l3.stats, "backend": l3.workers.backend.stats().as_dict()}
+    return stats
 
 
 def _write_bundle(root: Path, cfg: RuntimeConfig, rt: RankRuntime, outcome: RunOutcome,

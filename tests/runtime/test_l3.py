@@ -41,9 +41,10 @@ def test_small_l2_serves_hits_from_l3(policy: str, tmp_path: Path, bundle_root: 
     s = run_single(cfg, bundle_root=bundle_root)
     healthy(s)
     assert s.cached_tokens.storage > 0
-    l3 = s.cache_stats["l3"]
-    assert l3["backup_pages"] > 0
-    assert l3["prefetched_tokens"] > 0
+    l3 = s.cache_stats.total.l3
+    assert l3 is not None
+    assert l3.backup_pages > 0
+    assert l3.prefetched_tokens > 0
 
 
 @pytest.mark.parametrize("fault", [
@@ -76,9 +77,10 @@ def test_corrupted_and_truncated_files_are_misses(tmp_path: Path, bundle_root: P
             f.write_bytes(bytes(data[: len(data) // 3]))  # truncate
     s = run_single(l3_config(store), bundle_root=bundle_root)
     healthy(s)
-    backend = s.cache_stats["l3"]["backend"]
-    assert backend["corrupt"] > 0, "corrupt pages are detected and counted"
-    assert backend["discarded"] > 0, "and dropped, so a later backup rewrites them"
+    assert s.cache_stats.total.l3 is not None
+    backend = s.cache_stats.total.l3.backend
+    assert backend.corrupt > 0, "corrupt pages are detected and counted"
+    assert backend.discarded > 0, "and dropped, so a later backup rewrites them"
 
 
 def test_aborts_during_prefetch_leak_nothing(tmp_path: Path, bundle_root: Path) -> None:
@@ -128,4 +130,5 @@ def test_page_files_corrupted_while_the_workload_runs(tmp_path: Path, bundle_roo
     s = run_single(cfg, progress=corrupt, bundle_root=bundle_root)
     healthy(s)
     assert hit, "the corruption ran during the workload"
-    assert s.cache_stats["l3"]["backend"]["corrupt"] > 0
+    assert s.cache_stats.total.l3 is not None
+    assert s.cache_stats.total.l3.backend.corrupt > 0

@@ -58,8 +58,9 @@ def redis_config(url: str, **overrides: object) -> RuntimeConfig:
 
 
 def backend_stats(s: RunSummary) -> dict[str, Any]:
-    stats: dict[str, Any] = s.cache_stats["l3"]["backend"]
-    return stats
+    l3 = s.cache_stats.total.l3
+    assert l3 is not None
+    return l3.backend.as_dict()
 
 
 def dbsize(server: LocalRedisServer) -> int:
@@ -115,8 +116,9 @@ def test_small_l2_serves_hits_from_redis(policy: str, redis_server: LocalRedisSe
     s = run_single(cfg, bundle_root=bundle_root)
     healthy(s)
     assert s.cached_tokens.storage > 0
-    l3, backend = s.cache_stats["l3"], backend_stats(s)
-    assert l3["prefetched_tokens"] > 0
+    l3, backend = s.cache_stats.total.l3, backend_stats(s)
+    assert l3 is not None
+    assert l3.prefetched_tokens > 0
     assert backend["hits"] > 0
     assert backend["errors"] == backend["outages"] == 0
 
@@ -175,7 +177,8 @@ def test_redis_killed_mid_run_disables_then_reenables_l3(
     assert storage_ops(built_ranks[0]) == ["outage", "reconnect"]
     # The restarted server came back empty: backups after the reconnect refilled it.
     assert dbsize(redis_server) > 0
-    assert s.cache_stats["l3"]["backup_pages"] > 0
+    assert s.cache_stats.total.l3 is not None
+    assert s.cache_stats.total.l3.backup_pages > 0
 
 
 @pytest.mark.redis
@@ -261,7 +264,7 @@ def test_cli_storage_optional_runs_healthy_without_redis(tmp_path: Path) -> None
     assert out["outcome"] == "healthy", out.get("error")
     assert out["output_match"] is True
     assert out["cached_tokens"]["storage"] == 0
-    backend = out["cache_stats"]["l3"]["backend"]
+    backend = out["cache_stats"]["ranks"]["0"]["l3"]["backend"]
     assert backend["outages"] == 1
     assert backend["reconnects"] == 0
     assert backend["stored"] == backend["hits"] == 0

@@ -19,7 +19,7 @@ def test_outputs_identical_under_eviction_and_load_back(workload: str, bundle_ro
     assert s.outcome is RunOutcome.HEALTHY, s.error
     assert s.output_match is True
     assert s.cached_tokens.device > 0
-    assert s.cache_stats["evicted_device"] > 0, "the pool must be small enough to evict"
+    assert s.cache_stats.total.evicted_device > 0, "the pool must be small enough to evict"
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
@@ -32,7 +32,7 @@ def test_every_write_policy_serves_host_hits(policy: str, bundle_root) -> None:
     assert s.outcome is RunOutcome.HEALTHY, s.error
     assert s.output_match is True
     assert s.cached_tokens.host > 0, "L2 must serve load-backs"
-    assert s.cache_stats["load_tokens"] > 0
+    assert s.cache_stats.total.load_tokens > 0
 
 
 def test_chunked_prefill_and_retraction_keep_outputs(bundle_root) -> None:
