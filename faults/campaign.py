@@ -24,29 +24,31 @@ signature catalog cites as the cell that reproduces each signature.
 
 from __future__ import annotations
 
-import json
-import tomllib
+import difflib
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from faults.spec import parse_faults
-from hicache_runtime.config import RuntimeConfig, load_config
-from hicache_runtime.errors import ConfigError
-from hicache_runtime.legacy import parse_legacy
+from faults.spec import check_topology, parse_faults
+from hicache_runtime.config import RuntimeConfig, check_run_limits, load_config
+from hicache_runtime.config_files import load_file, parse_text, short_repr
+from hicache_runtime.errors import ConfigError, InvalidFaultSpec
+from hicache_runtime.legacy import LegacySwitch, parse_legacy
 
 HEALTHY = "healthy"
 DEFAULT_CAMPAIGN = "default.yaml"
+MAX_CELLS = 1000
+"""Cells one campaign may hold (seeds included): each is a real run of seconds, so more is a
+mistake, and a matrix is counted before it is expanded, never materialised past this."""
 
 
 class CellSpec(BaseModel):
     """One run and what must come of it."""
 
     model_config = ConfigDict(extra="forbid")
-    id: str = ""
+    id: str = Field("", max_length=200)
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
     legacy: list[str] = []
@@ -64,7 +66,9 @@ class CellSpec(BaseModel):
     @model_validator(mode="after")
     def _named_and_valid(self) -> CellSpec:
         parse_legacy(self.legacy)
-        parse_faults(self.faults)
+        problem = check_topology(parse_faults(self.faults), self.tp, self.pp)
+        if problem:
+            raise ValueError(problem)
         if not self.id:
             self.id = cell_id(self.tp, self.pp, self.legacy, self.faults)
         return self
@@ -86,6 +90,28 @@ class MatrixSpec(BaseModel):
     config: dict[str, Any] = {}
     warm: bool = False
     expect: dict[str, str] = {}
+
+    @model_validator(mode="after")
+    def _well_formed(self) -> MatrixSpec:
+        for topo in self.topologies:
+            unknown = sorted(set(topo) - {"tp", "pp"})
+            if unknown:
+                raise ValueError(f"a topology takes tp and pp, not {', '.join(unknown)[:80]}")
+            if any(v < 1 for v in topo.values()):
+                raise ValueError(f"tp and pp are at least 1, got {topo}")
+        known = {s.value for s in LegacySwitch}
+        for key in self.expect:
+            names = [] if key == "fixed" else key.split("+")
+            bad = [n for n in names if n not in known]
+            if bad:
+                raise ValueError(f"expect key {key[:80]!r} is not 'fixed' or legacy switches "
+                                 "joined by '+'")
+        return self
+
+    @property
+    def size(self) -> int:
+        """How many cells the matrix expands to (counted, not expanded)."""
+        return len(self.topologies) * len(self.legacy) * len(self.faults) * len(self.seeds)
 
     def cells(self) -> list[CellSpec]:
         out = []
@@ -113,8 +139,23 @@ class CampaignSpec(BaseModel):
     cells: list[CellSpec] = []
     matrix: list[MatrixSpec] = []
 
+    @model_validator(mode="after")
+    def _bounded(self) -> CampaignSpec:
+        total = self.size
+        if total > MAX_CELLS:
+            raise ValueError(f"the campaign expands to {total} cells; at most {MAX_CELLS} "
+                             "(each is a real run)")
+        return self
+
+    @property
+    def size(self) -> int:
+        """How many cells :meth:`expand` returns (counted, not expanded)."""
+        return len(self.cells) + sum(m.size for m in self.matrix)
+
     def expand(self) -> list[CellSpec]:
         """Every cell, explicit ones first; ids are unique."""
+        if self.size > MAX_CELLS:
+            raise ConfigError("campaign", f"expands to {self.size} cells; at most {MAX_CELLS}")
         out = list(self.cells) + [c for m in self.matrix for c in m.cells()]
         seen: set[str] = set()
         for cell in out:
@@ -165,26 +206,77 @@ def load_campaign(path: Path | None = None) -> CampaignSpec:
     """Read a campaign spec (YAML, TOML or JSON); ``None`` gives the built-in default."""
     if path is None:
         text = resources.files("faults.campaigns").joinpath(DEFAULT_CAMPAIGN).read_text()
-        return _validate(yaml.safe_load(text), DEFAULT_CAMPAIGN)
-    try:
-        text = path.read_text(encoding="utf-8")
-        if path.suffix == ".toml":
-            data = tomllib.loads(text)
-        elif path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            data = yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as exc:
-        raise ConfigError("campaign", f"cannot parse {path}: {exc}") from None
-    return _validate(data, str(path))
+        return _validate(parse_text(text, "yaml", DEFAULT_CAMPAIGN, "campaign"),
+                         DEFAULT_CAMPAIGN)
+    # A spec is untrusted: bounded read, YAML aliases bounded, one-line errors.
+    return _validate(load_file(path, "campaign", default="yaml"), str(path))
 
 
 def _validate(data: Any, where: str) -> CampaignSpec:
+    """The spec, with every cell checked before any runs: the cell count (before expanding),
+    each cell's faults, switches and config, and every expectation against the catalog."""
     if not isinstance(data, dict):
         raise ConfigError("campaign", f"{where} must hold a mapping")
     try:
-        return CampaignSpec.model_validate(data)
+        spec = CampaignSpec.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "campaign"
-        raise ConfigError(f"campaign.{field}", f"{err['msg']} ({where})") from None
+        raise _spec_error(exc, where, "") from None
+    for i, matrix in enumerate(spec.matrix):
+        try:
+            matrix.cells()
+        except ValidationError as exc:
+            raise _spec_error(exc, where, f"matrix.{i}") from None
+        except InvalidFaultSpec as exc:
+            raise ConfigError(f"campaign.matrix.{i}", f"{exc} ({where})") from None
+    cells = spec.expand()
+    known = _known_outcomes()
+    for cell in spec.cells:  # a matrix cell's expectation is one of its matrix's, below
+        check_expectation(cell.expect, known, f"{where}: cell {cell.id}")
+    for i, matrix in enumerate(spec.matrix):
+        for key, expect in matrix.expect.items():
+            check_expectation(expect, known, f"{where}: matrix {i}, expect.{key}")
+    for cell in cells:
+        try:
+            check_run_limits(load_config(cell_settings(spec, cell)))
+        except ConfigError as exc:
+            raise ConfigError(f"campaign cell {cell.id}", f"{exc} ({where})") from None
+    return spec
+
+
+def cell_settings(spec: CampaignSpec, cell: CellSpec) -> dict[str, Any]:
+    """A cell's config values (campaign defaults, then the cell's own), without the paths
+    of the machine it runs on."""
+    data: dict[str, Any] = {**spec.defaults, **cell.config}
+    data.update({"topology.tp": cell.tp, "topology.pp": cell.pp, "seed": cell.seed,
+                 "faults": tuple(parse_faults(cell.faults)),
+                 "legacy": parse_legacy(cell.legacy)})
+    return data
+
+
+def check_expectation(expect: str, known: set[str], where: str) -> None:
+    """Each ``|``-separated id must be ``healthy`` or a catalog signature: a typo would only
+    show after the cell ran, as a failure that is the spec's, not the runtime's."""
+    names = [n for n in (e.strip() for e in expect.split("|")) if n]
+    if not names:
+        raise ConfigError("campaign", f"{where}: empty expectation")
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            raise ConfigError("campaign", f"{where}: expects {short_repr(name)}, which is "
+                                          "neither healthy nor a known signature"
+                              + (f" (did you mean {close[0]}?)" if close else ""),
+                              hint="hicache signatures list shows the signature ids")
+
+
+def _known_outcomes() -> set[str]:
+    from signatures.loader import load_catalog
+
+    return {HEALTHY} | {s.id for s in load_catalog().signatures}
+
+
+def _spec_error(exc: ValidationError, where: str, prefix: str) -> ConfigError:
+    err = exc.errors()[0]
+    field = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "") or "campaign"
+    field = field if len(field) <= 80 else field[:77] + "..."
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    return ConfigError(f"campaign.{field}", f"{msg} ({where})")

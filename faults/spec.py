@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Iterable
 from enum import Enum
 from typing import Any
 
@@ -203,31 +204,42 @@ class FaultSpec(BaseModel):
 _PAIR_RE = re.compile(r"^\s*([a-z_]+)\s*=\s*(.*?)\s*$")
 
 
+MAX_SPEC_CHARS = 1024
+"""Longest compact spec: a real one is a few dozen characters; specs come from files too."""
+
+
 def parse_fault(text: str) -> FaultSpec:
     """Parse the compact form ``kind[:key=value,...]`` into a :class:`FaultSpec`.
 
-    Raises :class:`InvalidFaultSpec` with the offending part named.
+    Raises :class:`InvalidFaultSpec` with the offending part named (quoted, bounded).
     """
+    if not isinstance(text, str):
+        raise InvalidFaultSpec(f"a fault spec is a string like 'dma-lag:ms=20', not "
+                               f"{type(text).__name__}")
+    if len(text) > MAX_SPEC_CHARS:
+        raise InvalidFaultSpec(f"{_quote(text)}: a fault spec is at most {MAX_SPEC_CHARS} "
+                               "characters")
     head, _, tail = text.strip().partition(":")
     try:
         kind = FaultKind(head.strip())
     except ValueError:
         known = ", ".join(k.value for k in FaultKind)
         raise InvalidFaultSpec(
-            f"unknown fault kind {head.strip()!r}", hint=f"known kinds: {known}"
+            f"unknown fault kind {_quote(head.strip())}", hint=f"known kinds: {known}"
         ) from None
     fields: dict[str, Any] = {"kind": kind}
     for part in filter(None, (p.strip() for p in tail.split(","))):
         m = _PAIR_RE.match(part)
         if not m:
-            raise InvalidFaultSpec(f"{text!r}: expected key=value, got {part!r}")
+            raise InvalidFaultSpec(f"{_quote(text)}: expected key=value, got {_quote(part)}")
         key, value = m.group(1), m.group(2)
         if key == "step":
             key, value = "steps", f"{value}-{value}"
         if key == "steps":
             lo, sep, hi = value.partition("-")
-            if not sep or not lo.isdigit() or not hi.isdigit():
-                raise InvalidFaultSpec(f"{text!r}: steps must look like 10-20, got {value!r}")
+            if not sep or not lo.isdigit() or not hi.isdigit() or len(lo) > 18 or len(hi) > 18:
+                raise InvalidFaultSpec(f"{_quote(text)}: steps must look like 10-20, got "
+                                       f"{_quote(value)}")
             fields["steps"] = (int(lo), int(hi))
         else:
             fields[key] = value
@@ -238,8 +250,36 @@ def parse_faults(texts: list[str]) -> list[FaultSpec]:
     """Parse several compact specs; each may also hold several separated by ``;``."""
     out: list[FaultSpec] = []
     for text in texts:
+        if not isinstance(text, str):
+            raise InvalidFaultSpec(f"a fault spec is a string like 'dma-lag:ms=20', not "
+                                   f"{type(text).__name__}")
         out.extend(parse_fault(t) for t in text.split(";") if t.strip())
     return out
+
+
+def check_topology(specs: Iterable[FaultSpec], tp: int, pp: int) -> str | None:
+    """What makes a spec unable to fire in a ``tp`` x ``pp`` run (a rank, TP rank or stage
+    it does not have), or None. A fault that can never fire would leave a run "healthy"
+    while testing nothing."""
+    world = tp * pp
+    for spec in specs:
+        for name, value, size, what in (("rank", spec.rank, world, "rank"),
+                                        ("tp", spec.tp, tp, "TP rank"),
+                                        ("pp", spec.pp, pp, "pipeline stage")):
+            if value is not None and value >= size:
+                return (f"{spec.compact()}: {name}={value}, but the run has {size} {what}"
+                        f"{'s' if size > 1 else ''} ({_span(size)})")
+    return None
+
+
+def _span(size: int) -> str:
+    return "only 0" if size == 1 else f"0-{size - 1}"
+
+
+def _quote(text: str, limit: int = 80) -> str:
+    """A spec quoted in an error: bounded, one line (specs come from files too)."""
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return repr(text)
 
 
 def _validate(fields: dict[str, Any], text: str) -> FaultSpec:
@@ -248,7 +288,7 @@ def _validate(fields: dict[str, Any], text: str) -> FaultSpec:
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(x) for x in err["loc"]) or "spec"
-        raise InvalidFaultSpec(f"{text!r}: {where}: {err['msg']}") from None
+        raise InvalidFaultSpec(f"{_quote(text)}: {where}: {err['msg']}") from None
 
 
 def _crashable() -> str:

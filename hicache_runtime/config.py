@@ -7,14 +7,20 @@ CLI can print one line and exit 2. Inside the runtime, configs are frozen and tr
 
 from __future__ import annotations
 
+import math
+import os
 import re
+import resource
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from faults.spec import FaultSpec
+from faults.spec import FaultSpec, check_topology
+from hicache_runtime.config_files import short_repr
 from hicache_runtime.errors import ConfigError
 from hicache_runtime.legacy import LegacySwitch
 
@@ -142,6 +148,15 @@ class StorageConfig(BaseModel):
     required: bool = True
     """False: start even if the backend is unreachable (it fails soft and reconnects)."""
 
+    @field_validator("url")
+    @classmethod
+    def _redis_url(cls, url: str | None) -> str | None:
+        if url is not None:
+            problem = redis_url_problem(url)
+            if problem:
+                raise ValueError(_at("storage.url", f"{problem}; use redis://host:port/db"))
+        return url
+
 
 class SchedulerConfig(BaseModel):
     """Batch formation limits."""
@@ -228,6 +243,11 @@ class RuntimeConfig(BaseModel):
                                  "(head-sharded pages differ per TP rank)"))
         if self.storage.backend != "none" and not c.enable_hicache:
             raise ValueError(_at("storage.backend", "L3 needs the host tier (enable_hicache)"))
+        # A selector naming a rank the run does not have would never fire: the run would look
+        # healthy while testing nothing.
+        problem = check_topology(self.faults, t.tp, t.pp)
+        if problem:
+            raise ValueError(_at("faults", problem))
         return self
 
     def with_overrides(self, **changes: Any) -> RuntimeConfig:
@@ -274,8 +294,188 @@ def _config_error(exc: ValidationError) -> ConfigError:
     if m:
         field, msg = m.group(1), m.group(2)
     if "input" in err and err["type"] not in ("value_error", "assertion_error"):
-        msg = f"{msg} (got {err['input']!r})"
-    return ConfigError(field or "config", msg)
+        # The input may be huge (a file's value, aliases expanded): quote a bounded repr.
+        msg = f"{msg} (got {short_repr(err['input'])})"
+    return ConfigError(_short_field(field) or "config", msg)
+
+
+def _short_field(field: str) -> str:
+    """A field path as named in an error: keys come from files, so bound and flatten them."""
+    field = " ".join(field.split())
+    return field if len(field) <= 80 else field[:77] + "..."
+
+
+_REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+def redis_url_problem(url: str) -> str | None:
+    """What is wrong with a Redis URL, or None: parsed here so a malformed one is a one-line
+    error at the boundary, never an exception from deep in a client library."""
+    if len(url) > 2048:
+        return "the URL is longer than 2048 characters"
+    if not url.isprintable() or any(c.isspace() for c in url):
+        return "the URL holds spaces or control characters"
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # raises for a non-numeric or out-of-range port
+    except ValueError as exc:
+        return f"not a URL ({exc})"
+    if parts.scheme not in _REDIS_SCHEMES:
+        return f"scheme {parts.scheme or 'missing'!r} is not one of {', '.join(_REDIS_SCHEMES)}"
+    if parts.scheme == "unix":
+        return None if parts.path else "a unix:// URL needs a socket path"
+    if port == 0:
+        return "port 0 is not a server port"
+    db = parts.path.strip("/")
+    if db and not (db.isdigit() and len(db) <= 6):
+        return f"the database {short_repr(db)} is not a number"
+    return None
+
+
+# --- what one run may ask of this machine --------------------------------------------------
+
+MAX_WORLD_SIZE = 64
+"""Rank processes one run may start on this machine."""
+
+#: Largest values a run accepts: far above what a toy-sized runtime is for, small enough that a
+#: typo (an extra dozen digits) is an error, not hours of work and all of memory.
+RUN_LIMITS: dict[str, int] = {
+    "workload.requests": 100_000,
+    "workload.max_new_tokens": 1 << 16,
+    "workload.system_prompt_tokens": 1 << 20,
+    "workload.turn_tokens": 1 << 20,
+    "workload.long_context_tokens": 1 << 20,
+    "scheduler.max_running_requests": 1 << 20,
+    "observability.ring_size": 1 << 24,
+}
+
+_ELEMENT_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+_MEMORY_HEADROOM = 0.8
+"""Pools and weights may take at most this fraction of the memory available."""
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """What the KV pools and weights of every rank of a run allocate, in bytes."""
+
+    device_pools: int
+    host_pools: int
+    weights: int
+
+    @property
+    def total(self) -> int:
+        return self.device_pools + self.host_pools + self.weights
+
+    def describe(self, *, device: bool = True) -> str:
+        parts = ([f"device pools {_gib(self.device_pools)}"] if device else []) + [
+            f"host pools {_gib(self.host_pools)}", f"weights {_gib(self.weights)}"]
+        return ", ".join(parts)
+
+
+def memory_need(cfg: RuntimeConfig) -> MemoryNeed:
+    """Bytes the run's pools and weights take over all its ranks (the largest stage and TP
+    shard times the number of ranks: an upper bound, computed without allocating)."""
+    m, t, c = cfg.model, cfg.topology, cfg.cache
+    elem = _ELEMENT_BYTES[m.dtype]
+    layers = math.ceil(m.num_layers / t.pp)
+    heads = m.num_heads if m.kv_replicated else math.ceil(m.num_heads / t.tp)
+    sidecar = sum(heads if name == "all_pages" else heads * m.head_dim for name in m.sidecars)
+    per_token = layers * (2 * heads * m.head_dim + sidecar) * elem
+    if c.host_tokens is not None:
+        host = c.host_tokens
+    elif c.host_bytes is not None:
+        host = c.host_bytes // max(per_token, 1)
+    else:
+        host = int(min(c.device_tokens * c.host_ratio, float(1 << 62)))
+    host = host if c.enable_hicache and c.enable_prefix_cache else 0
+    h, d = m.hidden_size, m.num_heads * m.head_dim
+    weights = (2 * m.vocab_size * h + layers * (4 * h * d + 3 * h * m.ffn_size)) * elem
+    n = t.world_size
+    return MemoryNeed(device_pools=n * c.device_tokens * per_token,
+                      host_pools=n * host * per_token, weights=n * weights)
+
+
+def check_run_limits(cfg: RuntimeConfig, *, memory: bool = True, accelerator: bool = False,
+                     device_free: int | None = None) -> None:
+    """Refuse a run this machine cannot hold, before anything is allocated or started.
+
+    ``memory``: also compare what the pools and weights need with this machine's memory
+    (False when the ranks run elsewhere). ``accelerator``: the device pools live on an
+    accelerator, not in host memory; ``device_free`` is its free memory when known (the
+    caller knows; this module does not import torch). Raises :class:`ConfigError` naming the
+    field.
+    """
+    t = cfg.topology
+    if t.world_size > MAX_WORLD_SIZE:
+        raise ConfigError("topology", f"tp={t.tp} pp={t.pp} is {t.world_size} rank processes; "
+                                      f"a run starts at most {MAX_WORLD_SIZE}")
+    data = cfg.model_dump(mode="python")
+    for dotted, cap in RUN_LIMITS.items():
+        section, _, name = dotted.partition(".")
+        value = data[section][name]
+        if value is not None and value > cap:
+            raise ConfigError(dotted, f"{short_repr(value)} is more than a run takes "
+                                      f"(at most {cap})")
+    if not memory:
+        return
+    need = memory_need(cfg)
+    on_host = need.host_pools + need.weights + (0 if accelerator else need.device_pools)
+    host_free = host_memory_available()
+    if host_free is not None and on_host > host_free * _MEMORY_HEADROOM:
+        raise ConfigError(_costliest(cfg, need, accelerator),
+                          f"the run needs {_gib(on_host)} of memory "
+                          f"({need.describe(device=not accelerator)}); this machine has "
+                          f"{_gib(host_free)} available",
+                          hint="use smaller --device-tokens / --host-tokens")
+    if device_free is not None and need.device_pools > device_free * _MEMORY_HEADROOM:
+        raise ConfigError("cache.device_tokens",
+                          f"the device pools need {_gib(need.device_pools)}; the accelerator "
+                          f"has {_gib(device_free)} free", hint="use smaller --device-tokens")
+
+
+def _costliest(cfg: RuntimeConfig, need: MemoryNeed, accelerator: bool) -> str:
+    """The field to name: the one behind the largest share (a host pool sized from the device
+    pool, by ``host_ratio``, is the device pool's)."""
+    shares = {"model": need.weights, "cache.device_tokens": 0 if accelerator else need.device_pools}
+    host_field = "cache.host_tokens" if cfg.cache.host_tokens is not None else (
+        "cache.host_bytes" if cfg.cache.host_bytes is not None else "cache.device_tokens")
+    shares[host_field] = shares.get(host_field, 0) + need.host_pools
+    return max(shares, key=lambda k: shares[k])
+
+
+def host_memory_available() -> int | None:
+    """Bytes this process could still allocate: the kernel's MemAvailable, lowered to what
+    an address-space limit (``RLIMIT_AS``) leaves; None when neither is known."""
+    limits: list[int] = []
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    limits.append(int(line.split()[1]) * 1024)
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        limits.append(max(soft - _address_space_used(), 0))
+    return min(limits) if limits else None
+
+
+def _address_space_used() -> int:
+    try:
+        with open(f"/proc/{os.getpid()}/statm", encoding="ascii") as f:
+            return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _gib(n: int) -> str:
+    """Bytes in the largest binary unit that keeps the number at least 1 (``1.5 GiB``)."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB")
+    value, i = float(n), 0
+    while value >= 1024 and i < len(units) - 1:
+        value, i = value / 1024, i + 1
+    return f"{value:.1f} {units[i]}" if i else f"{n} B"
 
 
 def _at(field: str, message: str) -> str:

@@ -1,0 +1,135 @@
+"""A campaign spec is untrusted input: it is checked whole when it is loaded, before any cell
+runs; cell counts are computed, never expanded, and every error is one line."""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cli import app
+from faults.campaign import MAX_CELLS, CampaignSpec, load_campaign
+from hicache_runtime.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+AS_CAP = 1536 << 20
+
+
+def _spec(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _load_error(tmp_path: Path, text: str) -> str:
+    with pytest.raises(ConfigError) as err:
+        load_campaign(_spec(tmp_path, text))
+    message = str(err.value)
+    assert "\n" not in message
+    assert len(message) < 400, message
+    return message
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("cells:\n  - expect: helthy\n", "did you mean healthy"),
+    ("cells:\n  - tp: 2\n    legacy: [skip-empty-sync]\n    expect: collective-order-dedlock\n",
+     "did you mean collective-order-deadlock"),
+    ("cells:\n  - expect: healthy|no-such-signature\n", "'no-such-signature'"),
+    ("cells:\n  - expect: '|'\n", "empty expectation"),
+    ("matrix:\n  - legacy: [[], [skip-empty-sync]]\n"
+     "    expect: {fixed: healthy, skip-empty-sync: colective-order-deadlock}\n",
+     "expect.skip-empty-sync"),
+])
+def test_unknown_expectations_fail_at_load(tmp_path: Path, text: str, says: str) -> None:
+    message = _load_error(tmp_path, text)
+    assert "neither healthy nor a known signature" in message or "empty" in message
+    assert says in message, message
+
+
+def test_a_typo_in_a_matrix_expect_key_fails_at_load(tmp_path: Path) -> None:
+    """``fixd`` would otherwise leave every cell of the matrix expecting healthy."""
+    message = _load_error(tmp_path, "matrix:\n  - legacy: [[], [skip-empty-sync]]\n"
+                                    "    expect: {fixd: healthy}\n")
+    assert "expect key 'fixd'" in message
+
+
+def test_topology_keys_are_checked(tmp_path: Path) -> None:
+    assert "not tpp" in _load_error(tmp_path, "matrix:\n  - topologies: [{tpp: 2}]\n")
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("cells:\n  - tp: 2\n    faults: ['crash:rank=9,point=scheduler.step']\n",
+     "rank=9, but the run has 2 ranks"),
+    ("matrix:\n  - topologies: [{tp: 2}]\n    faults: [['dma-lag:pp=1']]\n",
+     "pp=1, but the run has 1 pipeline stage"),
+])
+def test_fault_selectors_outside_a_cells_topology_fail_at_load(tmp_path: Path, text: str,
+                                                               says: str) -> None:
+    assert says in _load_error(tmp_path, text)
+
+
+def test_cell_configs_are_validated_at_load(tmp_path: Path) -> None:
+    message = _load_error(tmp_path, "defaults: {workload.requests: 99999999999}\n"
+                                    "cells: [{}]\n")
+    assert "workload.requests" in message
+    assert "tp1/fixed/none" in message
+
+
+def test_the_cell_count_is_capped_before_expanding() -> None:
+    matrix = {"topologies": [{"tp": 1}] * 100, "faults": [[]] * 100, "seeds": list(range(100))}
+    with pytest.raises(ValueError, match="expands to 1000000 cells"):
+        CampaignSpec.model_validate({"matrix": [matrix]})
+    assert CampaignSpec.model_validate({"matrix": [{**matrix, "seeds": [0]}] * 0}).size == 0
+
+
+def test_a_million_cell_matrix_is_refused_fast_in_bounded_memory(tmp_path: Path) -> None:
+    """About 23 KB of spec that would expand to 10**6 cells: refused before expanding."""
+    topologies = ", ".join(["{tp: 1}"] * 100)
+    faults = ", ".join(f"['stage-lag:ms={i}']" for i in range(100))
+    seeds = ", ".join(str(i) for i in range(100))
+    spec = _spec(tmp_path, f"matrix:\n  - topologies: [{topologies}]\n    faults: [{faults}]\n"
+                           f"    seeds: [{seeds}]\n")
+    t0 = time.monotonic()
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "cli.py"), "campaign", str(spec), "--list"], cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "NO_COLOR": "1"}, capture_output=True,
+        text=True, timeout=60, check=False,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (AS_CAP, AS_CAP)))
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert f"expands to 1000000 cells; at most {MAX_CELLS}" in lines[0]
+    assert time.monotonic() - t0 < 30
+
+
+def test_expectation_typo_stops_the_campaign_before_any_cell_runs(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, "cells:\n  - expect: healthy\n  - id: second\n"
+                           "    expect: helthy\n")
+    bundles = tmp_path / "bundles"
+    t0 = time.monotonic()
+    res = CliRunner().invoke(app, ["campaign", str(spec), "--bundle-dir", str(bundles)])
+    assert res.exit_code == 2, res.output
+    assert "did you mean healthy" in res.stderr
+    assert time.monotonic() - t0 < 20, "no cell ran"
+    assert not bundles.exists()
+
+
+def test_seed_ranges_are_counted_before_they_are_materialised(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, "cells: [{}, {id: second, seed: 1}]\n")
+    res = CliRunner().invoke(app, ["campaign", str(spec), "--seeds", "0-99999999999999999",
+                                   "--list"])
+    assert res.exit_code == 2
+    assert "more than 1000 seeds" in res.stderr
+    res = CliRunner().invoke(app, ["campaign", str(spec), "--seeds", "0-600", "--list"])
+    assert res.exit_code == 2
+    assert "1202 cell runs" in res.stderr
+
+
+def test_the_default_campaign_still_loads() -> None:
+    assert len(load_campaign().expand()) >= 17
