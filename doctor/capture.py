@@ -5,7 +5,10 @@ server), or the workers of a torchrun agent (``--torchrun``). Rank ids come from
 ``RANK`` environment variable, else from its SGLang process title (``sglang::scheduler_TP1``),
 else from their order. All ``py-spy dump --json`` calls start together (one thread each, a
 timeout each), so the dumps show one moment of the job. Given log files are copied (their last
-``max_log_bytes`` when larger). The result is a directory the doctor reads::
+``max_log_bytes`` when larger). A moment later (``resample_s``) every rank is dumped again, and
+the threads whose stacks changed are listed (``moved``): one snapshot of a running job catches
+ranks inside collectives at different call sites, which is also what a deadlock looks like; a
+thread that moved on is running. The result is a directory the doctor reads::
 
     <out>/capture.json            CaptureManifest (pid -> rank, errors)
     <out>/rank<N>/pyspy.json      py-spy dump --json of rank N
@@ -16,6 +19,7 @@ Permission failures are explained with their fix (root, CAP_SYS_PTRACE, ptrace_s
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -61,7 +65,8 @@ def pyspy_command() -> list[str]:
     """The py-spy executable (PATH, or next to this Python); ``ToolUnavailable`` otherwise."""
     found = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
     if not found:
-        raise ToolUnavailable("py-spy is not installed", hint="pip install py-spy")
+        raise ToolUnavailable("py-spy is not installed",
+                              hint="pip install 'hicache-doctor[capture]' (or pip install py-spy)")
     return [found]
 
 
@@ -91,13 +96,17 @@ def find_targets(pids: list[int], tree: int | None, torchrun: int | None) -> lis
 
 def capture(targets: list[Target], out: Path, *, logs: Sequence[Path] = (),
             timeout_s: float = 10.0, native: bool = False, locals_: bool = False,
-            pyspy: list[str] | None = None, max_log_bytes: int = 256 << 20) -> CaptureResult:
+            pyspy: list[str] | None = None, max_log_bytes: int = 256 << 20,
+            resample_s: float = 1.0) -> CaptureResult:
     """Dump every target in parallel, copy ``logs``, write ``capture.json`` under ``out``."""
     cmd = pyspy or pyspy_command()
     out.mkdir(parents=True, exist_ok=True)
     extra = (["--native"] if native else []) + (["--locals"] if locals_ else [])
     with ThreadPoolExecutor(max_workers=max(1, len(targets))) as pool:
         results = list(pool.map(lambda t: _dump(cmd, extra, t, out, timeout_s), targets))
+        if resample_s > 0 and any(r.pyspy for r in results):
+            time.sleep(resample_s)
+            list(pool.map(lambda r: _resample(cmd, extra, r, out, timeout_s), results))
     manifest = CaptureManifest(created_at=now_iso(), world_size=len(targets), targets=results)
     for log in logs:
         manifest.logs.append(_copy_log(Path(log), out / "logs", max_log_bytes))
@@ -126,12 +135,61 @@ def _dump(cmd: list[str], extra: list[str], t: Target, out: Path, timeout_s: flo
         return rec
     rec.seconds = round(time.monotonic() - start, 3)
     if proc.returncode != 0 or not proc.stdout.strip():
-        msg = (proc.stderr or proc.stdout).decode("utf-8", "replace").strip().splitlines()
-        rec.error = (msg[-1] if msg else f"py-spy exited with {proc.returncode}")[:300]
+        rec.error = pyspy_error((proc.stderr or proc.stdout).decode("utf-8", "replace"),
+                                proc.returncode)
         return rec
     (rank_dir / "pyspy.json").write_bytes(proc.stdout)
     rec.pyspy = f"rank{t.rank}/pyspy.json"
     return rec
+
+
+def _resample(cmd: list[str], extra: list[str], rec: CaptureTarget, out: Path,
+              timeout_s: float) -> None:
+    """Dump ``rec`` again and list the threads whose stacks changed since its first dump."""
+    if rec.pyspy is None:
+        return
+    try:
+        proc = subprocess.run([*cmd, "dump", "--json", *extra, "--pid", str(rec.pid)],
+                              capture_output=True, timeout=timeout_s, check=False)
+        before = _stacks(json.loads((out / rec.pyspy).read_bytes()))
+        after = _stacks(json.loads(proc.stdout))
+    except (subprocess.TimeoutExpired, OSError, ValueError):
+        return  # no second look: the first dump stands on its own
+    rec.moved = sorted(tid for tid, frames in before.items() if after.get(tid, frames) != frames)
+
+
+def _stacks(data: object) -> dict[str, tuple[tuple[object, object, object], ...]]:
+    """Thread id (as the doctor names threads) -> its frames, from ``py-spy dump --json``."""
+    out = {}
+    for t in data if isinstance(data, list) else []:
+        if isinstance(t, dict) and isinstance(t.get("frames"), list):
+            tid = str(t.get("os_thread_id") or t.get("thread_id") or "?")
+            out[tid] = tuple((f.get("name"), f.get("filename"), f.get("line"))
+                             for f in t["frames"] if isinstance(f, dict))
+    return out
+
+
+def pyspy_error(output: str, returncode: int, limit: int = 500) -> str:
+    """py-spy's own message from its output: the ``Error:`` line and its ``Caused by:`` chain,
+    on one line. What follows (``Stack backtrace:``, printed when ``RUST_BACKTRACE`` is set) is
+    py-spy's internals, not the reason, and is dropped."""
+    head = re.split(r"^\s*Stack backtrace:", output, maxsplit=1, flags=re.M)[0]
+    lines = [ln.strip() for ln in head.splitlines() if ln.strip()]
+    message, causes, in_causes = "", [], False
+    for ln in lines:
+        if not message and ln.startswith("Error:"):
+            message = ln.removeprefix("Error:").strip()
+        elif ln.rstrip(":") == "Caused by":
+            in_causes = True
+        elif in_causes:
+            cause = re.sub(r"^\d+:\s*", "", ln)
+            if cause not in causes and cause != message:
+                causes.append(cause)
+    if not message:  # no anyhow-style error: what py-spy printed, in order
+        message = "; ".join(lines)
+    if causes:
+        message += f" (caused by: {'; '.join(causes)})"
+    return message[:limit] if message else f"py-spy exited with {returncode}"
 
 
 def _copy_log(src: Path, dest_dir: Path, max_bytes: int) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
+from doctor.report.markdown import md_code, md_escape
 from faults.runner import CampaignResult
 
 
@@ -28,19 +29,26 @@ def junit_xml(result: CampaignResult) -> str:
 
 
 def markdown(result: CampaignResult) -> str:
-    lines = [f"# Campaign `{result.name}`", "",
+    """The campaign as a Markdown page. Cell ids, expectations, errors and paths come from the
+    spec and the runs, so every one is escaped: ``a|b`` (an expectation of either signature)
+    must not split a table cell, nor a newline end the row."""
+    lines = [f"# Campaign {md_code(result.name)}", "",
              f"{result.passed} of {len(result.cells)} cells behaved as expected "
-             f"({result.failed} did not), {result.wall_s:.0f} s, started {result.started_at}.",
+             f"({result.failed} did not), {result.wall_s:.0f} s, started "
+             f"{md_escape(result.started_at)}.",
              "", "| cell | expected | observed | outcome | wall s | bundle |",
              "|---|---|---|---|---|---|"]
     for c in result.cells:
         mark = "pass" if c.passed else "**FAIL**"
         obs = c.observed + (f" ({c.confidence:.2f})" if c.confidence is not None else "")
-        lines.append(f"| `{c.id}` | {c.expect} | {obs} {mark} | {c.outcome} | "
-                     f"{c.wall_s:.1f} | {f'`{c.bundle}`' if c.bundle else ''} |")
+        bundle = md_code(c.bundle, table=True) if c.bundle else ""
+        lines.append(f"| {md_code(c.id, table=True)} | {md_escape(c.expect)} | "
+                     f"{md_escape(obs)} {mark} | {md_escape(c.outcome)} | {c.wall_s:.1f} | "
+                     f"{bundle} |")
     failures = [c for c in result.cells if not c.passed]
     if failures:
         lines += ["", "## Cells that did not behave", ""]
         for c in failures:
-            lines.append(f"- `{c.id}`: {c.detail}" + (f" — {c.error}" if c.error else ""))
+            lines.append(f"- {md_code(c.id)}: {md_escape(c.detail)}"
+                         + (f" — {md_escape(c.error)}" if c.error else ""))
     return "\n".join(lines) + "\n"

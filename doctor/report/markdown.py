@@ -1,11 +1,21 @@
 """``hicache doctor --markdown``: the diagnosis as a Markdown report (for tickets and wikis).
 
-Drawn only from :class:`~doctor.report.model.Diagnosis`, like the rich report.
+Drawn only from :class:`~doctor.report.model.Diagnosis`, like the rich report. Text that comes
+from the artifacts (evidence, frames, errors, paths, rank roles) is data: it goes through
+:func:`md_escape` or :func:`md_code`, so it can neither break a table or list nor become a
+link, an image, emphasis or HTML. Catalog text (root causes, fixes) is the project's own
+Markdown and is kept as written.
 """
 
 from __future__ import annotations
 
+import re
+
 from doctor.report.model import Diagnosis, EvidenceItem, Verdict
+
+#: Characters with a meaning in (GitHub-flavoured) Markdown inline text or tables.
+_SPECIAL = re.compile(r"([\\`*_\[\]<>|~#!&])")
+_BREAKS = re.compile(r"[\r\n\t\v\f\x85\u2028\u2029]+")
 
 
 def cite(e: EvidenceItem) -> str:
@@ -16,73 +26,98 @@ def cite(e: EvidenceItem) -> str:
 
 
 def md_escape(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    """``text`` as inert inline Markdown, safe in a table cell: one line, every character
+    with a Markdown meaning backslash-escaped (pipes too, which would end the cell)."""
+    return _SPECIAL.sub(r"\\\1", _BREAKS.sub(" ", text))
+
+
+def md_code(text: str, table: bool = False) -> str:
+    """``text`` as one inline code span (shown verbatim, no links or HTML): one line, fenced
+    with more backticks than it contains. In a table cell pipes are escaped as GFM asks (the
+    renderer removes the backslash, even inside code)."""
+    text = _BREAKS.sub(" ", text)
+    if table:
+        text = text.replace("|", "\\|")
+    run = max((len(m) for m in re.findall(r"`+", text)), default=0)
+    fence = "`" * (run + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") or not text.strip() else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
 
 
 def diagnosis_markdown(d: Diagnosis) -> str:
-    out = [f"# hicache doctor: {d.summary}", "",
-           f"Status: **{d.status}** (exit {d.exit_code}); catalog {d.catalog_version}; "
-           f"report schema {d.schema_version}.", ""]
+    e_ = md_escape
+    out = [f"# hicache doctor: {e_(d.summary)}", "",
+           f"Status: **{e_(d.status)}** (exit {d.exit_code}); catalog "
+           f"{e_(d.catalog_version)}; report schema {e_(d.schema_version)}.", ""]
     for i, v in enumerate(d.verdicts):
         out += _verdict(v, primary=i == 0)
     for look in d.lookalikes:
-        out += [f"## Looks like: {look.title} ({look.score:.2f})", "", look.meaning, "",
+        out += [f"## Looks like: {e_(look.title)} ({look.score:.2f})", "", look.meaning, "",
                 f"What to do: {look.advice}", ""]
-        out += [f"- {cite(e) or '-'}: {md_escape(e.text)}" for e in look.evidence] + [""]
+        out += [f"- {_where(e)}: {e_(e.text)}" for e in look.evidence] + [""]
     if d.near_misses:
         out += ["## Near misses" if d.verdicts else
                 "## Closest candidates (not enough evidence to name one)", ""]
-        out += [f"- similar to `{n.signature}`, {n.score:.2f}, because {n.because}"
+        out += [f"- similar to {md_code(n.signature)}, {n.score:.2f}, because {e_(n.because)}"
                 for n in d.near_misses]
         out.append("")
     if d.fingerprint is not None:
         fp = d.fingerprint
-        out += ["## Fingerprint", "", f"`{fp.id}` — the same id groups the same failure across "
-                "ranks, runs, paths and line numbers.", ""]
+        out += ["## Fingerprint", "", f"{md_code(fp.id)} — the same id groups the same failure "
+                "across ranks, runs, paths and line numbers.", ""]
         if fp.exception:
-            out.append(f"- exception: `{md_escape(fp.exception)}`")
+            out.append(f"- exception: {md_code(fp.exception)}")
         if fp.functions:
-            out.append(f"- functions: {', '.join(f'`{f}`' for f in fp.functions)}")
-        out += [f"- blocked: {md_escape(b)}" for b in fp.blocked]
+            out.append(f"- functions: {', '.join(md_code(f) for f in fp.functions)}")
+        out += [f"- blocked: {e_(b)}" for b in fp.blocked]
         out.append("")
     if d.observations:
-        out += ["## What the doctor sees", ""] + [f"- {o}" for o in d.observations] + [""]
+        out += ["## What the doctor sees", ""] + [f"- {e_(o)}" for o in d.observations] + [""]
     out += _ranks(d)
     if d.first_divergence is not None:
         fd = d.first_divergence
         out += ["## First divergent decision", "",
-                f"`{fd.label}` occurrence #{fd.index}, ranks {fd.ranks}:", ""]
-        out += [f"- rank {r} (step {fd.steps.get(r)}): `{v}`" for r, v in sorted(fd.values.items())]
+                f"{md_code(fd.label)} occurrence #{fd.index}, ranks {fd.ranks}:", ""]
+        out += [f"- rank {r} (step {fd.steps.get(r)}): {md_code(str(v))}"
+                for r, v in sorted(fd.values.items())]
         out.append("")
     if d.collectives:
-        out += ["## Collectives", ""] + [f"- group {c.group} seq {c.seq} **{c.kind}**: "
-                                         f"{c.detail}" for c in d.collectives] + [""]
+        out += ["## Collectives", ""] + [f"- group {e_(str(c.group))} seq {c.seq} "
+                                         f"**{e_(c.kind)}**: {e_(c.detail)}"
+                                         for c in d.collectives] + [""]
     if d.missing:
         out += ["## Missing evidence", ""]
-        out += [f"- {m.what}: `{m.command}`" for m in d.missing] + [""]
+        out += [f"- {e_(m.what)}: {md_code(m.command)}" for m in d.missing] + [""]
     if d.problems:
-        out += ["## Input problems", ""] + [f"- {p}" for p in d.problems] + [""]
+        out += ["## Input problems", ""] + [f"- {e_(p)}" for p in d.problems] + [""]
     bad = [i for i in d.inputs if i.status != "read"]
     out += ["## Inputs", "", f"{len(d.inputs)} input(s), {len(bad)} not readable.", ""]
-    out += [f"- `{i.path}` ({i.kind}): {i.status} {i.message}" for i in bad[:50]]
+    out += [f"- {md_code(i.path)} ({e_(i.kind)}): {e_(i.status)} {e_(i.message)}"
+            for i in bad[:50]]
     return "\n".join(out).rstrip() + "\n"
+
+
+def _where(e: EvidenceItem, table: bool = False) -> str:
+    """Where an evidence item was found, as code (paths come from the artifacts), or ``-``."""
+    where = cite(e)
+    return md_code(where, table=table) if where else "-"
 
 
 def _verdict(v: Verdict, primary: bool) -> list[str]:
     head = "## Verdict" if primary else "## Also matches"
-    out = [head, "", f"**{v.signature}** — {v.title}", "",
-           f"- confidence: {v.confidence:.2f}", f"- severity: {v.severity}",
-           f"- runbook: `{v.runbook}`"]
+    out = [head, "", f"**{md_escape(v.signature)}** — {v.title}", "",
+           f"- confidence: {v.confidence:.2f}", f"- severity: {md_escape(v.severity)}",
+           f"- runbook: {md_code(v.runbook)}"]
     if v.campaign_cell:
-        out.append(f"- reproduced by campaign cell `{v.campaign_cell}`")
+        out.append(f"- reproduced by campaign cell {md_code(v.campaign_cell)}")
     out += ["", "### Evidence", "", "| where | rank | evidence | rule |", "|---|---|---|---|"]
-    out += [f"| {md_escape(cite(e)) or '-'} | {e.rank if e.rank is not None else '-'} | "
+    out += [f"| {_where(e, table=True)} | {e.rank if e.rank is not None else '-'} | "
             f"{md_escape(e.text)} | {md_escape(e.rule)} |" for e in v.evidence]
     out += ["", "### Root cause", "", v.root_cause, "", "### Upstream fix", ""]
     out += [f"- {f}" for f in v.upstream_fix]
     out += ["", "### Mitigations", ""]
     for m in v.mitigations:
-        extra = " ".join(f"`{x}`" for x in (*m.flags, *m.env))
+        extra = " ".join(md_code(x) for x in (*m.flags, *m.env))
         out.append(f"- {m.text}" + (f" {extra}" if extra else ""))
     return [*out, ""]
 
@@ -90,12 +125,13 @@ def _verdict(v: Verdict, primary: bool) -> list[str]:
 def _ranks(d: Diagnosis) -> list[str]:
     if not d.ranks:
         return []
+    e_ = md_escape
     out = ["## Ranks", "", "| rank | role | state | frame | call site | error | last seq |",
            "|---|---|---|---|---|---|---|"]
     for r in d.ranks:
         seq = "; ".join(f"{k}: {v}" for k, v in r.last_seq.items())
-        out.append(f"| {r.rank} | {r.role} | {r.state} | {md_escape(r.frame or '')} | "
-                   f"{md_escape(r.site or '')} | {md_escape(r.error or '')} | {md_escape(seq)} |")
+        out.append(f"| {r.rank} | {e_(r.role)} | {e_(r.state)} | {e_(r.frame or '')} | "
+                   f"{e_(r.site or '')} | {e_(r.error or '')} | {e_(seq)} |")
     if d.missing_ranks:
-        out += ["", f"Missing ranks: {d.missing_ranks}."]
+        out += ["", f"Missing ranks: {d.missing_rank_ranges or d.missing_ranks}."]
     return [*out, ""]

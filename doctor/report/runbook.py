@@ -6,6 +6,12 @@
   escalation;
 * ``incident_runbook(diagnosis)``: the same for one incident, filled with that incident's
   verdict, evidence (file:line), rank table, missing evidence and collect commands.
+
+A stored diagnosis (``--from diag.json``) is untrusted: it may have been crafted, and its
+evidence is artifact text anyway. Everything taken from it is escaped Markdown or a code span
+(:mod:`doctor.report.markdown`), and :func:`to_html` escapes all text and makes links only to
+``http(s)://`` addresses and to sibling runbook files, so no ``javascript:`` or ``data:`` URL,
+tag or attribute from a diagnosis reaches the HTML.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from __future__ import annotations
 import html
 import re
 
-from doctor.report.markdown import cite, md_escape
+from doctor.report.markdown import cite, md_code, md_escape
 from doctor.report.model import Diagnosis
 from signatures.models import Catalog, Signature
 
@@ -89,59 +95,76 @@ def _para(text: str) -> str:
 
 def incident_runbook(d: Diagnosis, catalog: Catalog) -> str:
     """The runbook of one incident from a stored diagnosis (``hicache doctor --json``)."""
-    out = [f"# Incident runbook: {d.summary}", "", f"Diagnosis status **{d.status}**, catalog "
-           f"{d.catalog_version}.", ""]
+    e_ = md_escape
+    out = [f"# Incident runbook: {e_(d.summary)}", "", f"Diagnosis status **{e_(d.status)}**, "
+           f"catalog {e_(d.catalog_version)}.", ""]
     out += _incident_evidence(d)
     if not d.verdicts:
         out += ["## No known signature", "", "The doctor named no signature. What it sees:", ""]
-        out += [f"- {o}" for o in d.observations] or ["- nothing specific"]
+        out += [f"- {e_(o)}" for o in d.observations] or ["- nothing specific"]
         if d.near_misses:
             out += ["", "Closest signatures (not named: too little evidence):", ""]
-            out += [f"- similar to `{n.signature}` ({n.score:.2f}): {n.because}"
+            out += [f"- similar to {md_code(n.signature)} ({n.score:.2f}): {e_(n.because)}"
                     for n in d.near_misses]
         return "\n".join(out).rstrip() + "\n"
     try:
         sig = catalog.get(d.verdicts[0].signature)
     except KeyError:
-        return "\n".join([*out, f"Signature {d.verdicts[0].signature} is not in catalog "
-                                 f"{catalog.version}."]) + "\n"
+        return "\n".join([*out, f"Signature {md_code(d.verdicts[0].signature)} is not in "
+                                 f"catalog {catalog.version}."]) + "\n"
     out += ["## Playbook", "", *_sections(sig, level=2)[2:]]
     return "\n".join(out).rstrip() + "\n"
 
 
 def _incident_evidence(d: Diagnosis) -> list[str]:
+    e_ = md_escape
     out: list[str] = []
     if d.verdicts:
         v = d.verdicts[0]
-        out += [f"## Verdict: {v.signature} (confidence {v.confidence:.2f})", "", v.title, "",
-                "### Evidence in this incident", ""]
-        out += [f"- `{cite(e)}`: {e.text}" if cite(e) else f"- {e.text}" for e in v.evidence]
+        out += [f"## Verdict: {e_(v.signature)} (confidence {v.confidence:.2f})", "",
+                e_(v.title), "", "### Evidence in this incident", ""]
+        out += [f"- {md_code(cite(e))}: {e_(e.text)}" if cite(e) else f"- {e_(e.text)}"
+                for e in v.evidence]
         out.append("")
     if d.ranks:
-        out += ["### Ranks", ""] + [f"- rank {r.rank} ({r.role}): {r.state}"
-                                    + (f" at {r.frame}" if r.frame else "")
-                                    + (f", {r.error}" if r.error else "") for r in d.ranks] + [""]
+        out += ["### Ranks", ""] + [f"- rank {r.rank} ({e_(r.role)}): {e_(r.state)}"
+                                    + (f" at {md_code(r.frame)}" if r.frame else "")
+                                    + (f", {e_(r.error)}" if r.error else "") for r in d.ranks]
+        out.append("")
     if d.first_divergence is not None:
         fd = d.first_divergence
         steps = ", ".join(f"rank {r} at step {s}" for r, s in sorted(fd.steps.items()))
         out += ["### First divergent decision", "",
-                f"`{fd.label}`, occurrence #{fd.index} ({steps}): "
-                + ", ".join(f"rank {r}: {v}" for r, v in sorted(fd.values.items())) + ".", "",
+                f"{md_code(fd.label)}, occurrence #{fd.index} ({steps}): "
+                + ", ".join(f"rank {r}: {md_code(str(v))}" for r, v in sorted(fd.values.items()))
+                + ".", "",
                 "The earliest decision on which ranks that must agree did not; later "
                 "differences (and the failure itself) are usually its consequences."]
-        out += [f"- `{cite(e)}`" for e in fd.evidence if cite(e)] + [""]
+        out += [f"- {md_code(cite(e))}" for e in fd.evidence if cite(e)] + [""]
     if d.missing:
-        out += ["### Collect what is missing", ""] + [f"- {m.what}: `{m.command}`"
+        out += ["### Collect what is missing", ""] + [f"- {e_(m.what)}: {md_code(m.command)}"
                                                       for m in d.missing] + [""]
     return out
 
 
 _ITEM = re.compile(r"^\s*(-|\d+\.) ")
+#: Inline Markdown that to_html understands, in priority order: a backslash escape, a code span
+#: (any number of backticks), bold, a link. Everything else is text and is HTML-escaped.
+_INLINE = re.compile(r"\\(?P<esc>[!-/:-@\[-`{-~])"
+                     r"|(?P<fence>`+)(?P<code>.+?)(?P=fence)(?!`)"
+                     r"|\*\*(?P<bold>.+?)\*\*"
+                     r"|\[(?P<label>[^\[\]]+)\]\((?P<href>[^()\s]+)\)")
+#: Links that may become ``<a href>``: absolute http(s) addresses, and sibling runbook files
+#: (``write-ack-pop-empty.md``, pointed at their ``.html`` twin). Any other target - another
+#: scheme (javascript:, data:, file:), a path, a protocol-relative ``//host`` - stays text.
+_WEB = re.compile(r"https?://[^\s<>\"'`]+", re.IGNORECASE)
+_SIBLING = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\.md")
 
 
 def to_html(markdown: str, title: str) -> str:
     """A small, dependency-free Markdown-to-HTML rendering (headings, lists, code, tables as
-    preformatted text, links, bold and code spans)."""
+    preformatted text, links, bold and code spans). All text is escaped; see
+    :func:`_safe_href` for which links are made."""
     body: list[str] = []
     in_code = False
     for line in markdown.splitlines():
@@ -162,12 +185,40 @@ def to_html(markdown: str, title: str) -> str:
             body.append(f"<pre>{html.escape(line)}</pre>")
         elif line.strip():
             body.append(f"<p>{_inline(line)}</p>")
+    if in_code:
+        body.append("</pre>")
     return ("<!doctype html><html><head><meta charset='utf-8'><title>"
             f"{html.escape(title)}</title></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 
+def _safe_href(target: str) -> str | None:
+    """The ``href`` for a Markdown link target, or None when it must stay text."""
+    if _WEB.fullmatch(target):
+        return target
+    if _SIBLING.fullmatch(target):
+        return target[: -len(".md")] + ".html"
+    return None
+
+
 def _inline(text: str) -> str:
-    text = html.escape(text)
-    text = re.sub(r"`([^`]+)`", r"<code>\1</code>", text)
-    text = re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", text)
-    return re.sub(r"\[([^\]]+)\]\(([^)]+)\)", r"<a href='\2'>\1</a>", text)
+    out: list[str] = []
+    pos = 0
+    for m in _INLINE.finditer(text):
+        out.append(html.escape(text[pos:m.start()]))
+        pos = m.end()
+        if m["esc"] is not None:
+            out.append(html.escape(m["esc"]))
+        elif m["code"] is not None:
+            code = m["code"]
+            if code.startswith(" ") and code.endswith(" ") and code.strip():
+                code = code[1:-1]
+            out.append(f"<code>{html.escape(code)}</code>")
+        elif m["bold"] is not None:
+            out.append(f"<strong>{_inline(m['bold'])}</strong>")
+        else:
+            href = _safe_href(m["href"])
+            label = _inline(m["label"])
+            out.append(f'<a href="{html.escape(href)}">{label}</a>' if href is not None
+                       else f"{label} ({html.escape(m['href'])})")
+    out.append(html.escape(text[pos:]))
+    return "".join(out)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,7 +19,14 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from doctor.capture import PERMISSION_HINT, capture, find_targets, pyspy_command
+from doctor.capture import (
+    PERMISSION_HINT,
+    Target,
+    capture,
+    find_targets,
+    pyspy_command,
+    pyspy_error,
+)
 from doctor.diagnose import diagnose
 from hicache_runtime.errors import ToolUnavailable
 
@@ -33,6 +41,25 @@ RANK = textwrap.dedent('''
     def _broadcast_reqs_across_ranks():
         broadcast()
     (writing_check if os.environ["RANK"] == "0" else _broadcast_reqs_across_ranks)()
+''')
+#: A healthy rank of a live job: always inside a "collective", but at another call site every
+#: 0.3 s (seven sites in turn; the two ranks three sites apart). One snapshot of it looks like a
+#: deadlock; two snapshots a second apart never show the same stack.
+MOVING_RANK = textwrap.dedent('''
+    import itertools, os, time
+    def all_reduce():          # stands in for torch.distributed.all_reduce
+        time.sleep(0.3)
+    def step0(): all_reduce()
+    def step1(): all_reduce()
+    def step2(): all_reduce()
+    def step3(): all_reduce()
+    def step4(): all_reduce()
+    def step5(): all_reduce()
+    def step6(): all_reduce()
+    steps = [step0, step1, step2, step3, step4, step5, step6]
+    print("ready", flush=True)
+    for i in itertools.count(3 * int(os.environ["RANK"])):
+        steps[i % 7]()
 ''')
 LAUNCHER = textwrap.dedent('''
     import os, subprocess, sys, time
@@ -56,10 +83,8 @@ def _have_pyspy() -> bool:
 pytestmark = pytest.mark.skipif(not _have_pyspy(), reason="py-spy is not installed")
 
 
-@pytest.fixture
-def job(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
-    """A launcher process with two rank children, all blocked; killed afterwards by pid."""
-    (tmp_path / "rank.py").write_text(RANK)
+def _launch(tmp_path: Path, rank_source: str) -> Iterator[subprocess.Popen[str]]:
+    (tmp_path / "rank.py").write_text(rank_source)
     (tmp_path / "launcher.py").write_text(LAUNCHER)
     proc = subprocess.Popen([sys.executable, str(tmp_path / "launcher.py"),
                              str(tmp_path / "rank.py")], stdout=subprocess.PIPE, text=True,
@@ -71,6 +96,18 @@ def job(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
     finally:
         os.killpg(proc.pid, 9)
         proc.wait(timeout=10)
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
+    """A launcher process with two rank children, all blocked; killed afterwards by pid."""
+    yield from _launch(tmp_path, RANK)
+
+
+@pytest.fixture
+def healthy_job(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
+    """A launcher with two ranks that keep moving from one collective call site to the next."""
+    yield from _launch(tmp_path, MOVING_RANK)
 
 
 def test_capture_a_process_tree_and_diagnose_it(job: subprocess.Popen[str],
@@ -90,11 +127,33 @@ def test_capture_a_process_tree_and_diagnose_it(job: subprocess.Popen[str],
     assert [t["rank"] for t in manifest["targets"]] == [0, 1]
     assert (tmp_path / "cap" / "rank1" / "pyspy.json").exists()
     assert (tmp_path / "cap" / "logs" / "server.log").exists()
+    assert [t["moved"] for t in manifest["targets"]] == [[], []]  # stuck: same stacks twice
     d = diagnose([str(tmp_path / "cap")])
     assert d.verdicts
     assert d.verdicts[0].signature == "collective-order-deadlock"
     assert {r.rank: r.site for r in d.ranks} == {
         0: f"writing_check (rank.py:{8})", 1: f"_broadcast_reqs_across_ranks (rank.py:{10})"}
+
+
+def test_capture_of_a_healthy_live_job_reports_no_failure(healthy_job: subprocess.Popen[str],
+                                                          tmp_path: Path) -> None:
+    """Caught inside collectives at different call sites, like a deadlock; but the second
+    sample shows every rank moved on, so nothing is blocked and no signature is suggested."""
+    targets = find_targets([], healthy_job.pid, None)
+    result = capture(targets, tmp_path / "cap", timeout_s=20)
+    if result.hint is not None:
+        pytest.skip(f"py-spy may not ptrace in this environment: {result.failures[0]}")
+    assert result.failures == []
+    assert all(t.moved for t in result.manifest.targets), result.manifest.targets
+    d = diagnose([str(tmp_path / "cap")])
+    assert [r.state for r in d.ranks] == ["active", "active"]
+    assert d.blocked_sites == []
+    assert (d.verdicts, d.near_misses) == ([], [])
+    assert d.exit_code == 1
+    assert "deadlock" not in d.summary
+    res = CliRunner().invoke(app, ["doctor", str(tmp_path / "cap")])
+    assert "world 2 " in res.output
+    assert "None" not in res.output  # was: world 2 (tp=None pp=None)
 
 
 def test_capture_command_with_explicit_pids(job: subprocess.Popen[str], tmp_path: Path) -> None:
@@ -123,3 +182,58 @@ def test_permission_failure_is_explained(job: subprocess.Popen[str], tmp_path: P
     assert "ptrace_scope" in notes[0]
     d = diagnose([str(tmp_path / "cap")])
     assert any("capture of rank 0" in p for p in d.problems)
+
+
+@pytest.fixture
+def not_python() -> Iterator[subprocess.Popen[bytes]]:
+    """A live process py-spy cannot read (no Python in it); killed afterwards by pid."""
+    proc = subprocess.Popen(["sleep", "600"])
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_a_failed_dump_shows_pyspy_own_message(not_python: subprocess.Popen[bytes],
+                                               tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # With RUST_BACKTRACE set py-spy ends its output with a Rust backtrace; its last line
+    # ("10: main") used to be the error shown.
+    monkeypatch.setenv("RUST_BACKTRACE", "1")
+    result = capture([Target(pid=not_python.pid, rank=0)], tmp_path / "cap", timeout_s=20)
+    assert len(result.failures) == 1
+    error = result.manifest.targets[0].error or ""
+    assert "py_spy::" not in error
+    assert "backtrace" not in error.lower()
+    assert not re.match(r"\d+:", error)
+    assert re.search(r"python|permission|process", error, re.I), error
+
+
+def test_pyspy_error_is_the_same_with_and_without_a_backtrace() -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait(timeout=10)
+    texts = []
+    for flag in ("1", "0"):
+        proc = subprocess.run([*pyspy_command(), "dump", "--pid", str(dead.pid)],
+                              capture_output=True, text=True, timeout=30, check=False,
+                              env={**os.environ, "RUST_BACKTRACE": flag})
+        assert proc.returncode != 0
+        texts.append(pyspy_error(proc.stderr, proc.returncode))
+    assert texts[0] == texts[1]
+    assert texts[0].startswith("Failed to")
+    assert pyspy_error("", 3) == "py-spy exited with 3"
+
+
+def test_capture_json(job: subprocess.Popen[str], tmp_path: Path) -> None:
+    pids = [str(t.pid) for t in find_targets([], job.pid, None)]
+    res = CliRunner().invoke(app, ["capture", "--pid", pids[0], "--pid", pids[1], "--json",
+                                   "--out", str(tmp_path / "c3")])
+    if "SYS_PTRACE" in res.output:
+        pytest.skip("py-spy may not ptrace in this environment")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["out"] == str(tmp_path / "c3")
+    assert out["failures"] == []
+    assert [t["rank"] for t in out["manifest"]["targets"]] == [0, 1]
+    assert all(t["pyspy"] for t in out["manifest"]["targets"])

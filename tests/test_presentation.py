@@ -1,0 +1,482 @@
+"""What people read: terminal tables at 80 columns and in pipes, Markdown reports whose cells
+hold untrusted text, runbook HTML from an untrusted diagnosis, the README's commands, and the
+CLI's version, defaults, fault listing and ``--json`` outputs."""
+
+from __future__ import annotations
+
+import html.parser
+import json
+import re
+import resource
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+from markdown_it import MarkdownIt
+from typer.testing import CliRunner
+
+import render
+from cli import app
+from doctor.diagnose import diagnose
+from doctor.report.markdown import diagnosis_markdown, md_code, md_escape
+from doctor.report.model import Diagnosis
+from doctor.report.runbook import to_html
+from faults.campaign import load_campaign
+from faults.describe import describe_faults
+from faults.reports import markdown as campaign_markdown
+from faults.runner import CampaignResult, CellResult, select
+from faults.shrink import ShrinkResult
+from faults.spec import FaultKind, parse_fault
+from hicache_runtime.config import load_config
+from hicache_runtime.errors import InvalidFaultSpec
+from signatures.loader import load_catalog
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures" / "doctor"
+RANK_CASE = FIXTURES / "collective-order-deadlock" / "runtime-tp2-skip-empty-sync"
+SIGNATURE_CASE = FIXTURES / "write-ack-pop-empty" / "sglang-pp2-classic"
+runner = CliRunner()
+AS_CAP = 3 << 29  # 1.5 GiB of address space for runs fed hostile input
+
+# Text an attacker controls (a crafted log, bundle or diagnosis) and what it tries.
+JS_LINK = "[click me](javascript:alert%28document.cookie%29)"
+DATA_LINK = "[open](data:text/html;base64,PHNjcmlwdD5hbGVydCgxKTwvc2NyaXB0Pg==)"
+RAW_HTML = "<img src=x onerror=alert(1)><script>alert(2)</script>"
+PAYLOAD = f" a|b `tick` **bold** {JS_LINK} {DATA_LINK} {RAW_HTML}\n# not a heading"
+
+
+# --- terminal tables ----------------------------------------------------------------------------
+
+
+def _campaign_result() -> CampaignResult:
+    long_id = "pp2/local-prefetch-progress/storage-shortfall:pp=1,mode=short,pages=3"
+    return CampaignResult(name="default", started_at="2026-01-01T00:00:00Z", wall_s=131.0, cells=[
+        CellResult(id=long_id, expect="prefix-length-mismatch|write-ack-pop-empty",
+                   observed="prefix-length-mismatch", confidence=0.93, passed=True,
+                   outcome="crash", wall_s=8.1,
+                   bundle="hicache-bundles/20260101-000000-crash-pp2-local-prefetch-abcdef"),
+        CellResult(id="tp1/sum-hit-pages/storage-shortfall:mode=holes,pages=1,at=1,pool=sidecar",
+                   expect="prefetch-gap-overcount", observed="no-signature", passed=False,
+                   outcome="wrong-output", wall_s=12.4, detail="the doctor named nothing"),
+        CellResult(id="tp2/fixed/host-alloc-fail:tp=1", expect="healthy", observed="healthy",
+                   passed=True, outcome="healthy", wall_s=3.2),
+    ])
+
+
+def _shrink_result() -> ShrinkResult:
+    trials = [{"change": "drop fault spec storage-latency:ms=5 (keep dma-lag:pp=1,ms=30)",
+               "requests": 48, "faults": ["dma-lag:pp=1,ms=30"], "reproduced": True,
+               "observed": "write-ack-pop-empty", "outcome": "crash", "wall_s": 9.5},
+              {"change": "requests 48 -> 24", "requests": 24, "faults": [], "reproduced": False,
+               "observed": "healthy", "outcome": "healthy", "wall_s": 4.0}]
+    case = {"requests": 48, "faults": ["x"], "faults_fired": 1}
+    return ShrinkResult.model_validate({
+        "bundle": "b", "signature": "write-ack-pop-empty", "reproduced": True,
+        "original": case, "shrunk": case, "runs": 2, "budget_exhausted": False,
+        "trials": trials})
+
+
+def _draw_all() -> None:
+    render.campaign_summary(_campaign_result())
+    render.campaign_cells(select(load_campaign(None), None, None))
+    render.shrink_summary(_shrink_result())
+    render.signature_table(load_catalog())
+    render.doctor_report(diagnose([str(RANK_CASE)]))
+    render.fault_listing(describe_faults())
+
+
+def _boxes(text: str) -> list[list[str]]:
+    """The box-drawn tables in ``text``, each as its lines from the top border to the bottom."""
+    out: list[list[str]] = []
+    current: list[str] | None = None
+    for line in text.splitlines():
+        if line.startswith("┏"):
+            current = [line]
+        elif current is not None:
+            current.append(line)
+            if line.startswith("└"):
+                out.append(current)
+                current = None
+    return out
+
+
+def _check_tables(text: str, width: int, tables: int) -> None:
+    """Box characters and our text are one terminal cell each: ``len`` is the width. (Lines
+    outside tables are soft-wrapped on purpose: evidence stays greppable.)"""
+    boxes = _boxes(text)
+    assert len(boxes) >= tables
+    assert max(len(line) for box in boxes for line in box) <= width
+    for box in boxes:
+        top = box[0]
+        # Every line of a table is whole: nothing cropped at the terminal's edge.
+        for line in box:
+            assert len(line) == len(top), (line, top)
+            assert line[-1] in "┓┃┩│┘", line
+        # Every column has a header, and no column is folded to a sliver.
+        cuts = [i for i, ch in enumerate(top) if ch in "┳┓"]
+        starts = [0, *cuts[:-1]]
+        header_end = next(i for i, line in enumerate(box) if line.startswith("┡"))
+        for lo, hi in zip(starts, cuts):
+            head = " ".join(line[lo + 1:hi].strip() for line in box[1:header_end]).strip()
+            assert head, "a column without a header in\n" + "\n".join(box[:header_end + 1])
+            inner = hi - lo - 3
+            assert inner >= min(4, len(head)), f"a column {inner} wide in\n" + "\n".join(box)
+
+
+@pytest.mark.parametrize("width", [80, 100, 132])
+def test_tables_fit_the_terminal_with_every_header(width: int, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("TERMINAL_WIDTH", raising=False)
+    monkeypatch.setenv("COLUMNS", str(width))
+    _draw_all()
+    text = capsys.readouterr().out
+    _check_tables(text, width, tables=6)
+    # Short values stay whole (never folded a character per line).
+    for word in ("wrong-output", "healthy", "critical", "FAIL", "pass", "blocked", "TP1 PP0",
+                 "host-alloc-fail", "mid-prefetch-abort", "scheduler.step"):
+        assert word in text, word
+
+
+def test_output_to_a_pipe_is_100_columns_unless_columns_says(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("TERMINAL_WIDTH", raising=False)
+    monkeypatch.delenv("COLUMNS", raising=False)
+    render.signature_table(load_catalog())
+    text = capsys.readouterr().out
+    assert 80 < max(len(line.rstrip()) for line in text.splitlines()) <= 100
+    _check_tables(text, 100, tables=1)
+
+
+def test_cli_tables_at_80_columns_in_a_pipe() -> None:
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TERMINAL_WIDTH"}
+    for args in (["signatures", "list"], ["doctor", str(RANK_CASE)], ["faults", "list"]):
+        proc = subprocess.run([sys.executable, str(ROOT / "cli.py"), *args],
+                              env={**env, "COLUMNS": "80", "NO_COLOR": "1"}, cwd=ROOT,
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert proc.returncode in (0, 1), proc.stderr
+        boxes = _boxes(proc.stdout)
+        assert boxes, args
+        for box in boxes:
+            assert all(len(line) <= 80 and line[-1] in "┓┃┩│┘" for line in box), args
+
+
+# --- Markdown ---------------------------------------------------------------------------------
+
+
+def _md_html(markdown: str) -> str:
+    """The Markdown as a CommonMark + GFM-tables renderer with raw HTML on turns it into HTML
+    (what a permissive wiki would show)."""
+    return MarkdownIt("commonmark").enable("table").render(markdown)
+
+
+class _Tags(html.parser.HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[tuple[str, dict[str, str | None]]] = []
+        self.rows: list[list[str]] = []
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append((tag, dict(attrs)))
+        if tag == "tr":
+            self.rows.append([])
+        elif tag in ("td", "th"):
+            self._cell = []
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in ("td", "th") and self._cell is not None:
+            self.rows[-1].append("".join(self._cell).strip())
+            self._cell = None
+
+    def handle_data(self, data: str) -> None:
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+def _parse(html_text: str) -> _Tags:
+    p = _Tags()
+    p.feed(html_text)
+    return p
+
+
+def _assert_inert(html_text: str, allowed: set[str]) -> _Tags:
+    parsed = _parse(html_text)
+    assert {t for t, _ in parsed.tags} <= allowed, {t for t, _ in parsed.tags} - allowed
+    for tag, attrs in parsed.tags:
+        for name, value in attrs.items():
+            assert not name.startswith("on"), (tag, name)
+            if name in ("href", "src"):
+                assert value is not None
+                assert re.match(r"https?://|[\w.-]+\.html$", value), (tag, value)
+    return parsed
+
+
+MD_TAGS = {"h1", "h2", "h3", "p", "ul", "ol", "li", "code", "strong", "em", "table", "thead",
+           "tbody", "tr", "th", "td", "pre", "hr", "blockquote"}
+
+
+def test_md_escape_and_code_keep_text_inert() -> None:
+    html_text = _md_html(f"| a | b |\n|---|---|\n| {md_escape(PAYLOAD)} | "
+                         f"{md_code(PAYLOAD, table=True)} |\n\n- {md_escape(PAYLOAD)}\n")
+    parsed = _assert_inert(html_text, MD_TAGS)
+    shown = " ".join(PAYLOAD.split("\n")).strip()
+    assert parsed.rows[1] == [shown, shown]
+    assert md_code("a ``b`` c") == "```a ``b`` c```"
+
+
+def test_campaign_markdown_escapes_cells() -> None:
+    result = _campaign_result()
+    result.cells[1].error = f"RuntimeError: {PAYLOAD}"
+    result.cells[1].id = "tp1/x|y/`z`"
+    text = campaign_markdown(result)
+    parsed = _assert_inert(_md_html(text), MD_TAGS)
+    rows = [r for r in parsed.rows if r]
+    assert rows[0] == ["cell", "expected", "observed", "outcome", "wall s", "bundle"]
+    assert all(len(r) == 6 for r in rows)
+    assert rows[1][1] == "prefix-length-mismatch|write-ack-pop-empty"
+    assert rows[2][0] == "tp1/x|y/`z`"
+    assert "javascript:alert" in text  # shown as text, not dropped
+
+
+def _hostile_diagnosis() -> Diagnosis:
+    """A real diagnosis of a real log whose artifact-derived text then carries the payload, as
+    a crafted log (or a crafted ``diag.json``) would."""
+    d = diagnose([str(SIGNATURE_CASE)])
+    assert d.verdicts
+    assert d.ranks
+    v = d.verdicts[0]
+    v.evidence[0].text += PAYLOAD
+    v.evidence[0].file = f"logs/{RAW_HTML}|x.log"
+    d.ranks[0].frame = f"writing_check{PAYLOAD}"
+    d.ranks[0].error = f"IndexError: {PAYLOAD}"
+    d.ranks[0].role = "TP0|PP0"
+    d.observations.append(f"observed {PAYLOAD}")
+    d.summary += PAYLOAD
+    return d
+
+
+def test_diagnosis_markdown_escapes_artifact_text() -> None:
+    text = diagnosis_markdown(_hostile_diagnosis())
+    parsed = _assert_inert(_md_html(text), MD_TAGS)
+    tables = [r for r in parsed.rows if r]
+    evidence = [r for r in tables if len(r) == 4]
+    ranks = [r for r in tables if len(r) == 7]
+    assert evidence[0] == ["where", "rank", "evidence", "rule"]
+    assert ranks[0][0] == "rank"
+    assert len(ranks) == 1 + len(diagnose([str(SIGNATURE_CASE)]).ranks)
+    assert ranks[1][1] == "TP0|PP0"
+    assert ranks[1][3].startswith("writing_check a|b `tick` **bold** [click me]")
+
+
+# --- runbook HTML -------------------------------------------------------------------------------
+
+HTML_TAGS = {"html", "head", "meta", "title", "body", "h1", "h2", "h3", "h4", "li", "p", "pre",
+             "code", "strong", "a"}
+
+
+def _poison(value: Any) -> Any:
+    """Every string of a JSON document with the payload appended (signature ids too, in the
+    second variant: the lookup must fail safely)."""
+    if isinstance(value, dict):
+        return {k: _poison(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_poison(v) for v in value]
+    return value + PAYLOAD if isinstance(value, str) else value
+
+
+@pytest.mark.parametrize("poison_signature", [False, True])
+def test_runbook_html_from_a_crafted_diagnosis(tmp_path: Path, poison_signature: bool) -> None:
+    data = _hostile_diagnosis().model_dump(mode="json")
+    keep = data["verdicts"][0]["signature"]
+    data = _poison(data)
+    if not poison_signature:
+        data["verdicts"][0]["signature"] = keep
+    diag = tmp_path / "diag.json"
+    diag.write_text(json.dumps(data))
+    out = tmp_path / "rb" / "incident.md"
+    res = runner.invoke(app, ["runbook", "--from", str(diag), "--html", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    page = out.with_suffix(".html").read_text()
+    parsed = _assert_inert(page, HTML_TAGS)
+    assert "&lt;img src=x onerror=alert(1)&gt;" in page  # the text is there, escaped
+    assert "javascript:" in page
+    assert 'href="javascript' not in page
+    if not poison_signature:
+        assert "## Playbook" in out.read_text()
+        assert any(t == "h2" for t, _ in parsed.tags)
+
+
+def test_runbook_html_links_only_http_and_siblings() -> None:
+    page = to_html("- [docs](https://example.com/a?b=1&c=2) [next](write-ack-pop-empty.md) "
+                   "[x](javascript:alert(1)) [y](JAVASCRIPT:alert%281%29) [z](//evil.example) "
+                   "[f](file:///etc/passwd) [d](data:text/html,hi) \\[e\\](javascript:1) "
+                   "**[b](vbscript:1)** `[c](javascript:1)`", "t")
+    hrefs = [a.get("href") for t, a in _parse(page).tags if t == "a"]
+    assert hrefs == ["https://example.com/a?b=1&c=2", "write-ack-pop-empty.html"]
+    assert "<script" not in to_html("<script>x</script> `<b>` **<i>**", "<title>")
+
+
+def test_runbook_json_lists_documents_and_files(tmp_path: Path) -> None:
+    res = runner.invoke(app, ["runbook", "-s", "write-ack-pop-empty", "--json"])
+    assert res.exit_code == 0, res.output
+    docs = json.loads(res.stdout)["runbooks"]
+    assert [d["name"] for d in docs] == ["write-ack-pop-empty"]
+    assert docs[0]["markdown"].startswith("# write-ack-pop-empty")
+    assert docs[0]["files"] == {}
+    res = runner.invoke(app, ["runbook", "--json", "--html", "-o", str(tmp_path / "rb")])
+    assert res.exit_code == 0, res.output
+    docs = json.loads(res.stdout)["runbooks"]
+    assert {d["name"] for d in docs} >= {"index", "write-ack-pop-empty"}
+    for d in docs:
+        assert Path(d["files"]["markdown"]).read_text() == d["markdown"]
+        assert Path(d["files"]["html"]).exists()
+
+
+def test_runbook_from_an_endless_file_is_one_line(tmp_path: Path) -> None:
+    """``--from /dev/zero`` (or a FIFO) used to be read whole; capped at 1.5 GiB of address
+    space so that a regression fails here instead of taking the machine down."""
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (AS_CAP, AS_CAP))
+
+    proc = subprocess.run([sys.executable, str(ROOT / "cli.py"), "runbook", "--from",
+                           "/dev/zero"], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, preexec_fn=cap, check=False)
+    assert proc.returncode == 2, proc.stderr[-500:]
+    assert proc.stderr.startswith("error: ")
+    assert len(proc.stderr.splitlines()) <= 2
+
+
+# --- the CLI's surface --------------------------------------------------------------------------
+
+
+def test_version_matches_the_project() -> None:
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    res = runner.invoke(app, ["--version"])
+    assert res.exit_code == 0
+    assert res.stdout.strip() == f"hicache {version}"
+
+
+def test_help_shows_the_config_defaults() -> None:
+    cfg = load_config({})
+    command = typer.main.get_command(app)
+    assert isinstance(command, typer.core.TyperGroup)
+    for name in ("run", "inject"):
+        options = {p.name: p for p in command.commands[name].params}
+        assert options["requests"].show_default == str(cfg.workload.requests)
+        assert options["tp"].show_default == str(cfg.topology.tp)
+        assert options["seed"].show_default == str(cfg.seed)
+        assert options["bundle_dir"].show_default == "hicache-bundles"
+    run = {p.name: p for p in command.commands["run"].params}
+    assert run["device_tokens"].show_default == str(cfg.cache.device_tokens)
+    assert run["write_policy"].show_default == cfg.cache.write_policy.value
+    assert run["protocol_timeout"].show_default == str(cfg.observability.protocol_timeout_s)
+    res = runner.invoke(app, ["run", "--help"], env={"COLUMNS": "200"})
+    assert f"[default: ({cfg.workload.requests})]" in res.stdout
+
+
+def test_faults_list_matches_what_the_parser_accepts() -> None:
+    res = runner.invoke(app, ["faults", "list", "--json"])
+    assert res.exit_code == 0, res.output
+    listing = json.loads(res.stdout)
+    kinds = {k["kind"]: k for k in listing["kinds"]}
+    assert set(kinds) == {k.value for k in FaultKind}
+    sample = {"ms": "5", "mode": "short", "pages": "1", "at": "1", "batch": "1",
+              "point": "scheduler.step", "pool": "kv"}
+    for kind, info in kinds.items():
+        assert info["summary"], kind
+        params = [p["name"] for p in info["params"]]
+        parse_fault(f"{kind}:" + ",".join(f"{p}={sample[p]}" for p in params))
+        for other in set(sample) - set(params):
+            with pytest.raises(InvalidFaultSpec):
+                parse_fault(f"{kind}:{other}={sample[other]}" + (
+                    ",point=scheduler.step" if "point" in params else ""))
+    for sel in listing["selectors"]:
+        parse_fault(f"dma-lag:{sel['name']}=" + {"rid": "req-*", "steps": "1-2",
+                                                   "p": "0.5"}.get(sel["name"], "1"))
+    assert {p["point"] for p in listing["points"]} >= {"scheduler.step", "model.forward"}
+    res = runner.invoke(app, ["faults", "list"])
+    assert res.exit_code == 0
+    assert all(k in res.stdout for k in kinds)
+
+
+def test_trace_export_json(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    res = runner.invoke(app, ["run", "--requests", "6", "--device-tokens", "256",
+                              "--page-size", "4", "--max-new-tokens", "2", "--trace", str(trace),
+                              "--json"])
+    assert res.exit_code == 0, res.output
+    with trace.open("a") as f:
+        f.write("not an event\n")
+    out = tmp_path / "p.json"
+    res = runner.invoke(app, ["trace", "export", str(trace), "-o", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    stats = json.loads(res.stdout)
+    assert stats["out"] == str(out)
+    assert stats["events"] == len(trace.read_text().splitlines()) - 1
+    assert stats["malformed"] == 1
+    assert json.loads(out.read_text())["traceEvents"]
+
+
+# --- README -------------------------------------------------------------------------------------
+
+
+def _readme_commands() -> list[list[str]]:
+    """Every ``hicache ...`` command of the README: code-block lines and backticked commands."""
+    text = (ROOT / "README.md").read_text()
+    found: list[str] = []
+    in_code = False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+            continue
+        if in_code:
+            for part in re.split(r"&&|\|", line):
+                if part.strip().startswith("hicache "):
+                    found.append(part.strip())
+        else:
+            found += re.findall(r"`(hicache [^`]+)`", line)
+    cmds = []
+    for cmd in found:
+        args = shlex.split(re.sub(r"<[^>]+>", "1", cmd), comments=True)[1:]
+        cmds.append([a for a in args if a != "&"])
+    return cmds
+
+
+def test_readme_commands_are_real_commands_and_options() -> None:
+    command = typer.main.get_command(app)
+    cmds = _readme_commands()
+    assert len(cmds) >= 25
+    cells = [c.id for c in select(load_campaign(None), None, None)]
+    for args in cmds:
+        # "[--shrink]" is the README's notation for an optional flag.
+        rest = [a for a in args if a != "[--shrink]"]
+        target: Any = command
+        while rest and isinstance(target, typer.core.TyperGroup) and rest[0] in target.commands:
+            target = target.commands[rest.pop(0)]
+        assert not (rest and isinstance(target, typer.core.TyperGroup)
+                    and not rest[0].startswith("-")), f"no command {rest[0]!r}: {args}"
+        # Resilient: a bare mention (`hicache doctor`) lacks its arguments; an unknown option
+        # still fails.
+        target.make_context(target.name, rest, resilient_parsing=True)
+        if args[:1] == ["campaign"] and "--only" in args and len(args) == 3:
+            glob = args[args.index("--only") + 1]
+            assert select(load_campaign(None), glob, None), glob
+            assert any(re.fullmatch(glob.replace("*", ".*"), c) for c in cells)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_readme_inject_example_ends_named(tmp_path: Path) -> None:
+    line = next(ln for ln in (ROOT / "README.md").read_text().splitlines()
+                if ln.startswith("hicache inject") and "run and name it" in ln)
+    args = shlex.split(line, comments=True)[1:]
+    res = runner.invoke(app, [*args, "--json", "--bundle-dir", str(tmp_path)])
+    assert res.exit_code == 1, res.output
+    out = json.loads(res.stdout)
+    assert out["outcome"] != "healthy"
+    assert out["signature"], out
