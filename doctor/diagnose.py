@@ -19,7 +19,8 @@ from doctor.ranks.collectives import align
 from doctor.ranks.divergence import all_divergences
 from doctor.ranks.frames import classifier_for
 from doctor.ranks.table import blocked_sites, rank_rows
-from doctor.read.ingest import Ingester
+from doctor.read.ingest import EMPTY, Ingester
+from doctor.report.bounds import MAX_LISTED_RANKS, clip_texts, rank_ranges
 from doctor.report.fingerprint import fingerprint
 from doctor.report.missing import missing_items
 from doctor.report.model import (
@@ -92,6 +93,7 @@ def analyse(ev: Evidence, catalog: Catalog) -> Diagnosis:
     diag.fingerprint = guard("fingerprint", lambda: fingerprint(
         ev, frames, sites, facts, [m.lookalike.id for m in looks]), None)
     diag.problems = problems
+    clip_texts(diag)
     return diag
 
 
@@ -103,11 +105,13 @@ def _report(ev: Evidence, catalog: Catalog, scores: list[Score], facts: FactSet,
             for s in scores if not s.named and s.score >= NEAR_MISS][:5]
     lookalikes = [_lookalike(m) for m in looks]
     status, code = _status(any(i.status == "read" for i in ev.inputs), verdicts)
+    missing = sorted(ev.expected_ranks - set(ev.ranks))
     return Diagnosis(
         catalog_version=catalog.version, status=status, exit_code=code,
         summary=_summary(status, verdicts, near, ev, lookalikes), verdicts=verdicts,
         near_misses=near, lookalikes=lookalikes,
-        missing_ranks=sorted(ev.expected_ranks - set(ev.ranks)),
+        missing_ranks=missing[:MAX_LISTED_RANKS], missing_rank_count=len(missing),
+        missing_rank_ranges=rank_ranges(missing) if missing else "",
         topology={"tp": ev.topology.tp, "pp": ev.topology.pp, "dp": ev.topology.dp,
                   "world_size": ev.topology.world_size, "sources": ev.topology.sources,
                   "legacy": sorted(ev.legacy), "faults": ev.faults, "outcome": ev.outcome},
@@ -172,7 +176,11 @@ def _lookalike(m: LookalikeMatch) -> LookalikeFinding:
 def _summary(status: str, verdicts: list[Verdict], near: list[NearMiss], ev: Evidence,
              looks: list[LookalikeFinding]) -> str:
     if status == "unreadable":
-        return "no input could be read"
+        errors = [f"{i.path}: {i.message}" for i in ev.inputs if i.status == "error"]
+        more = f"; and {len(errors) - 3} more" if len(errors) > 3 else ""
+        return "no input could be read" + (f" ({'; '.join(errors[:3])}{more})" if errors else "")
+    if not verdicts and all(i.kind == EMPTY for i in ev.inputs if i.status == "read"):
+        return "no failure evidence: the inputs are empty"
     if verdicts:
         v = verdicts[0]
         return f"{v.signature} ({v.confidence:.2f}): {v.title}"

@@ -30,6 +30,18 @@ MAX_SAMPLES = 512
 MAX_ARRIVALS = 200_000
 MAX_SITES = 256
 MAX_ERROR_LINES = 8
+MAX_EXITS = 64
+MAX_NAME = 1024
+"""Characters kept of a frame's function or file name (a hostile dump may hold 16 MB ones)."""
+MAX_MESSAGE = 4096
+"""Characters kept of an exception message."""
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` cut to about ``limit`` characters, saying how much was cut."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… [{len(text) - limit} more characters]"
 
 
 @dataclass(frozen=True)
@@ -72,6 +84,12 @@ class Frame:
     line: int | None = None
     code: str = field(default="", compare=False)
 
+    def __post_init__(self) -> None:
+        if len(self.func) > MAX_NAME or len(self.file) > MAX_NAME or len(self.code) > MAX_NAME:
+            object.__setattr__(self, "func", clip(self.func, MAX_NAME))
+            object.__setattr__(self, "file", clip(self.file, MAX_NAME))
+            object.__setattr__(self, "code", clip(self.code, MAX_NAME))
+
     def __str__(self) -> str:
         where = self.file if self.line is None else f"{self.file}:{self.line}"
         return f"{self.func} ({where})"
@@ -91,6 +109,9 @@ class ThreadStack:
     current: bool = False
     fatal: str | None = None
     pid: int | None = None
+    moved: bool = False
+    """Seen at another stack a moment later (``hicache capture`` samples twice): the thread
+    is running, so a collective it was caught in is no evidence of a hang."""
 
 
 @dataclass
@@ -105,6 +126,11 @@ class ExceptionRecord:
     chain: str = ""
     truncated: bool = False
     """Frames of a traceback whose exception line is missing (a paste cut short): no type."""
+
+    def __post_init__(self) -> None:
+        if len(self.message) > MAX_MESSAGE or len(self.type) > MAX_NAME:
+            self.message = clip(self.message, MAX_MESSAGE)
+            self.type = clip(self.type, MAX_NAME)
 
     @property
     def short_type(self) -> str:

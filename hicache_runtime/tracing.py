@@ -1,4 +1,5 @@
-"""Event tracing: an always-on per-rank ring of structured events, JSONL, and Perfetto export.
+"""Event tracing: an always-on per-rank ring of structured events and JSONL (Perfetto export:
+:mod:`hicache_runtime.perfetto`).
 
 Every state transition in the runtime (request, tree, tier transfer, vote, fault, collective) is
 one event: monotonic time, rank coordinates, thread, scheduler step, kind and attributes. The ring
@@ -16,11 +17,12 @@ import json
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
+from hicache_runtime.jsonl import iter_lines, open_regular
 from hicache_runtime.topology import RankInfo
 
 
@@ -165,55 +167,16 @@ class Tracer:
 
 
 def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    """Yield events from a JSONL trace, skipping (not failing on) malformed lines."""
-    with path.open("r", encoding="utf-8", errors="replace") as fh:
-        for line in fh:
-            line = line.strip()
-            if not line:
+    """Yield events from a JSONL trace, skipping (not failing on) malformed and over-long
+    lines; only a regular file is read (see :mod:`hicache_runtime.jsonl`). ``hicache trace
+    export`` lives in :mod:`hicache_runtime.perfetto`."""
+    with open_regular(path) as fh:
+        for _lineno, line in iter_lines(fh):
+            if not line or not line.strip():
                 continue
             try:
                 ev = json.loads(line)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):
                 continue
             if isinstance(ev, dict) and "kind" in ev and "t_ns" in ev:
                 yield ev
-
-
-def to_perfetto(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
-    """Chrome/Perfetto trace JSON: one process per rank, one track per thread.
-
-    Events with ``dur_ns`` become complete ("X") slices starting at ``t0_ns``; the rest are
-    instant ("i") events. Times are microseconds from the earliest event.
-    """
-    evs = sorted(events, key=lambda e: e["attrs"].get("t0_ns", e["t_ns"]))
-    if not evs:
-        return {"traceEvents": [], "displayTimeUnit": "ms"}
-    t_base = min(e["attrs"].get("t0_ns", e["t_ns"]) for e in evs)
-    tids: dict[tuple[int, str], int] = {}
-    out: list[dict[str, Any]] = []
-    for ev in evs:
-        pid = int(ev.get("rank", 0))
-        key = (pid, str(ev.get("thread", "?")))
-        if key not in tids:
-            tids[key] = len(tids) + 1
-            out.append(_meta("thread_name", pid, tids[key], key[1]))
-            if not any(k[0] == pid for k in list(tids)[:-1]):
-                label = f"rank {pid} (TP{ev.get('tp', 0)} PP{ev.get('pp', 0)})"
-                out.append(_meta("process_name", pid, 0, label))
-        attrs = {k: v for k, v in ev["attrs"].items() if k not in ("t0_ns", "dur_ns")}
-        attrs["step"] = ev.get("step")
-        rec: dict[str, Any] = {
-            "name": ev["kind"], "cat": ev["kind"].split(".")[0], "pid": pid, "tid": tids[key],
-            "args": attrs,
-        }
-        if "dur_ns" in ev["attrs"]:
-            rec.update(ph="X", ts=(ev["attrs"]["t0_ns"] - t_base) / 1000.0,
-                       dur=ev["attrs"]["dur_ns"] / 1000.0)
-        else:
-            rec.update(ph="i", s="t", ts=(ev["t_ns"] - t_base) / 1000.0)
-        out.append(rec)
-    return {"traceEvents": out, "displayTimeUnit": "ms"}
-
-
-def _meta(name: str, pid: int, tid: int, value: str) -> dict[str, Any]:
-    return {"name": name, "ph": "M", "pid": pid, "tid": tid, "args": {"name": value}}

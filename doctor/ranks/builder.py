@@ -19,6 +19,10 @@ _Key = tuple[str, int | None, int | None, int | None]
 MAX_WORLD = 65536
 MAX_SLOTS = 4096
 """Distinct rank identities kept; evidence beyond them goes to the unranked record."""
+MAX_RETAINED = 128 << 20
+"""Trace evidence kept across all ranks, in accounted bytes (line length plus a fixed cost per
+item): the per-rank caps times thousands of ranks would not be a bound on their own."""
+ITEM_COST = 256
 
 
 @dataclass
@@ -93,6 +97,28 @@ class EvidenceBuilder:
         self.pid_ranks: dict[int, int] = {}
         """pid -> global rank, from bundles and capture manifests (py-spy dumps name pids)."""
         self.kv = KvContext()
+        self.retained = 0
+        self.not_retained = 0
+        self.moved_threads: set[tuple[int, str]] = set()
+        """(pid, thread id) of threads a capture saw move between its samples."""
+
+    def add_expected_rank(self, rank: object) -> bool:
+        """Note a rank the job has; only ``0 <= rank < MAX_WORLD`` (inputs are untrusted: a
+        manifest may claim a negative rank or millions of them)."""
+        if isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < MAX_WORLD:
+            self.expected_ranks.add(rank)
+            return True
+        return False
+
+    def retain(self, nbytes: int) -> bool:
+        """Whether an item of trace evidence of about ``nbytes`` may still be kept (the global
+        budget, :data:`MAX_RETAINED`); a refused item is counted and reported."""
+        cost = nbytes + ITEM_COST
+        if self.retained + cost > MAX_RETAINED:
+            self.not_retained += 1
+            return False
+        self.retained += cost
+        return True
 
     def slot(self, hint: RankHint) -> RankEvidence:
         """The record for the rank ``hint`` names (the unranked record if it names none)."""
@@ -122,6 +148,9 @@ class EvidenceBuilder:
 
     def finish(self) -> Evidence:
         """Resolve coordinates to global ranks and merge duplicates."""
+        if self.not_retained:
+            self.problem(f"trace evidence reached its {MAX_RETAINED >> 20} MiB budget: "
+                         f"{self.not_retained} later event(s) were read but not kept")
         topo = self.topology
         tp_size = topo.tp or _max_plus_one(k[1] for k in self._slots if k[0] == "c")
         ranks: dict[int, RankEvidence] = {}
@@ -139,6 +168,10 @@ class EvidenceBuilder:
             else:
                 ranks[rank] = ev
         self._assign_by_pid(ranks)
+        if self.moved_threads:
+            for ev in [*ranks.values(), self.unranked]:
+                for t in ev.threads:
+                    t.moved = t.moved or (t.pid, t.tid) in self.moved_threads
         world = topo.world_size
         expected = set(self.expected_ranks)
         if world is not None:

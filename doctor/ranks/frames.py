@@ -105,7 +105,8 @@ class FrameClassifier:
         if t.fatal:
             return "crashed"
         if self.collective_index(t.frames) is not None:
-            return "blocked"
+            # caught inside a collective, but seen elsewhere a moment later: running
+            return "active" if t.moved else "blocked"
         py = [f for f in t.frames if f.line is not None]
         if py and any(r.match(py[0]) for r in self._idle):
             return "idle"

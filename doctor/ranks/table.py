@@ -18,6 +18,7 @@ from doctor.ranks.exits import describe, stopped_after_dump
 from doctor.ranks.frames import FrameClassifier
 from doctor.report.model import BlockedSite, EvidenceItem, RankRow
 
+MAX_MISSING_ROWS = 32
 _COMM_ERROR = re.compile(r"Timed out waiting|Connection (closed|reset) by peer|NCCL|"
                          r"DistBackendError|DistNetworkError|ChildFailedError|SignalException|"
                          r"ProcessGroup|gloo|Socket Timeout|StepStalled|no scheduler progress")
@@ -90,7 +91,8 @@ def _joined(inner: ExceptionRecord, outer: ExceptionRecord | None) -> list[Frame
 def rank_rows(evidence: Evidence, frames: FrameClassifier) -> list[RankRow]:
     rows = [_row(ev, frames) for ev in evidence.ranks.values()]
     present = set(evidence.ranks)
-    for r in sorted(evidence.expected_ranks - present):
+    # one row per missing rank up to a few; the report lists all of them as ranges
+    for r in sorted(evidence.expected_ranks - present)[:MAX_MISSING_ROWS]:
         rows.append(RankRow(rank=r, role=_role_for(r, evidence), state="missing"))
     return sorted(rows, key=lambda row: row.rank)
 

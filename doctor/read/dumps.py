@@ -9,17 +9,40 @@ names (torch's own analyzer fails on them with a ``KeyError``); here groups are 
 entries' own ``process_group`` and ``pg_config`` is only used for the member list.
 
 Everything tolerates missing or mistyped fields: a bad entry is skipped and counted.
+
+A dump is untrusted input and a pickle can share one object many times (a list of a thousand
+references to a list of a thousand references...), so nothing here calls ``str()`` on a value
+of unknown shape: scalars are formatted, strings are cut (:func:`_text`), sizes are walked with a
+budget (:func:`_sizes`), and entries and frames are read up to fixed counts (``MAX_FR_ENTRIES``,
+``MAX_FRAMES``), so the work per dump is bounded whatever it holds.
 """
 
 from __future__ import annotations
 
-import ast
 from typing import Any
 
-from doctor.evidence import Collective, Frame, RankHint, SourceRef, ThreadStack
-from doctor.ranks.builder import EvidenceBuilder
+from doctor.evidence import (
+    MAX_THREADS,
+    Collective,
+    Frame,
+    RankHint,
+    SourceRef,
+    ThreadStack,
+    clip,
+)
+from doctor.ranks.builder import MAX_WORLD, EvidenceBuilder
 from doctor.ranks.frames import FrameClassifier
 from hicache_runtime.errors import DumpFormatError
+
+MAX_FR_ENTRIES = 20_000
+"""Entries read per dump (torch keeps 2,000 by default); the newest are read."""
+MAX_FRAMES = 128
+"""Frames read per entry or thread, innermost first."""
+MAX_TEXT = 512
+"""Characters kept of a name, state, group or file name."""
+MAX_RANKS_TEXT = 1 << 20
+"""Longest ``pg_config`` ranks string parsed (65,536 ranks written out fit in well under it)."""
+_MAX_SIZES_CHARS = 200
 
 
 def read_torch_fr(data: Any, name: str, hint: RankHint, sink: EvidenceBuilder,
@@ -35,14 +58,18 @@ def read_torch_fr(data: Any, name: str, hint: RankHint, sink: EvidenceBuilder,
         if isinstance(status, dict):
             slot.last_seq[f"pg{pg}"] = {k.replace("_collective", ""): v for k, v in status.items()
                                         if isinstance(v, int)}
+    entries = data["entries"]
+    skip = max(0, len(entries) - MAX_FR_ENTRIES)
+    if skip:
+        sink.problem(f"{name}: {len(entries)} FR entries; the oldest {skip} were not read")
     read = 0
-    for i, e in enumerate(data["entries"]):
-        c = _torch_entry(e, i, SourceRef(name, None), frames)
+    for i in range(skip, len(entries)):
+        c = _torch_entry(entries[i], i, SourceRef(name, None), frames)
         if c is not None:
             slot.add_collective(c)
             read += 1
-    if read < len(data["entries"]):
-        sink.problem(f"{name}: skipped {len(data['entries']) - read} malformed FR entries")
+    if read < len(entries) - skip:
+        sink.problem(f"{name}: skipped {len(entries) - skip - read} malformed FR entries")
     return read
 
 
@@ -51,23 +78,38 @@ def _torch_entry(e: Any, index: int, src: SourceRef,
     if not isinstance(e, dict):
         return None
     pg = e.get("process_group")
-    group = str(pg[0]) if isinstance(pg, (list, tuple)) and pg else str(e.get("pg_id", "?"))
+    group = _text(pg[0]) if isinstance(pg, (list, tuple)) and pg else _text(e.get("pg_id", "?"))
     is_p2p = bool(e.get("is_p2p"))
     seq = e.get("p2p_seq_id" if is_p2p else "collective_seq_id")
     if not isinstance(seq, int):
         return None
-    op = str(e.get("profiling_name", "?")).split(":", 1)[-1].split(" ", 1)[0]
-    stack = [Frame(str(f.get("name", "?")), str(f.get("filename", "?")),
-                   f.get("line") if isinstance(f.get("line"), int) else None)
-             for f in e.get("frames") or [] if isinstance(f, dict)]
+    op = _text(e.get("profiling_name", "?")).split(":", 1)[-1].split(" ", 1)[0]
+    raw_frames = e.get("frames")
+    stack = [_frame(f.get("name"), f.get("filename"), f.get("line"))
+             for f in (raw_frames[:MAX_FRAMES] if isinstance(raw_frames, list) else ())
+             if isinstance(f, dict)]
     site = frames.call_site(stack) or frames.innermost_in_app(stack)
     return Collective(group=("p2p:" if is_p2p else "") + group, seq=seq, op=op,
-                      state=str(e.get("state", "?")), sizes=_sizes(e.get("input_sizes")),
-                      site=site, source=src, thread=str(e.get("thread_name", "")),
+                      state=_text(e.get("state", "?")), sizes=_sizes(e.get("input_sizes")),
+                      site=site, source=src, thread=_text(e.get("thread_name", "")),
                       order=rid if isinstance(rid := e.get("record_id"), int) else index)
 
 
-_MAX_SIZES_CHARS = 200
+def _text(value: Any, limit: int = MAX_TEXT) -> str:
+    """A string field as text, bounded; a scalar formatted; anything else ``?`` (``str()`` of a
+    container with shared references can expand a few bytes of pickle into gigabytes)."""
+    if isinstance(value, str):
+        return clip(value, limit)
+    if value is None or isinstance(value, (bool, int, float)):
+        text = str(value) if not isinstance(value, int) or abs(value) < 10 ** 30 else "?"
+        return text[:limit]
+    return "?"
+
+
+def _frame(name: Any, filename: Any, line: Any) -> Frame:
+    ok = isinstance(line, int) and not isinstance(line, bool) and 0 < line < 1 << 31
+    return Frame(_text(name if name is not None else "?"),
+                 _text(filename if filename is not None else "?"), line if ok else None)
 
 
 def _sizes(value: Any) -> str:
@@ -90,7 +132,7 @@ def _sizes(value: Any) -> str:
                 walk(item, depth + 1)
             out.append("]")
             return
-        text = str(v) if isinstance(v, (int, float, bool)) or v is None else "?"
+        text = _text(v, 32) if not isinstance(v, str) else "?"
         out.append(text)
         budget[0] -= len(text) + 2
 
@@ -104,12 +146,37 @@ def _fr_members(pg_config: Any, sink: EvidenceBuilder) -> None:
     for cfg in _dict(pg_config).values():
         ranks = cfg.get("ranks") if isinstance(cfg, dict) else None
         if isinstance(ranks, str):
-            try:
-                ranks = ast.literal_eval(ranks)
-            except (ValueError, SyntaxError):
-                ranks = None
-        if isinstance(ranks, (list, tuple)) and all(isinstance(r, int) for r in ranks):
-            sink.expected_ranks |= {r for r in ranks if 0 <= r < 1 << 16}
+            ranks = parse_rank_list(ranks)
+        if isinstance(ranks, (list, tuple)) and len(ranks) <= MAX_WORLD \
+                and all(isinstance(r, int) for r in ranks):
+            for r in ranks:
+                sink.add_expected_rank(r)
+
+
+def parse_rank_list(text: str) -> list[int] | None:
+    """``"[0, 1, 2]"`` (how torch writes ``pg_config.ranks``) as a list of ints, else ``None``.
+    Only a bracketed, comma-separated list of non-negative decimal ints is accepted, of bounded
+    length: never an expression (``ast.literal_eval`` of ``"1+1+..."`` runs out of memory)."""
+    if len(text) > MAX_RANKS_TEXT:
+        return None
+    body = text.strip()
+    if len(body) < 2 or body[0] + body[-1] not in ("[]", "()"):
+        return None
+    body = body[1:-1].strip()
+    if not body:
+        return []
+    items = body.split(",")
+    if len(items) > 1 and not items[-1].strip():  # "(0,)"
+        items.pop()
+    if len(items) > MAX_WORLD:
+        return None
+    out: list[int] = []
+    for item in items:
+        item = item.strip()
+        if not (item.isascii() and item.isdigit()) or len(item) > 9:
+            return None
+        out.append(int(item))
+    return out
 
 
 def read_runtime_fr(data: Any, name: str, hint: RankHint, sink: EvidenceBuilder) -> int:
@@ -119,15 +186,16 @@ def read_runtime_fr(data: Any, name: str, hint: RankHint, sink: EvidenceBuilder)
     slot = sink.slot(hint)
     slot.kinds.add("fr")
     read = 0
-    for i, e in enumerate(data):
+    skip = max(0, len(data) - MAX_FR_ENTRIES)
+    for i in range(skip, len(data)):
+        e = data[i]
         if not isinstance(e, dict) or not isinstance(e.get("seq"), int):
             continue
-        site = _site(str(e.get("site", "")))
-        shapes = e.get("shapes", [])
+        site = _site(_text(e.get("site", "")))
         slot.add_collective(Collective(
-            group=str(e.get("group", "?")), seq=e["seq"], op=str(e.get("op", "?")),
-            state=str(e.get("state", "?")), sizes=str(shapes), site=site,
-            source=SourceRef(name, i + 1), thread=str(e.get("thread", "")),
+            group=_text(e.get("group", "?")), seq=e["seq"], op=_text(e.get("op", "?")),
+            state=_text(e.get("state", "?")), sizes=_sizes(e.get("shapes", [])), site=site,
+            source=SourceRef(name, i + 1), thread=_text(e.get("thread", "")),
             peer=_peer(e.get("peer")), order=i))
         read += 1
     return read
@@ -165,22 +233,25 @@ def read_pyspy_json(data: Any, name: str, hint: RankHint, sink: EvidenceBuilder)
     slot = sink.slot(hint)
     slot.kinds.add("pyspy")
     read = 0
-    for t in data:
+    for t in data[:MAX_THREADS]:
         if not isinstance(t, dict) or not isinstance(t.get("frames"), list):
             continue
-        frames = [Frame(str(f.get("name", "?")), str(f.get("filename") or f.get(
-            "short_filename") or "?"), f.get("line") if isinstance(f.get("line"), int)
-            and f.get("line") > 0 else None) for f in t["frames"] if isinstance(f, dict)]
-        pid = t.get("pid") if isinstance(t.get("pid"), int) else None
+        frames = [_frame(f.get("name"), f.get("filename") or f.get("short_filename"),
+                         f.get("line")) for f in t["frames"][:MAX_FRAMES] if isinstance(f, dict)]
+        pid = t.get("pid") if _is_id(t.get("pid")) else None
+        tid = t.get("os_thread_id") or t.get("thread_id") or "?"
         slot.threads.append(ThreadStack(
-            name=str(t.get("thread_name") or ""), tid=str(t.get("os_thread_id") or
-                                                         t.get("thread_id") or "?"),
-            frames=frames, source=SourceRef(name, None), origin="pyspy",
-            idle=not bool(t.get("active", False)), pid=pid))
+            name=_text(t.get("thread_name") or ""), tid=_text(tid, 64), frames=frames,
+            source=SourceRef(name, None), origin="pyspy", idle=not bool(t.get("active", False)),
+            pid=pid))
         if pid is not None and slot.pid is None:
             slot.pid = pid
         read += 1
     return read
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 63
 
 
 def _dict(value: Any) -> dict[str, Any]:

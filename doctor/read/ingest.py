@@ -15,28 +15,34 @@ import gzip
 import io
 import json
 import os
+import stat
 import sys
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from doctor.evidence import InputRecord, RankHint
+from doctor.evidence import MAX_NAME, InputRecord, RankHint, clip
 from doctor.ranks.builder import EvidenceBuilder
 from doctor.ranks.frames import classifier_for
-from doctor.read.bundle import read_capture, read_manifest
+from doctor.read.bundle import MAX_MANIFEST_BYTES, read_capture, read_manifest
 from doctor.read.dumps import read_pyspy_json, read_runtime_fr, read_torch_fr
 from doctor.read.lines import LineHandler
 from doctor.read.logscan import LogScanner
 from doctor.read.pages import HtmlText
 from doctor.read.rankid import path_hint
-from doctor.read.safe_pickle import MAX_PICKLE_BYTES, load_plain
+from doctor.read.safe_pickle import MAX_BUILD_COST, MAX_PICKLE_BYTES, load_plain
 from doctor.read.sniff import HEAD_BYTES, Kind, sniff
 from doctor.read.trace import read_events, read_state
 from hicache_runtime.errors import DumpFormatError
+from hicache_runtime.jsonl import describe_mode
 from signatures.models import Catalog
 
 MAX_JSON_BYTES = 64 << 20
+GZIP_BASE = 1 << 30
+GZIP_RATIO = 200
+EMPTY = "empty"
+"""The kind of an input with nothing in it (an empty file or directory)."""
 MAX_FILES = 100_000
 MAX_DEPTH = 16
 _SKIP_DIRS = {".git", "__pycache__", ".venv", "node_modules"}
@@ -72,18 +78,30 @@ class Ingester:
         self.bytes = 0
 
     def add_path(self, arg: str) -> None:
-        """A command-line input: ``-`` (stdin), a file, or a directory."""
+        """A command-line input: ``-`` (stdin), a file, a FIFO (``<(zcat log.gz)``) or a
+        directory. Anything else (a device such as ``/dev/zero``, a socket) is not read."""
         if arg == "-":
             self._read_one("<stdin>", sys.stdin.buffer, depth=0)
             return
         path = Path(arg)
-        if path.is_dir():
+        try:
+            mode = path.stat().st_mode
+        except OSError as exc:
+            why = "not found" if isinstance(exc, FileNotFoundError) else \
+                f"cannot read: {exc.strerror or exc}"
+            self.sink.inputs.append(InputRecord(arg, "?", "error", why))
+            return
+        if stat.S_ISDIR(mode):
+            count = len(self.sink.inputs)
             for f in _walk(path, self.sink):
                 self._read_file(f, display=str(f))
-        elif path.is_file():
+            if len(self.sink.inputs) == count:  # like an empty file: read, nothing in it
+                self.sink.inputs.append(InputRecord(arg, EMPTY, "read", "empty directory"))
+        elif stat.S_ISREG(mode) or stat.S_ISFIFO(mode):
             self._read_file(path, display=arg)
         else:
-            self.sink.inputs.append(InputRecord(arg, "?", "error", "no such file or directory"))
+            self.sink.inputs.append(InputRecord(
+                arg, "?", "error", f"not a regular file ({describe_mode(mode)}); not read"))
 
     def add_stream(self, name: str, stream: BinaryIO) -> None:
         """An already open stream (tests, stdin)."""
@@ -102,6 +120,10 @@ class Ingester:
             head = stream.read(HEAD_BYTES)
         except (OSError, EOFError, tarfile.TarError, gzip.BadGzipFile) as exc:
             self.sink.inputs.append(InputRecord(name, "?", "error", f"cannot read: {exc}"))
+            return
+        if not head:
+            self.sink.inputs.append(InputRecord(name, EMPTY, "read", "empty",
+                                                rank=path_hint(name).rank))
             return
         kind = sniff(name, head)
         record = InputRecord(name, kind.value, "read", rank=path_hint(name).rank)
@@ -134,13 +156,15 @@ class Ingester:
         if kind is Kind.DIAGNOSIS:
             return "a doctor report (output, not evidence); skipped"
         if kind in (Kind.TAR, Kind.GZIP):
-            return self._archive(kind, name, body, depth)
+            return self._archive(kind, name, head, body, depth)
         if kind is Kind.EVENTS:
             return f"{read_events(body, name, hint, self.sink)} events kept"
         return self._structured(kind, name, body, hint)
 
     def _structured(self, kind: Kind, name: str, body: BinaryIO, hint: RankHint) -> str | None:
         limit = MAX_PICKLE_BYTES if kind is Kind.TORCH_FR else MAX_JSON_BYTES
+        if kind in (Kind.MANIFEST, Kind.CAPTURE, Kind.STATE):
+            limit = MAX_MANIFEST_BYTES
         raw = body.read(limit + 1)
         if len(raw) > limit:
             raise DumpFormatError(f"larger than {limit >> 20} MiB; skipped")
@@ -161,26 +185,79 @@ class Ingester:
             return f"{read_pyspy_json(data, name, hint, self.sink)} threads"
         if kind is Kind.RUNTIME_FR:
             return f"{read_runtime_fr(data, name, hint, self.sink)} records"
+        if not self.sink.retain(len(raw)):
+            raise DumpFormatError("over the evidence budget; state snapshot not kept")
         read_state(data, name, hint, self.sink)
         return None
 
-    def _archive(self, kind: Kind, name: str, body: BinaryIO, depth: int) -> str:
+    def _archive(self, kind: Kind, name: str, head: bytes, body: BinaryIO, depth: int) -> str:
         if depth >= 2:
             raise DumpFormatError("archive nested too deeply; skipped")
         if kind is Kind.GZIP:
             inner = name[:-3] if name.endswith(".gz") else name + "!gunzip"
-            self._read_one(inner, gzip.GzipFile(fileobj=body), depth + 1)
-            return "gzip stream"
+            stream = _Inflated(body)
+            self._read_one(inner, stream, depth + 1)
+            if stream.cut:
+                self.sink.problem(stream.cut_message(name))
+            return "gzip stream" + (" (cut: expands too far)" if stream.cut else "")
         count = 0
-        with tarfile.open(fileobj=body, mode="r|*") as tar:
+        inflated = _Inflated(body) if head[:2] == b"\x1f\x8b" else None
+        with tarfile.open(fileobj=inflated or body, mode="r|" if inflated else "r|*") as tar:
             for member in tar:
                 if not member.isfile() or count >= MAX_FILES:
                     continue
                 fh = tar.extractfile(member)
                 if fh is not None:
                     count += 1
-                    self._read_one(f"{name}!{member.name}", fh, depth + 1)
+                    self._read_one(clip(f"{name}!{member.name}", MAX_NAME), fh, depth + 1)
+        if inflated is not None and inflated.cut:
+            self.sink.problem(inflated.cut_message(name))
         return f"{count} member(s)"
+
+
+class _Counting(io.RawIOBase):
+    """Counts the bytes read from a stream (the compressed side of a gzip stream)."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self._raw, self.count = raw, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: bytearray) -> int:  # type: ignore[override]
+        data = self._raw.read(len(b))
+        b[:len(data)] = data
+        self.count += len(data)
+        return len(data)
+
+
+class _Inflated(io.RawIOBase):
+    """A gzip stream that ends early (``cut``) once it has expanded past
+    ``GZIP_BASE + GZIP_RATIO * compressed bytes read``: a few MB of compressed zeros must not
+    cost the time of reading terabytes. Real logs compress 5-20 times."""
+
+    def __init__(self, body: BinaryIO) -> None:
+        self._compressed = _Counting(body)
+        self._gz = gzip.GzipFile(fileobj=io.BufferedReader(self._compressed, 1 << 16))
+        self.out = 0
+        self.cut = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: bytearray) -> int:  # type: ignore[override]
+        if self.cut:
+            return 0
+        data = self._gz.read(len(b))
+        self.out += len(data)
+        if self.out > GZIP_BASE + GZIP_RATIO * self._compressed.count:
+            self.cut = True
+        b[:len(data)] = data
+        return len(data)
+
+    def cut_message(self, name: str) -> str:
+        return (f"{name}: decompressed {self.out >> 20} MiB from {self._compressed.count >> 10} "
+                f"KiB, more than {GZIP_RATIO} times; the rest was not read")
 
 
 def _rewound(stream: BinaryIO, head: bytes) -> BinaryIO:
@@ -212,10 +289,17 @@ def _walk(root: Path, sink: EvidenceBuilder) -> Iterator[Path]:
 
 
 def _json(raw: bytes) -> object:
+    """Parse ``raw`` unless it would build more than ``MAX_BUILD_COST`` of objects: 64 MiB of
+    ``[[],[],...]`` is 20 million lists (counted with ``bytes.count``, before parsing)."""
+    cost = (len(raw) + 72 * (raw.count(b"[") + raw.count(b"{"))
+            + 16 * (raw.count(b",") + raw.count(b":")))
+    if cost > MAX_BUILD_COST:
+        raise DumpFormatError(f"JSON that would build more than {MAX_BUILD_COST >> 20} MiB of "
+                              "objects; skipped")
     try:
         return json.loads(raw)
-    except ValueError as exc:
-        raise DumpFormatError(f"invalid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:
+        raise DumpFormatError(f"invalid JSON ({str(exc)[:200]})") from None
 
 
 def _text_kind(name: str) -> str:

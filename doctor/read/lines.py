@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 
 from doctor.evidence import (
+    MAX_EXITS,
     ExceptionRecord,
     ExitRecord,
     HitStats,
@@ -201,8 +202,10 @@ class LineHandler:
                 slot.kinds.add(t.origin)
 
             def on_exit(rank: int, rec: ExitRecord) -> None:
-                self.sink.slot(RankHint(rank=rank)).exits.append(rec)
-                self.sink.expected_ranks.add(rank)
+                if self.sink.add_expected_rank(rank):
+                    exits = self.sink.slot(RankHint(rank=rank)).exits
+                    if len(exits) < MAX_EXITS:
+                        exits.append(rec)
 
             holder.append(PySpyTextParser(on_thread))
             claimed: list[_Stream] = []

@@ -12,7 +12,12 @@ by construction, in two independent layers:
    scan cannot resolve a callable.
 
 What remains can only produce dict, list, tuple, set, frozenset, str, bytes, bytearray, int,
-float, bool and None. Sizes are bounded before loading and nesting is bounded after.
+float, bool and None. Memory is bounded before anything is built: the file size
+(``MAX_PICKLE_BYTES``) and, during the same opcode scan, what loading would allocate
+(``MAX_BUILD_COST``: a fixed cost per value pushed, more per container, plus the bytes of every
+string), so a small pickle of a million empty lists is refused before it is loaded. After
+loading, nesting depth and the number of values reachable (counting a shared object once per
+reference, which is what a consumer walking it would pay) are bounded.
 """
 
 from __future__ import annotations
@@ -20,11 +25,20 @@ from __future__ import annotations
 import io
 import pickle
 import pickletools
+from collections.abc import Iterator
 from typing import Any
 
 from hicache_runtime.errors import DumpFormatError
 
-MAX_PICKLE_BYTES = 256 << 20
+MAX_PICKLE_BYTES = 64 << 20
+MAX_BUILD_COST = 256 << 20
+"""Accounted bytes loading may allocate (see the module docstring)."""
+_CONTAINER_OPS = frozenset({
+    "EMPTY_LIST", "EMPTY_DICT", "EMPTY_TUPLE", "EMPTY_SET", "LIST", "DICT", "TUPLE", "TUPLE1",
+    "TUPLE2", "TUPLE3", "FROZENSET", "MARK",
+})
+_OP_COST, _CONTAINER_COST = 16, 72
+MAX_VALUES = 5_000_000
 _FORBIDDEN = frozenset({
     "GLOBAL", "STACK_GLOBAL", "REDUCE", "BUILD", "INST", "OBJ", "NEWOBJ", "NEWOBJ_EX",
     "EXT1", "EXT2", "EXT4", "PERSID", "BINPERSID", "READONLY_BUFFER", "NEXT_BUFFER",
@@ -45,11 +59,18 @@ def load_plain(data: bytes) -> Any:
     if len(data) > MAX_PICKLE_BYTES:
         raise DumpFormatError(f"pickle of {len(data)} bytes is larger than the "
                               f"{MAX_PICKLE_BYTES >> 20} MiB limit")
+    cost = 0
     try:
-        for op, _arg, _pos in pickletools.genops(data):
+        for op, arg, _pos in pickletools.genops(data):
             if op.name in _FORBIDDEN:
                 raise DumpFormatError(f"pickle uses {op.name}: it would import or call code, "
                                       "refused (only plain data is read)")
+            cost += _CONTAINER_COST if op.name in _CONTAINER_OPS else _OP_COST
+            if isinstance(arg, (str, bytes, bytearray)):
+                cost += len(arg)
+            if cost > MAX_BUILD_COST:
+                raise DumpFormatError(f"pickle would build more than {MAX_BUILD_COST >> 20} MiB "
+                                      "of objects; refused")
     except DumpFormatError:
         raise
     except Exception as exc:  # truncated or corrupt opcode stream
@@ -63,17 +84,31 @@ def load_plain(data: bytes) -> Any:
 
 
 def _check_depth(value: Any) -> None:
-    """Reject absurd nesting (a list nested 10**5 deep breaks recursive consumers)."""
-    stack: list[tuple[Any, int]] = [(value, 0)]
-    seen = 0
+    """Reject absurd nesting (a list nested 10**5 deep breaks recursive consumers) and values
+    that reach more than ``MAX_VALUES`` items. Depth-first with one iterator per open
+    container, so the walk itself holds at most ``_MAX_DEPTH`` iterators."""
+    if not isinstance(value, _CONTAINERS):
+        return
+    stack: list[Iterator[Any]] = [_children(value)]
+    seen = 1
     while stack:
-        item, depth = stack.pop()
+        item = next(stack[-1], _END)
+        if item is _END:
+            stack.pop()
+            continue
         seen += 1
-        if depth > _MAX_DEPTH:
-            raise DumpFormatError(f"pickle nests deeper than {_MAX_DEPTH} levels")
-        if seen > 5_000_000:
-            raise DumpFormatError("pickle holds more than 5,000,000 values")
-        if isinstance(item, dict):
-            stack.extend((v, depth + 1) for v in item.values())
-        elif isinstance(item, (list, tuple, set, frozenset)):
-            stack.extend((v, depth + 1) for v in item)
+        if seen > MAX_VALUES:
+            raise DumpFormatError(f"pickle holds more than {MAX_VALUES:,} values (counting "
+                                  "each reference to a shared object); refused")
+        if isinstance(item, _CONTAINERS):
+            if len(stack) >= _MAX_DEPTH:
+                raise DumpFormatError(f"pickle nests deeper than {_MAX_DEPTH} levels")
+            stack.append(_children(item))
+
+
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+_END = object()
+
+
+def _children(value: Any) -> Iterator[Any]:
+    return iter(value.values()) if isinstance(value, dict) else iter(value)

@@ -20,6 +20,7 @@ from typing import Any, BinaryIO
 
 from doctor.evidence import MAX_ARRIVALS, Decision, RankHint, SourceRef
 from doctor.ranks.builder import EvidenceBuilder
+from hicache_runtime.jsonl import iter_lines
 from hicache_runtime.tracing import Ev
 
 #: kind -> (attribute naming the decision's subject or None, attributes that must agree)
@@ -54,8 +55,8 @@ MAX_TRACE_LINE = 1 << 20
 def read_events(stream: BinaryIO, name: str, hint: RankHint, sink: EvidenceBuilder) -> int:
     """Stream one JSONL trace; returns the events kept. Each event names its own rank."""
     kept = bad = 0
-    for lineno, raw in enumerate(stream, start=1):
-        if len(raw) > MAX_TRACE_LINE:
+    for lineno, raw in iter_lines(stream, MAX_TRACE_LINE):
+        if raw is None:  # over-long: skipped as it streamed past, never held whole
             bad += 1
             continue
         i = raw.find(_KIND)
@@ -68,10 +69,11 @@ def read_events(stream: BinaryIO, name: str, hint: RankHint, sink: EvidenceBuild
             continue
         try:
             ev = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             bad += 1
             continue
-        if isinstance(ev, dict) and _file_event(ev, SourceRef(name, lineno), hint, sink):
+        if isinstance(ev, dict) and _file_event(ev, SourceRef(name, lineno), hint, sink,
+                                                len(raw)):
             kept += 1
     if bad:
         sink.problem(f"{name}: skipped {bad} malformed trace line(s)")
@@ -79,9 +81,9 @@ def read_events(stream: BinaryIO, name: str, hint: RankHint, sink: EvidenceBuild
 
 
 def _file_event(ev: dict[str, Any], src: SourceRef, hint: RankHint,
-                sink: EvidenceBuilder) -> bool:
+                sink: EvidenceBuilder, nbytes: int) -> bool:
     kind, attrs = ev.get("kind"), ev.get("attrs")
-    if not isinstance(kind, str) or not isinstance(attrs, dict):
+    if not isinstance(kind, str) or not isinstance(attrs, dict) or not sink.retain(nbytes):
         return False
     own = RankHint(rank=_int(ev.get("rank")), tp=_int(ev.get("tp")), pp=_int(ev.get("pp")))
     slot = sink.slot(own.merged(hint))

@@ -10,6 +10,7 @@ an input named it, else with a placeholder and the way to find the pid.
 from __future__ import annotations
 
 from doctor.ranks.builder import Evidence
+from doctor.report.bounds import rank_ranges
 from doctor.report.model import MissingItem, RankRow
 
 MAX_ITEMS = 32
@@ -24,10 +25,13 @@ def missing_items(ev: Evidence, rows: list[RankRow], hang: bool) -> list[Missing
     missing = sorted(ev.expected_ranks - set(ev.ranks))
     if missing:
         items.append(MissingItem(
-            rank=None, what=f"ranks {missing}: no evidence at all",
+            rank=None, what=f"rank{'s' if len(missing) > 1 else ''} {rank_ranges(missing)}: "
+                            "no evidence at all",
             command="hicache capture --tree <launcher pid> --log <server log> --out capture/  "
                     "# all ranks' stacks at once, while the job is still up"))
     for r in missing:
+        if len(items) >= MAX_ITEMS:
+            break
         items += _for_missing_rank(ev, r, pids.get(r))
     if hang:
         for row in rows:

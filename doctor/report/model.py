@@ -6,7 +6,11 @@ stable within a major ``schema_version``: fields are only added. The top verdict
 ``verdicts[0]`` (``signature``, ``confidence``, ``evidence`` with input file and line).
 
 Exit codes (``Diagnosis.exit_code``): 0 a known signature was named; 1 the inputs were read but
-no known signature fits; 2 bad usage or no readable input.
+no known signature fits (an empty file or directory included: nothing in it is a failure); 2 bad
+usage or no readable input (every input missing or unreadable).
+
+Every text is at most ``bounds.MAX_TEXT`` characters (cut with a marker) and rank lists are
+bounded (:mod:`doctor.report.bounds`): the report is drawn from untrusted inputs.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-DIAGNOSIS_SCHEMA_VERSION = "1.1"
+DIAGNOSIS_SCHEMA_VERSION = "1.2"
 DIAGNOSIS_KIND = "hicache-diagnosis"
 EXIT_DIAGNOSED, EXIT_NO_SIGNATURE, EXIT_UNREADABLE = 0, 1, 2
 
@@ -175,6 +179,10 @@ class Diagnosis(BaseModel):
     first_divergence: Divergence | None = None
     missing: list[MissingItem] = []
     missing_ranks: list[int] = []
+    """The first ``MAX_LISTED_RANKS`` missing ranks (all of them: ``missing_rank_count``)."""
+    missing_rank_count: int = 0
+    missing_rank_ranges: str = ""
+    """The missing ranks as ranges (``0-3, 7``); added in 1.2."""
     topology: dict[str, Any] = {}
     inputs: list[InputSummary] = []
     problems: list[str] = []

@@ -39,7 +39,8 @@ def observations(ev: Evidence, facts: FactSet, rows: list[RankRow], sites: list[
     out += _timeouts(ev, facts)
     if not out:
         out += _unranked_stacks(ev) or _error_lines(ev)
-    if not out and not ev.ranks and not ev.unranked.exceptions and not ev.unranked.hits:
+    if not out and not ev.ranks and not ev.unranked.exceptions and not ev.unranked.hits \
+            and any(i.status == "read" for i in ev.inputs):
         out.append("The inputs hold no failure evidence the doctor recognises.")
     return out
 
