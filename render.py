@@ -195,8 +195,8 @@ def key_values(title: str, data: dict[str, Any]) -> None:
 from rich.markup import escape as esc  # noqa: E402 - evidence text is data, never markup
 
 SEVERITY_STYLE = {"critical": STYLE_BAD, "high": STYLE_BAD, "medium": STYLE_WARN, "low": STYLE_DIM}
-#: Console width from which tables show every column side by side.
-WIDE = 120
+#: Console width from which the campaign summary shows every column side by side.
+WIDE = 150
 
 STATE_STYLE = {"crashed": STYLE_BAD, "blocked": STYLE_WARN, "missing": STYLE_BAD,
                "exited": STYLE_BAD, "failed": STYLE_WARN, "idle": STYLE_DIM,
@@ -416,15 +416,19 @@ def _cell_line(r: Any) -> str:
 def campaign_summary(result: Any) -> None:
     con = console()
     # No ``expand``/``ratio``: rich gives ratio columns their share with no regard for
-    # ``min_width``, which folded cells to a character per line on narrow terminals. The bundle
-    # column only fits wide terminals; the bundle root (and each failing cell's bundle) is
-    # printed below the table in any case.
+    # ``min_width``, which folded cells to a character per line on narrow terminals. Below
+    # WIDE the expectation, the observation and the outcome share one column (signature ids
+    # stay whole at 80 columns) and the bundle column is left out: the bundle root (and each
+    # failing cell's bundle) is printed below the table in any case.
     wide = con.width >= WIDE
     table = Table(title=f"campaign {esc(result.name)}", title_justify="left")
     _long(table, "cell")
-    _long(table, "expected")
-    _long(table, "observed")
-    _short(table, "outcome")
+    if wide:
+        _long(table, "expected")
+        _long(table, "observed")
+        _short(table, "outcome")
+    else:
+        _long(table, "expected / observed")
     _short(table, "wall s", justify="right")
     _short(table, "result")
     if wide:
@@ -432,13 +436,16 @@ def campaign_summary(result: Any) -> None:
     for c in result.cells:
         obs = c.observed + (f" ({c.confidence:.2f})" if c.confidence is not None else "")
         mark = f"[{STYLE_OK}]pass[/]" if c.passed else f"[{STYLE_BAD}]FAIL[/]"
-        row = [esc(c.id), esc(c.expect.replace("|", " | ")), esc(obs),
-               f"[{OUTCOME_STYLE.get(c.outcome, STYLE_WARN)}]{c.outcome}[/]",
-               f"{c.wall_s:.1f}", mark]
+        outcome = f"[{OUTCOME_STYLE.get(c.outcome, STYLE_WARN)}]{c.outcome}[/]"
+        expect = esc(c.expect.replace("|", " | "))
         if wide:
-            row.append(esc(Path(c.bundle).name) if c.bundle else "")
+            row = [esc(c.id), expect, esc(obs), outcome, f"{c.wall_s:.1f}", mark,
+                   esc(Path(c.bundle).name) if c.bundle else ""]
+        else:
+            row = [esc(c.id), f"{expect}\n→ {esc(obs)}, {outcome}", f"{c.wall_s:.1f}", mark]
         table.add_row(*row)
-    con.print(_fit(con, table, {"cell": 16, "expected": 10, "observed": 10, "bundle": 12}))
+    con.print(_fit(con, table, {"cell": 16, "expected": 10, "observed": 10, "bundle": 12,
+                                "expected / observed": 16}))
     style = STYLE_OK if result.failed == 0 else STYLE_BAD
     con.print(f"[{style}]{result.passed} of {len(result.cells)} cells behaved as expected[/] "
               f"in {result.wall_s:.0f}s")

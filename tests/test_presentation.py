@@ -128,7 +128,7 @@ def _check_tables(text: str, width: int, tables: int) -> None:
             assert inner >= min(4, len(head)), f"a column {inner} wide in\n" + "\n".join(box)
 
 
-@pytest.mark.parametrize("width", [80, 100, 132])
+@pytest.mark.parametrize("width", [80, 100, 132, 160])
 def test_tables_fit_the_terminal_with_every_header(width: int, monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.delenv("TERMINAL_WIDTH", raising=False)
