@@ -29,7 +29,7 @@ from hicache_runtime.pools import DeviceKVPool, HostKVPool, KVShape
 from hicache_runtime.radix_tree import RadixTree
 from hicache_runtime.scheduler import Scheduler
 from hicache_runtime.storage.keys import model_id
-from hicache_runtime.storage.pages import PageCodec, SidecarCodec
+from hicache_runtime.storage.pages import PageCodec, SidecarCodec, max_payload_bytes
 from hicache_runtime.storage.registry import make_backend
 from hicache_runtime.sync import RankSync, SingleRankSync
 from hicache_runtime.topology import RankInfo
@@ -136,15 +136,17 @@ def build_rank(cfg: RuntimeConfig, rank: RankInfo | None = None, *,
 def _attach_l3(rt: RankRuntime, cache: HiCache, host_pool: HostKVPool) -> None:
     """Build the L3 backend, its threads and the scheduler-side tier, and start them."""
     cfg = rt.cfg
-    backend = make_backend(cfg.storage, rt.rank, model=model_id(cfg.model),
-                           required=cfg.storage.required, faults=rt.faults, tracer=rt.tracer,
-                           step=lambda: rt.tracer.step)
-    assert backend is not None
     offsets = {"layer_start": rt.model.layers_range.start,
                "head_start": rt.model.kv_heads.start}
     codec = PageCodec.for_pool(host_pool, **offsets)
     sidecars = {name: SidecarCodec.for_pool(host_pool, name, **offsets)
                 for name in cfg.model.sidecars}
+    # store contents are untrusted: the backend never reads more than this rank's largest page
+    backend = make_backend(cfg.storage, rt.rank, model=model_id(cfg.model),
+                           required=cfg.storage.required, faults=rt.faults, tracer=rt.tracer,
+                           step=lambda: rt.tracer.step,
+                           max_payload_bytes=max_payload_bytes(codec, *sidecars.values()))
+    assert backend is not None
     workers = StorageWorkers(cfg.storage, backend, codec, host_pool, rt.sync, rt.tracer,
                              rt.rank, cfg.legacy, rt.faults, rt.aborts.request, sidecars)
     cache.l3 = L3Tier(cfg.storage, cache, workers)
