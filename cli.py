@@ -229,6 +229,7 @@ def _check_machine(cfg: Any) -> None:
     rank started (a typo in --device-tokens must not end in an allocator traceback)."""
     from hicache_runtime.config import check_run_limits
 
+    check_run_limits(cfg, memory=False)  # sizes first: no need to wait for torch to load
     accelerator, device_free = False, None
     import torch
 
