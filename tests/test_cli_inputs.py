@@ -252,3 +252,33 @@ def test_a_small_run_still_works_under_the_cap(tmp_path: Path) -> None:
     """The limits refuse what cannot fit, not ordinary runs."""
     res = hicache(["run", *SMALL, "--no-compare", "--json"], tmp_path, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+# --- the memory estimate -----------------------------------------------------------------------
+
+
+def test_the_memory_estimate_matches_the_pools_a_rank_allocates() -> None:
+    from hicache_runtime.config import load_config, memory_need
+    from hicache_runtime.rank import build_rank
+
+    cfg = load_config({"cache.device_tokens": 512, "cache.host_tokens": 1024,
+                       "model.sidecars": ["all_pages", "trailing_pages"]})
+    rt = build_rank(cfg)
+    try:
+        assert rt.host_pool is not None
+        pools = [rt.device_pool, rt.host_pool]
+        allocated = [sum(t.nbytes for t in (p.k, p.v, *p.aux.values())) for p in pools]
+    finally:
+        rt.close()
+    need = memory_need(cfg)
+    assert (need.device_pools, need.host_pools) == tuple(allocated)
+
+
+def test_device_pools_on_an_accelerator_are_checked_against_its_free_memory() -> None:
+    from hicache_runtime.config import check_run_limits, load_config
+    from hicache_runtime.errors import ConfigError
+
+    cfg = load_config({"cache.device_tokens": 1 << 16})
+    check_run_limits(cfg, accelerator=True, device_free=64 << 30)
+    with pytest.raises(ConfigError, match=r"cache.device_tokens: .* the accelerator has"):
+        check_run_limits(cfg, accelerator=True, device_free=16 << 20)
