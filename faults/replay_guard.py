@@ -10,7 +10,8 @@ Bundles travel between people (attached to issues, sent to on-call), so ``hicach
   directory), and a bundle that names a Redis server replays against a private file store
   unless the user names a server with ``--storage-url``;
 * what the run costs is capped (:data:`MAX_WORLD_SIZE` ranks, :data:`CAPS` for requests, pool
-  and model sizes, timeouts), with a one-line error beyond;
+  and model sizes, timeouts; then the memory its pools and weights need against what this
+  machine has, as for any run), with a one-line error beyond;
 * fault specs are checked strictly: kinds that exist and parameters that fit them (the
   config model), request-id globs of a small character set, bounded lags, at most
   :data:`MAX_FAULTS` specs.
@@ -36,7 +37,7 @@ from pydantic import BaseModel, ValidationError
 
 from faults.spec import FaultKind, FaultSpec
 from hicache_runtime.bundle import MANIFEST, Manifest
-from hicache_runtime.config import RuntimeConfig, load_config
+from hicache_runtime.config import RuntimeConfig, check_run_limits, load_config
 from hicache_runtime.errors import ConfigError, DumpFormatError
 
 MAX_MANIFEST_BYTES = 4 << 20
@@ -178,6 +179,11 @@ def guard_config(raw: dict[str, Any], *, storage_url: str | None = None) -> Guar
         raise ConfigError("bundle", f"its config does not validate: "
                                     f"{printable(str(exc))}") from None
     _check_caps(cfg)
+    try:  # what the pools and weights of every rank need, against this machine's memory
+        check_run_limits(cfg)
+    except ConfigError as exc:
+        raise ConfigError("bundle", printable(str(exc), 400),
+                          hint="a replay runs the sizes the bundle records") from None
     for i, spec in enumerate(cfg.faults):
         _check_fault(i, spec)
     notes: list[str] = []

@@ -210,7 +210,10 @@ def test_crafted_multirank_bundle_keeps_rank_files_under_the_output_dir(
      "observability.watchdog_timeout_s is"),
     (lambda m: m["config"].update(faults=[{"kind": "stage-lag", "ms": 5}] * 33),
      "33 fault specs"),
-], ids=["topology", "requests", "pool", "watchdog", "fault-count"])
+    (lambda m: m["config"].update(
+        model={"num_layers": 64, "num_heads": 64, "head_dim": 256, "hidden_size": 4096},
+        cache={"device_tokens": 1 << 18}), "of memory"),
+], ids=["topology", "requests", "pool", "watchdog", "fault-count", "memory"])
 def test_costs_beyond_the_caps_are_refused_before_anything_runs(
         craft: Callable[..., Path], tmp_path: Path, edit: Callable[[dict[str, Any]], None],
         says: str) -> None:
