@@ -5,10 +5,11 @@ server), or the workers of a torchrun agent (``--torchrun``). Rank ids come from
 ``RANK`` environment variable, else from its SGLang process title (``sglang::scheduler_TP1``),
 else from their order. All ``py-spy dump --json`` calls start together (one thread each, a
 timeout each), so the dumps show one moment of the job. Given log files are copied (their last
-``max_log_bytes`` when larger). A moment later (``resample_s``) every rank is dumped again, and
-the threads whose stacks changed are listed (``moved``): one snapshot of a running job catches
-ranks inside collectives at different call sites, which is also what a deadlock looks like; a
-thread that moved on is running. The result is a directory the doctor reads::
+``max_log_bytes`` when larger). Then every rank is dumped ``RESAMPLES`` more times,
+``resample_s`` apart, and the threads whose stacks differed from the first dump are listed
+(``moved``): one snapshot of a running job catches ranks inside collectives at different call
+sites, which is also what a deadlock looks like; a thread that moved on is running. The result
+is a directory the doctor reads::
 
     <out>/capture.json            CaptureManifest (pid -> rank, errors)
     <out>/rank<N>/pyspy.json      py-spy dump --json of rank N
@@ -41,6 +42,7 @@ PERMISSION_HINT = (
     "Kubernetes securityContext.capabilities.add: [SYS_PTRACE], or kubectl debug "
     "--profile=sysadmin), or relax Yama for same-user tracing: "
     "sudo sysctl kernel.yama.ptrace_scope=0")
+RESAMPLES = 2
 _TITLE = re.compile(r"sglang::scheduler(?:_DP(?P<dp>\d+))?(?:_TP(?P<tp>\d+))?(?:_PP(?P<pp>\d+))?")
 
 
@@ -97,14 +99,14 @@ def find_targets(pids: list[int], tree: int | None, torchrun: int | None) -> lis
 def capture(targets: list[Target], out: Path, *, logs: Sequence[Path] = (),
             timeout_s: float = 10.0, native: bool = False, locals_: bool = False,
             pyspy: list[str] | None = None, max_log_bytes: int = 256 << 20,
-            resample_s: float = 1.0) -> CaptureResult:
+            resample_s: float = 0.5) -> CaptureResult:
     """Dump every target in parallel, copy ``logs``, write ``capture.json`` under ``out``."""
     cmd = pyspy or pyspy_command()
     out.mkdir(parents=True, exist_ok=True)
     extra = (["--native"] if native else []) + (["--locals"] if locals_ else [])
     with ThreadPoolExecutor(max_workers=max(1, len(targets))) as pool:
         results = list(pool.map(lambda t: _dump(cmd, extra, t, out, timeout_s), targets))
-        if resample_s > 0 and any(r.pyspy for r in results):
+        for _ in range(RESAMPLES if resample_s > 0 and any(r.pyspy for r in results) else 0):
             time.sleep(resample_s)
             list(pool.map(lambda r: _resample(cmd, extra, r, out, timeout_s), results))
     manifest = CaptureManifest(created_at=now_iso(), world_size=len(targets), targets=results)
@@ -155,7 +157,8 @@ def _resample(cmd: list[str], extra: list[str], rec: CaptureTarget, out: Path,
         after = _stacks(json.loads(proc.stdout))
     except (subprocess.TimeoutExpired, OSError, ValueError):
         return  # no second look: the first dump stands on its own
-    rec.moved = sorted(tid for tid, frames in before.items() if after.get(tid, frames) != frames)
+    rec.moved = sorted(set(rec.moved) | {tid for tid, frames in before.items()
+                                         if after.get(tid, frames) != frames})
 
 
 def _stacks(data: object) -> dict[str, tuple[tuple[object, object, object], ...]]:

@@ -18,7 +18,7 @@ from doctor.ranks.builder import Evidence, EvidenceBuilder
 from doctor.ranks.collectives import align
 from doctor.ranks.divergence import all_divergences
 from doctor.ranks.frames import classifier_for
-from doctor.ranks.table import blocked_sites, rank_rows
+from doctor.ranks.table import blocked_sites, mark_progress, rank_rows
 from doctor.read.ingest import EMPTY, Ingester
 from doctor.report.bounds import MAX_LISTED_RANKS, clip_texts, rank_ranges
 from doctor.report.fingerprint import fingerprint
@@ -71,6 +71,7 @@ def analyse(ev: Evidence, catalog: Catalog) -> Diagnosis:
             problems.append(f"{name} failed ({type(exc).__name__}: {exc}); skipped")
             return default
 
+    guard("progress between samples", lambda: mark_progress(ev, frames), None)
     rows = guard("rank table", lambda: rank_rows(ev, frames), [])
     sites = guard("blocked call sites", lambda: blocked_sites(ev, frames), [])
     findings = guard("collective alignment", lambda: align(ev), [])
@@ -181,6 +182,9 @@ def _summary(status: str, verdicts: list[Verdict], near: list[NearMiss], ev: Evi
         return "no input could be read" + (f" ({'; '.join(errors[:3])}{more})" if errors else "")
     if not verdicts and all(i.kind == EMPTY for i in ev.inputs if i.status == "read"):
         return "no failure evidence: the inputs are empty"
+    if not verdicts and not near and _running(ev):
+        return ("no failure evidence: a live job, every captured rank moved between the "
+                "capture's samples")
     if verdicts:
         v = verdicts[0]
         return f"{v.signature} ({v.confidence:.2f}): {v.title}"
@@ -189,6 +193,14 @@ def _summary(status: str, verdicts: list[Verdict], near: list[NearMiss], ev: Evi
         return (f"no known signature fits{seen}; closest: {near[0].signature} "
                 f"({near[0].score:.2f}), not enough evidence to name it")
     return f"no known signature fits{seen}"
+
+
+def _running(ev: Evidence) -> bool:
+    """Every rank with stacks had a thread that moved between a capture's samples, and
+    nothing else (an exception, an exit) speaks of a failure."""
+    with_stacks = [r for r in ev.ranks.values() if len(r.threads)]
+    return bool(with_stacks) and all(any(t.moved for t in r.threads) for r in with_stacks) \
+        and not any(len(r.exceptions) or r.exits for r in ev.all_ranks())
 
 
 def _seen(ev: Evidence) -> str:

@@ -88,6 +88,20 @@ def _joined(inner: ExceptionRecord, outer: ExceptionRecord | None) -> list[Frame
     return inner.frames
 
 
+def mark_progress(evidence: Evidence, frames: FrameClassifier) -> None:
+    """A live capture samples every rank more than once (``ThreadStack.moved``). A main thread
+    caught inside a collective and elsewhere a moment later saw a collective complete, and a
+    collective completes on every rank of its group or on none: so the other ranks' main
+    threads caught inside collectives are running too, even when their samples landed on the
+    same call again (a loop over layers enters one all_reduce line many times a second)."""
+    main = [t for ev in evidence.all_ranks() for t in ev.threads
+            if t.origin == "pyspy" and frames.role(t) == "main"
+            and frames.collective_index(t.frames) is not None]
+    if any(t.moved for t in main):
+        for t in main:
+            t.moved = True
+
+
 def rank_rows(evidence: Evidence, frames: FrameClassifier) -> list[RankRow]:
     rows = [_row(ev, frames) for ev in evidence.ranks.values()]
     present = set(evidence.ranks)

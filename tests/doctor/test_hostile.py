@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from doctor.diagnose import diagnose
+from doctor.ranks.builder import MAX_RETAINED, MAX_WORLD, EvidenceBuilder
 from doctor.read.dumps import _sizes, _text, parse_rank_list
 from doctor.report.bounds import clip_texts, rank_ranges
 from doctor.report.model import Diagnosis, EvidenceItem, NearMiss
@@ -81,6 +82,20 @@ def test_ranges_and_clipping() -> None:
              *d.topology, *d.topology.values()]
     assert all(len(t) < 4200 and "more characters]" in t for t in texts)
     assert d.problems == ["ok"]
+
+
+def test_trace_evidence_has_one_budget_across_ranks() -> None:
+    sink = EvidenceBuilder()
+    for rank in range(4):
+        assert sink.add_expected_rank(rank)
+    assert not sink.add_expected_rank(-3)
+    assert not sink.add_expected_rank(MAX_WORLD)
+    assert not sink.add_expected_rank(True)
+    assert sink.retain(MAX_RETAINED // 2)
+    assert not sink.retain(MAX_RETAINED // 2)  # the item's own cost tips it over
+    ev = sink.finish()
+    assert ev.expected_ranks == {0, 1, 2, 3}
+    assert any("1 later event(s) were read but not kept" in p for p in ev.problems)
 
 
 # --- inputs that are not files --------------------------------------------------------------
