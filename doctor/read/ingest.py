@@ -7,6 +7,12 @@ bad file never stops the analysis (flutter-doctor style: a failing check is a re
 
 Archives are streamed member by member and never extracted to disk; nested archives are read
 one level deep. Directories are walked without following symlinks.
+
+Every input is untrusted, and memory must not follow its size: text is scanned in chunks with
+lines cut at a fixed length, a gzip stream stops once it has expanded ``GZIP_RATIO`` times past
+``GZIP_BASE``, structured files are read up to a size cap and parsed only if what they would
+build stays under ``MAX_BUILD_COST``, and a command-line path that is a device or socket is not
+read (a FIFO is: ``hicache doctor <(zcat log.gz)``).
 """
 
 from __future__ import annotations
