@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
@@ -23,6 +24,9 @@ from faults.spec import parse_faults
 from hicache_runtime.bundle import CellOrigin, FiredFaultRecord, annotate_origin, load_manifest
 from hicache_runtime.config import RuntimeConfig, load_config
 from hicache_runtime.legacy import parse_legacy
+
+if TYPE_CHECKING:
+    from hicache_runtime.run import RunSummary
 
 RESULT_SCHEMA_VERSION = "1.0"
 NO_SIGNATURE = "no-signature"
@@ -138,11 +142,19 @@ def observe(cfg: RuntimeConfig, *, warm: bool, compare: bool, bundle_root: Path)
     from hicache_runtime.run import run
 
     if warm:
-        run(cfg.with_overrides(faults=(), legacy=frozenset()), compare=False,
-            bundle_root=bundle_root)
-    summary = run(cfg, compare=compare, bundle_root=bundle_root)
+        warmup = run(cfg.with_overrides(faults=(), legacy=frozenset()), compare=False,
+                     bundle_root=bundle_root)
+        if warmup.outcome.value != HEALTHY:
+            return _observe_summary(warmup, "warm-up run failed: ")
+    return _observe_summary(run(cfg, compare=compare, bundle_root=bundle_root))
+
+
+def _observe_summary(summary: RunSummary, prefix: str = "") -> Observation:
+    """A run's summary as an observation: the bundle it names (the judged run's, the
+    reference's or the warm-up's, whichever failed) is the one the doctor reads."""
     obs = Observation(outcome=summary.outcome.value, output_match=summary.output_match,
-                      bundle=summary.bundle, error=summary.error,
+                      bundle=summary.bundle,
+                      error=f"{prefix}{summary.error}" if prefix else summary.error,
                       faults_fired=summary.faults_fired)
     if summary.bundle is not None:
         from doctor.diagnose import diagnose

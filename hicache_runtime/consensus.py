@@ -42,6 +42,7 @@ class ConsensusChecker:
         self._lock = threading.Lock()
         self._checked = 0
         self._stop = threading.Event()
+        self._abandon = threading.Event()
         self.divergence: str | None = None
         self._thread = threading.Thread(target=self._loop, name="hicache-consensus",
                                         daemon=True)
@@ -64,29 +65,49 @@ class ConsensusChecker:
         if self.divergence is not None:
             raise RankDivergence(self.divergence)
 
-    def stop(self) -> None:
+    def stop(self, agreed: bool = True, timeout_s: float = 5.0) -> None:
+        """Stop the thread and join it. ``agreed``: every rank is stopping; the thread keeps
+        taking rounds until all of them say so, checks what is left and ends, so no rank
+        walks out of a round its peers are in (they would sit in it until the timeout, and a
+        round still running at process exit aborts it). Without it (a failed rank), leave at
+        once."""
         self._stop.set()
-        self._thread.join(timeout=5.0)
+        if not agreed:
+            self._abandon.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=timeout_s)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while True:
+            self._stop.wait(self.interval_s)
+            if self._abandon.is_set():
+                return
             with self._lock:
                 have = len(self._decisions)
-            n = int(self.group.all_reduce(torch.tensor([have - self._checked]),
-                                          dist.ReduceOp.MIN).item())
-            if n <= 0:
-                continue
-            with self._lock:
-                batch = self._decisions[self._checked : self._checked + n]
-            digest = int.from_bytes(hashlib.sha256("\n".join(
-                d.split("|", 1)[1] for d in batch).encode()).digest()[:7], "little")
-            lo = self.group.all_reduce(torch.tensor([digest]), dist.ReduceOp.MIN).item()
-            hi = self.group.all_reduce(torch.tensor([digest]), dist.ReduceOp.MAX).item()
-            if lo != hi:
-                self._report(batch)
+            # One MIN carries both: the decisions every rank has, and 1 once all ranks stop.
+            counts = self.group.all_reduce(
+                torch.tensor([have - self._checked, int(self._stop.is_set())]),
+                dist.ReduceOp.MIN)
+            n, all_stopping = int(counts[0].item()), int(counts[1].item()) == 1
+            if n > 0 and not self._check_batch(n):
                 return
-            self._checked += n
-            self.tracer.emit(Ev.CONSENSUS, checked=self._checked)
+            if all_stopping:
+                return
+
+    def _check_batch(self, n: int) -> bool:
+        """Compare the next ``n`` decisions; False once a divergence was found."""
+        with self._lock:
+            batch = self._decisions[self._checked : self._checked + n]
+        digest = int.from_bytes(hashlib.sha256("\n".join(
+            d.split("|", 1)[1] for d in batch).encode()).digest()[:7], "little")
+        lo = self.group.all_reduce(torch.tensor([digest]), dist.ReduceOp.MIN).item()
+        hi = self.group.all_reduce(torch.tensor([digest]), dist.ReduceOp.MAX).item()
+        if lo != hi:
+            self._report(batch)
+            return False
+        self._checked += n
+        self.tracer.emit(Ev.CONSENSUS, checked=self._checked)
+        return True
 
     def _report(self, batch: list[str]) -> None:
         every = self.group.all_gather_object(batch)

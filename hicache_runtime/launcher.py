@@ -7,7 +7,15 @@ evidence; the launcher takes ``py-spy dump --json`` of every live rank at about 
 waits for the rank dumps, stops everyone, and writes the bundle manifest.
 
 No orphans: each rank dies with the launcher (``PR_SET_PDEATHSIG``), and the launcher kills
-every rank it started on every exit path.
+every rank it started (its whole process group) on every exit path. Ranks run in sessions of
+their own, so a Ctrl-C at the terminal reaches only the launcher, which stops them in order.
+SIGINT, SIGTERM and SIGHUP during a launch raise :class:`Interrupted` in the launcher: the ranks
+are stopped, a bundle already (partly) written is kept under the bundle root and reported on
+stderr, and the run directory is removed.
+
+The rendezvous store (a ``TCPStore``) lives in the launcher, on a port the kernel gave it and
+that it holds until the ranks are gone: a port found free and handed on could be taken by
+another job (gloo's own listeners included) before rank 0 bound it.
 """
 
 from __future__ import annotations
@@ -18,16 +26,19 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
+from types import FrameType
 from typing import Any
+
+import torch.distributed as dist
 
 from hicache_runtime.bundle import (
     FiredFaultRecord,
@@ -42,6 +53,7 @@ from hicache_runtime.bundle import (
 )
 from hicache_runtime.config import RuntimeConfig
 from hicache_runtime.rank_main import read_dump, request_dump
+from hicache_runtime.threads import torch_threads
 from hicache_runtime.topology import RankInfo
 
 ProgressFn = Callable[[int, int, int], None]
@@ -50,6 +62,8 @@ _PYSPY_TIMEOUT_S = 15.0
 _KILL_GRACE_S = 3.0
 _SELF_EXIT_S = 3.0
 _STARTUP_ALLOWANCE_S = 60.0
+_STORE_TIMEOUT_S = 120.0
+_INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass
@@ -89,49 +103,137 @@ class _Exited:
         return self.returncode
 
 
+class Interrupted(KeyboardInterrupt):
+    """A signal asked the launcher to stop (Ctrl-C, SIGTERM, SIGHUP). A KeyboardInterrupt, so
+    callers treat every one like Ctrl-C; ``bundle`` is the evidence kept, if any."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+        self.bundle: Path | None = None
+
+
 def launch(cfg: RuntimeConfig, *, bundle_root: Path, caps: dict[str, int] | None = None,
            progress: ProgressFn | None = None) -> LaunchResult:
     """Run ``cfg`` as ``tp * pp`` processes; returns when every rank has exited. The caller
-    must ``cleanup()`` the result."""
-    run_dir = Path(tempfile.mkdtemp(prefix="hicache-run-"))
-    (run_dir / "config.json").write_text(cfg.model_dump_json(), encoding="utf-8")
-    if caps is not None:
-        (run_dir / "caps.json").write_text(json.dumps(caps), encoding="utf-8")
-    start = time.monotonic()
-    procs = _start_ranks(cfg, run_dir)
-    try:
-        failed = _monitor(procs, run_dir, cfg, progress)
-        bundle, info = None, {}
-        if failed:
-            bundle, info = _collect_bundle(procs, run_dir, cfg, bundle_root)
-        else:
+    must ``cleanup()`` the result. Raising (an interrupt included), it leaves no rank and no
+    run directory behind."""
+    with _signals_interrupt() as quiet:
+        run_dir = Path(tempfile.mkdtemp(prefix="hicache-run-"))
+        procs: dict[int, subprocess.Popen[bytes]] = {}
+        bundle: Path | None = None
+        try:
+            (run_dir / "config.json").write_text(cfg.model_dump_json(), encoding="utf-8")
+            if caps is not None:
+                (run_dir / "caps.json").write_text(json.dumps(caps), encoding="utf-8")
+            start = time.monotonic()
+            store = _rendezvous_store(cfg.topology.world_size)
+            try:
+                procs = _start_ranks(cfg, run_dir, store.port)
+                failed = _monitor(procs, run_dir, cfg, progress)
+                info: dict[str, Any] = {}
+                if failed:
+                    bundle, info = _collect_bundle(procs, run_dir, cfg, bundle_root)
+                else:
+                    _kill_all(procs)
+            finally:
+                _kill_all(procs)
+                del store  # the ranks are gone: nobody talks to it any more
+            results = {r: _read(run_dir / f"rank{r}.result.json") or {} for r in procs}
+            outcome = RunOutcome(info.get("outcome", "crash")) if failed else RunOutcome.HEALTHY
+            return LaunchResult(outcome, info.get("reason"), bundle, results,
+                                time.monotonic() - start, run_dir, cfg, _codes(procs))
+        except BaseException as exc:
+            quiet()  # a second Ctrl-C must not cut the cleanup short
             _kill_all(procs)
-        results = {r: _read(run_dir / f"rank{r}.result.json") or {} for r in procs}
-        outcome = RunOutcome(info.get("outcome", "crash")) if failed else RunOutcome.HEALTHY
-        return LaunchResult(outcome, info.get("reason"), bundle, results,
-                            time.monotonic() - start, run_dir, cfg, _codes(procs))
+            kept = bundle or _salvage_bundle(run_dir, cfg, bundle_root, procs, exc)
+            shutil.rmtree(run_dir, ignore_errors=True)
+            if isinstance(exc, Interrupted):
+                exc.bundle = kept
+            if kept is not None:
+                sys.stderr.write(f"hicache: {exc or type(exc).__name__}; the run's bundle is "
+                                 f"kept at {kept}\n")
+            raise
+
+
+def _rendezvous_store(world: int) -> dist.TCPStore:
+    """The run's rendezvous store, on a port the kernel picked and this process holds."""
+    return dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=_STORE_TIMEOUT_S))
+
+
+@contextlib.contextmanager
+def _signals_interrupt() -> Iterator[Callable[[], None]]:
+    """While ranks run, turn SIGINT/SIGTERM/SIGHUP into :class:`Interrupted` in this thread
+    (only where the handler is still the default: an application's own handler is kept), so
+    the cleanup runs. Yields ``quiet``: once called (cleanup began), or after the first
+    signal, further signals are ignored until the block ends."""
+    fired: list[int] = []
+
+    def quiet() -> None:
+        fired.append(0)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield quiet
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if not fired:
+            fired.append(signum)
+            raise Interrupted(signum)
+
+    old: dict[int, Any] = {}
+    for sig in _INTERRUPT_SIGNALS:
+        current = signal.getsignal(sig)
+        if current in (signal.SIG_DFL, signal.default_int_handler):
+            old[sig] = signal.signal(sig, handler)
+    try:
+        yield quiet
     finally:
-        _kill_all(procs)
+        for sig, previous in old.items():
+            signal.signal(sig, previous)
+
+
+def _salvage_bundle(run_dir: Path, cfg: RuntimeConfig, bundle_root: Path,
+                    procs: dict[int, subprocess.Popen[bytes]],
+                    exc: BaseException) -> Path | None:
+    """A run stopped while ranks were dumping: keep what they wrote as a bundle (with a
+    manifest saying it was interrupted) instead of deleting it with the run directory."""
+    bundle = run_dir / "bundle"
+    if not bundle.is_dir() or not any(bundle.glob("rank*/*")):
+        return None
+    info = read_dump(run_dir) or {}
+    reason = f"{info.get('reason') or 'unknown failure'}; {exc or type(exc).__name__} " \
+             "before the bundle was complete"
+    try:
+        return _write_bundle(run_dir, cfg, bundle_root, RunOutcome(info.get("outcome", "crash")),
+                             reason, procs or {}, {}, [])
+    except (OSError, ValueError):
+        return None
 
 
 # --- processes ---------------------------------------------------------------------------------
 
 
-def _start_ranks(cfg: RuntimeConfig, run_dir: Path) -> dict[int, subprocess.Popen[bytes]]:
-    port = free_port()
+def _start_ranks(cfg: RuntimeConfig, run_dir: Path,
+                 port: int) -> dict[int, subprocess.Popen[bytes]]:
     world = cfg.topology.world_size
     procs: dict[int, subprocess.Popen[bytes]] = {}
     for r in range(world):
         env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "HICACHE_LAUNCHER": "1", "TORCH_FR_BUFFER_SIZE": "2000",
-               "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+               "HICACHE_LAUNCHER": "1", "HICACHE_STORE": "launcher",
+               "TORCH_FR_BUFFER_SIZE": "2000", "OMP_NUM_THREADS": str(torch_threads()),
+               "PYTHONUNBUFFERED": "1"}
         env.pop("HICACHE_SELF_PYSPY", None)
         log = (run_dir / f"rank{r}.log").open("wb")
-        procs[r] = subprocess.Popen(
-            [sys.executable, "-m", "hicache_runtime.rank_main", "--run-dir", str(run_dir)],
-            env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-        log.close()
+        try:
+            procs[r] = subprocess.Popen(
+                [sys.executable, "-m", "hicache_runtime.rank_main", "--run-dir", str(run_dir)],
+                env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
+                start_new_session=True)
+        finally:
+            log.close()
     return procs
 
 
@@ -172,16 +274,29 @@ def _monitor(procs: dict[int, subprocess.Popen[bytes]], run_dir: Path, cfg: Runt
 
 
 def _kill_all(procs: dict[int, subprocess.Popen[bytes]]) -> None:
+    """Stop every rank and whatever it started (each rank leads its own process group)."""
     for p in procs.values():
         if p.poll() is None:
-            p.terminate()
+            _signal_group(p, signal.SIGTERM)
     deadline = time.monotonic() + _KILL_GRACE_S
     for p in procs.values():
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            p.kill()
+            _signal_group(p, signal.SIGKILL)
             p.wait()
+
+
+def _signal_group(p: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    """Signal a live rank's process group. Never after the rank was reaped: its pid (and so
+    its group id) may then belong to someone else."""
+    if p.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(p.pid, sig)  # the rank's pid is its group id (start_new_session)
+        return
+    with contextlib.suppress(ProcessLookupError):
+        p.send_signal(sig)
 
 
 def _wait_exit(procs: dict[int, subprocess.Popen[bytes]], timeout_s: float) -> None:
@@ -329,12 +444,6 @@ def pyspy_all(pids: dict[int, int], bundle: Path) -> dict[int, str | None]:
 PYSPY_HINT = ("py-spy needs ptrace: run as root, or give the container SYS_PTRACE "
               "(docker --cap-add SYS_PTRACE), or relax kernel.yama.ptrace_scope "
               "(sysctl -w kernel.yama.ptrace_scope=0); install it with `pip install py-spy`.")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _signal_name(code: int | None) -> str:

@@ -13,14 +13,28 @@ Run directory protocol (shared with ``launcher.py``)::
     <run>/PYSPY_DONE           the launcher took its py-spy dumps; ranks may unwind now
     <run>/bundle/rank<N>/      each rank's bundle files, plus entry.json (its RankEntry)
     <run>/rank<N>.result.json  each rank's outcome, outputs and stats
+    <run>/rank<N>.exit.json    a healthy rank's teardown: native threads left at exit
     <run>/progress.json        rank 0's progress (step, finished, total)
+
+Teardown of a healthy rank, in this order (see :func:`run_rank` and :func:`main`): the side
+threads that run collectives stop (the consensus thread by agreement, so no rank is left
+inside a round), the L3 workers and copy engine are joined, a world barrier, the result, then
+every process group is destroyed *and freed*, which joins gloo's worker threads while the
+interpreter is still whole. A gloo worker that outlives the interpreter aborts the process
+when it drops the last reference to a Python-owned tensor (it cannot take the GIL once
+finalization began: ``terminate called without an active exception``, exit -6, after a
+healthy result). A failed rank never destroys its groups (a peer may be stuck inside one) and
+leaves with ``os._exit``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
+import gc
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -46,6 +60,7 @@ from hicache_runtime.groups import RankGroups, TPComm, create_groups
 from hicache_runtime.pipeline import PipelineEngine
 from hicache_runtime.rank import RankRuntime, build_rank, make_tracer
 from hicache_runtime.sync import DistributedSync
+from hicache_runtime.threads import torch_threads
 from hicache_runtime.topology import RankInfo
 from hicache_runtime.watchdog import StepWatchdog, install_interrupt_handler, interrupt_main_thread
 from hicache_runtime.workload import Workload
@@ -54,6 +69,9 @@ EXIT_OK, EXIT_CRASH, EXIT_HANG = 0, 1, 3
 _POLL_S = 0.05
 _PYSPY_WAIT_S = 20.0
 _STARTUP_TIMEOUT_S = 120.0
+_JOIN_S = 5.0
+_GLOO_WORKER = "pt_gloo_runloop"
+"""Thread name of gloo's worker threads (they run every collective and hold its tensors)."""
 _HANG_MARKERS = ("Timed out waiting", "timed out", "StepStalled")
 
 
@@ -112,7 +130,7 @@ class RankDumper:
                 return
             self.dumped = True
             entry = dump_rank(self.bundle, self.rt, outcome, step, exc)
-            entry.files.torch_fr = _torch_fr(d)
+            entry.files.torch_fr = _torch_fr(d, stacks=outcome is not RunOutcome.HEALTHY)
             if os.environ.get("HICACHE_SELF_PYSPY") == "1":
                 entry.files.pyspy = _self_pyspy(d)
             write_text(d / "entry.json", entry.model_dump_json(indent=1))
@@ -189,12 +207,16 @@ def run_rank(run_dir: Path, rank: RankInfo, cfg: RuntimeConfig) -> int:
     listener = threading.Thread(target=dumper.listen, name="hicache-dump-listener",
                                 daemon=True)
     listener.start()
+    side = _SideThreads(dumper, listener, watchdog, consensus)
     outcome, error, result = RunOutcome.HEALTHY, None, None
     try:
         result = engine.run()
         # Keep the evidence of a clean run too: outputs may still turn out wrong when the
         # launcher compares them with the reference.
         dumper.dump(RunOutcome.HEALTHY)
+        side.stop(agreed=True)
+        if consensus is not None:
+            consensus.check()  # the last round ran at the agreed stop
         _final_barrier(groups)
     except BaseException as exc:
         outcome, error = classify(exc), f"{type(exc).__name__}: {exc}".splitlines()[0]
@@ -207,16 +229,35 @@ def run_rank(run_dir: Path, rank: RankInfo, cfg: RuntimeConfig) -> int:
         dumper.finish_without_launcher(read_dump(run_dir) or {})
         _linger_without_launcher(run_dir, cfg)
     finally:
-        dumper.stop.set()
-        watchdog.stop()
-        if consensus is not None:
-            consensus.stop()
+        side.stop(agreed=False)  # no-op after a clean stop; a failed rank does not wait
     if outcome is RunOutcome.HEALTHY:
         _write_result(run_dir, rt, outcome, error, result, engine.step)
-    if outcome is RunOutcome.HEALTHY:
-        rt.close()
+        rt.close()  # L3 workers and copy engine joined: nothing runs a collective any more
         dist.destroy_process_group()
+    else:
+        rt.tracer.close()
+    # The groups are freed (and gloo's workers joined) by main() once this frame is gone.
     return {RunOutcome.HEALTHY: EXIT_OK, RunOutcome.HANG: EXIT_HANG}.get(outcome, EXIT_CRASH)
+
+
+@dataclass
+class _SideThreads:
+    """The rank's threads besides the scheduler and the L3 workers, stopped before teardown."""
+
+    dumper: RankDumper
+    listener: threading.Thread
+    watchdog: StepWatchdog
+    consensus: ConsensusChecker | None
+
+    def stop(self, agreed: bool) -> None:
+        """Stop and join. ``agreed``: every rank is stopping too, so the consensus thread
+        finishes its rounds with its peers instead of walking out of one."""
+        self.dumper.stop.set()
+        self.watchdog.stop()
+        if self.consensus is not None:
+            self.consensus.stop(agreed=agreed)
+        if self.listener.is_alive() and self.listener is not threading.current_thread():
+            self.listener.join(timeout=_JOIN_S)
 
 
 def _linger_without_launcher(run_dir: Path, cfg: RuntimeConfig) -> None:
@@ -271,12 +312,16 @@ def _progress_writer(run_dir: Path) -> Callable[[int, int, int], None]:
     return write
 
 
-def _torch_fr(d: Path) -> str | None:
-    """PyTorch's own Flight Recorder dump (gloo entries too), when it was enabled."""
+def _torch_fr(d: Path, stacks: bool = True) -> str | None:
+    """PyTorch's own Flight Recorder dump (gloo entries too), when it was enabled.
+
+    A clean rank's dump leaves out the entries' stack traces: dumping them keeps a process
+    group alive after ``destroy_process_group`` (torch 2.13), and its gloo workers would then
+    outlive the interpreter (see the module notes on teardown)."""
     if not os.environ.get("TORCH_FR_BUFFER_SIZE"):
         return None
     try:
-        raw = torch._C._distributed_c10d._dump_fr_trace()
+        raw = torch._C._distributed_c10d._dump_fr_trace(includeStackTraces=stacks)
     except Exception:  # not built in, or nothing recorded: the bundle says so by omission
         return None
     (d / "torch_fr.pkl").write_bytes(raw)
@@ -317,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", type=Path, help="RuntimeConfig JSON (default <run>/config.json)")
     ap.add_argument("--run-dir", type=Path, required=True)
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(torch_threads())
     # A C++ abort (gloo's EnforceNotMet, a segfault) kills the process before any Python
     # handler runs: faulthandler still prints every thread's stack into the rank's log.
     faulthandler.enable(file=sys.stderr, all_threads=True)
@@ -335,8 +380,74 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(local % torch.cuda.device_count())
     if "HICACHE_LAUNCHER" not in os.environ:
         os.environ.setdefault("HICACHE_SELF_PYSPY", "1")
-    dist.init_process_group("gloo", timeout=timedelta(seconds=_STARTUP_TIMEOUT_S))
-    return run_rank(args.run_dir, rank, cfg)
+    _init_process_group(rank.rank, world)
+    code = run_rank(args.run_dir, rank, cfg)
+    if code == EXIT_OK:
+        left = _free_groups(args.run_dir, rank.rank)
+        if not left:
+            return code
+    # A failed rank's groups may have a peer stuck inside a collective: destroying them would
+    # block on gloo workers that are still waiting, and letting the interpreter finalize with
+    # those workers alive aborts the process whenever one of them finishes (it drops tensors
+    # it cannot free without the GIL). The evidence and the result are on disk already.
+    _hard_exit(code)
+    return code  # not reached
+
+
+def _init_process_group(rank: int, world: int) -> None:
+    """Join the rendezvous. Under the built-in launcher, the launcher hosts the store on a
+    port it has held since before the ranks started (so two runs at once never race for it)
+    and every rank is a client; under ``torchrun``, ``env://`` as usual."""
+    timeout = timedelta(seconds=_STARTUP_TIMEOUT_S)
+    if os.environ.get("HICACHE_LAUNCHER") and os.environ.get("HICACHE_STORE") == "launcher":
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=timeout)
+        return
+    dist.init_process_group("gloo", timeout=timeout)
+
+
+def _free_groups(run_dir: Path, rank: int) -> list[str]:
+    """Free the destroyed process groups now, while the interpreter is whole: they sit in
+    reference cycles (tracer, engine, sync), so without this only the collection during
+    interpreter shutdown would free them, and their gloo workers would race it. Freeing a
+    group joins its workers with the GIL released. Records what is left in
+    ``rank<N>.exit.json``; returns the names of native worker threads still alive."""
+    gc.collect()
+    native = _native_threads()
+    left = [n for n in native if n == _GLOO_WORKER]
+    py = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    data = {"rank": rank, "gloo_workers": len(left), "python_threads": py,
+            "native_threads": native}
+    with contextlib.suppress(OSError):
+        (run_dir / f"rank{rank}.exit.json").write_text(json.dumps(data), encoding="utf-8")
+    return left + py
+
+
+def _native_threads() -> list[str]:
+    """Names of this process's other threads (Linux ``/proc``; empty elsewhere)."""
+    me = threading.get_native_id()
+    out = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    for tid in tasks:
+        if int(tid) == me:
+            continue
+        with contextlib.suppress(OSError):
+            out.append(Path(f"/proc/self/task/{tid}/comm").read_text().strip())
+    return sorted(out)
+
+
+def _hard_exit(code: int) -> None:
+    """Leave without interpreter finalization, after flushing what a reader needs."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

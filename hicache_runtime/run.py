@@ -36,6 +36,7 @@ from hicache_runtime.errors import StepStalled
 from hicache_runtime.rank import RankRuntime, build_rank
 from hicache_runtime.request import Req, ReqStatus
 from hicache_runtime.storage.base import StorageStats
+from hicache_runtime.threads import pinned_threads
 from hicache_runtime.watchdog import StepWatchdog, install_interrupt_handler, interrupt_main_thread
 from hicache_runtime.workload import Workload
 
@@ -188,8 +189,7 @@ def run_multi(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn 
         try:
             summary.reference_wall_s = round(ref.wall_s, 3)
             if ref.outcome is not RunOutcome.HEALTHY:
-                summary.error = f"reference run failed: {ref.error}"
-                summary.outcome = RunOutcome.CRASH
+                _reference_failed(summary, ref)
                 return summary
             summary.mismatches = compare_outputs(reqs, _reqs_of(ref.results.get(0, {})))
             for r, result in sorted(res.results.items()):
@@ -209,6 +209,17 @@ def run_multi(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn 
         return summary
     finally:
         res.cleanup()
+
+
+def _reference_failed(summary: RunSummary, ref: Any) -> None:
+    """The cache-disabled reference run failed: the judged run cannot be judged. The summary
+    says so and names the bundle the reference's ranks left (its manifest's config is the
+    reference's: cache disabled, no faults)."""
+    summary.error = f"reference run failed: {ref.error}"
+    summary.outcome = ref.outcome if ref.outcome in (RunOutcome.CRASH, RunOutcome.HANG) \
+        else RunOutcome.CRASH
+    if ref.bundle is not None:
+        summary.bundle = str(ref.bundle)
 
 
 def _reqs_of(result: dict[str, Any]) -> dict[str, Req]:
@@ -248,6 +259,7 @@ def _multi_summary(cfg: RuntimeConfig, res: Any, reqs: dict[str, Req]) -> RunSum
         cache_stats=CacheStats.of({r: x.get("stats") or {} for r, x in res.results.items()}))
 
 
+@pinned_threads
 def run_single(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn | None = None,
                bundle_root: Path | None = None) -> RunSummary:
     """Run one rank in this process, then (if healthy) its reference; judge and summarise."""

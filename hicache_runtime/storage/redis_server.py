@@ -24,11 +24,19 @@ def redis_server_binary() -> str | None:
     return shutil.which("redis-server")
 
 
+_PORT_TRIES = 8
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (someone else may take it before
+    it is bound again: :class:`LocalRedisServer` retries with another one)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class _PortInUse(Exception):
+    """redis-server could not bind its port (``Address already in use``)."""
 
 
 class LocalRedisServer:
@@ -41,6 +49,8 @@ class LocalRedisServer:
     def __init__(self, port: int | None = None, workdir: Path | None = None,
                  maxmemory: str | None = None) -> None:
         self.port = port or free_port()
+        self._port_chosen = port is None
+        """The port was picked here: a first start that finds it taken may pick another."""
         self._own_dir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="hicache-redis-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -56,12 +66,31 @@ class LocalRedisServer:
         return self._proc is not None and self._proc.poll() is None
 
     def start(self, timeout_s: float = 10.0) -> LocalRedisServer:
+        """Start the server. A port this object picked that another process bound in the
+        meantime is replaced with a fresh one (only before the first successful start: a
+        restart keeps its port, which clients already know)."""
+        for attempt in range(_PORT_TRIES):
+            try:
+                self._start_once(timeout_s)
+            except _PortInUse:
+                if not self._port_chosen or attempt == _PORT_TRIES - 1:
+                    raise StorageUnavailable(f"redis-server: port {self.port} is in use") \
+                        from None
+                self.port = free_port()
+                continue
+            self._port_chosen = False
+            return self
+        return self  # not reached
+
+    def _start_once(self, timeout_s: float) -> None:
         binary = redis_server_binary()
         if binary is None:
             raise ToolUnavailable("redis-server is not on PATH",
                                   hint="install it (apt-get install redis-server)")
         if self.running:
-            return self
+            return
+        log = self.workdir / "redis.log"
+        log.unlink(missing_ok=True)  # what it says now is about this start
         args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                 "--appendonly", "no", "--dir", str(self.workdir), "--protected-mode", "no",
                 "--daemonize", "no", "--loglevel", "warning",
@@ -74,13 +103,15 @@ class LocalRedisServer:
             if self._proc.poll() is not None:
                 err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr \
                     else ""
-                log = self.workdir / "redis.log"
                 tail = log.read_text(errors="replace")[-500:] if log.exists() else ""
+                self.kill()
+                if "in use" in f"{err}\n{tail}":
+                    raise _PortInUse(self.port)
                 raise StorageUnavailable(
                     f"redis-server on port {self.port} exited at start: {(err or tail).strip()}"
                 )
-            if self.ping():
-                return self
+            if self.ping() and self._serving_pid() == self._proc.pid:
+                return  # the pid check: another server on a port we lost would answer too
             time.sleep(0.02)
         self.kill()
         raise StorageUnavailable(f"redis-server on port {self.port} did not answer in "
@@ -94,6 +125,24 @@ class LocalRedisServer:
                 return s.recv(16).startswith(b"+PONG")
         except OSError:
             return False
+
+    def _serving_pid(self) -> int | None:
+        """``process_id`` of the server answering on our port (``INFO server``)."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                s.sendall(b"*2\r\n$4\r\nINFO\r\n$6\r\nserver\r\n")
+                data = b""
+                while b"process_id:" not in data or not data.endswith(b"\r\n"):
+                    chunk = s.recv(4096)
+                    if not chunk or len(data) > 65536:
+                        break
+                    data += chunk
+        except OSError:
+            return None
+        for line in data.decode(errors="replace").splitlines():
+            if line.startswith("process_id:") and line[11:].strip().isdigit():
+                return int(line[11:].strip())
+        return None
 
     def kill(self) -> None:
         """SIGKILL the server (a crash: no clean shutdown) and wait for it to exit."""
