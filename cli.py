@@ -630,17 +630,8 @@ def signatures_new(
     from pydantic import ValidationError
 
     from doctor.report.draft import draft_yaml
-    from doctor.report.model import Diagnosis
 
-    try:
-        raw = source.read_bytes()[: 64 << 20]
-        diag = Diagnosis.model_validate_json(raw)
-    except OSError as exc:
-        raise ConfigError("--from", f"cannot read {source}: {exc.strerror or exc}") from None
-    except ValidationError as exc:
-        raise ConfigError("--from", f"{source} is not a diagnosis from `hicache doctor --json` "
-                                    f"({exc.error_count()} problem(s), first: "
-                                    f"{exc.errors()[0]['msg']})") from None
+    diag = _read_diagnosis(source)
     try:
         text = draft_yaml(diag, sig_id)
     except (ValueError, ValidationError) as exc:
@@ -723,17 +714,12 @@ def runbook(
     A diagnosis is read as untrusted data: its text is escaped in the Markdown and the HTML,
     and the HTML links only to http(s) addresses and the sibling runbooks.
     """
-    from doctor.report.model import Diagnosis
     from doctor.report.runbook import catalog_index, incident_runbook, signature_runbook
     from signatures.loader import load_catalog
 
     catalog = load_catalog()
     if from_diagnosis is not None:
-        try:
-            diag = Diagnosis.model_validate_json(_read_capped(from_diagnosis, "--from"))
-        except ValueError as exc:
-            raise ConfigError("--from", f"{from_diagnosis} is not a diagnosis: "
-                                        f"{str(exc).splitlines()[0]}") from None
+        diag = _read_diagnosis(from_diagnosis)
         _emit_docs({"incident": incident_runbook(diag, catalog)}, out, html_out, single=True,
                    json_out=json_out)
         return
@@ -748,13 +734,21 @@ def runbook(
 MAX_DIAGNOSIS_BYTES = 64 << 20
 
 
-def _read_capped(path: Path, what: str, limit: int = MAX_DIAGNOSIS_BYTES) -> bytes:
-    """Read at most ``limit`` bytes of ``path`` (a FIFO or /dev/zero cannot make it read on)."""
-    with path.open("rb") as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise ConfigError(what, f"{path} is larger than {limit >> 20} MiB: not a diagnosis")
-    return data
+def _read_diagnosis(path: Path) -> Any:
+    """A diagnosis written by ``hicache doctor --json``, read as untrusted data: a regular file
+    of bounded size (a FIFO or /dev/zero is refused, never read on), validated whole."""
+    from pydantic import ValidationError
+
+    from doctor.report.model import Diagnosis
+    from hicache_runtime.config_files import read_text
+
+    text = read_text(path, "--from", MAX_DIAGNOSIS_BYTES)
+    try:
+        return Diagnosis.model_validate_json(text)
+    except ValidationError as exc:
+        raise ConfigError("--from", f"{path} is not a diagnosis from `hicache doctor --json` "
+                                    f"({exc.error_count()} problem(s), first: "
+                                    f"{exc.errors()[0]['msg']})") from None
 
 
 def _emit_docs(docs: dict[str, str], out: Path | None, html_out: bool, single: bool,

@@ -102,3 +102,13 @@ def test_signatures_new_refuses_what_is_not_a_diagnosis(tmp_path: Path) -> None:
     assert "not a diagnosis" in res.output
     res = CliRunner().invoke(app, ["signatures", "new", "--from", str(tmp_path / "none.json")])
     assert res.exit_code == 2
+
+
+def test_signatures_new_refuses_a_fifo_and_a_device_without_reading_them(tmp_path: Path) -> None:
+    import os
+    fifo = tmp_path / "diag.json"
+    os.mkfifo(fifo)  # no writer: a blocking open would hang the command forever
+    for path in (fifo, Path("/dev/zero")):
+        res = CliRunner().invoke(app, ["signatures", "new", "--from", str(path)])
+        assert res.exit_code == 2
+        assert "not a regular file" in res.output
