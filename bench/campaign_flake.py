@@ -63,7 +63,10 @@ class Beside:
         self._thread.join(timeout=60)
 
     def _loop(self) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        tmp = self.work / "beside-tmp"  # whatever a stopped campaign leaves goes with us
+        tmp.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+               "TMPDIR": str(tmp)}
         while not self._stop.is_set():
             self._proc = subprocess.Popen(
                 [sys.executable, str(ROOT / "cli.py"), "campaign", "--json", "--bundle-dir",
