@@ -49,6 +49,15 @@ def _handles_errors(fn: F) -> F:
         except OSError as exc:
             render.error(_one_line(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": ")))
             raise typer.Exit(EXIT_USAGE) from None
+        except KeyboardInterrupt as exc:
+            # Ctrl-C, or SIGTERM/SIGHUP turned into an interrupt by the launcher (which has
+            # already stopped the ranks and said where any bundle was kept): the shell's
+            # convention, 128 + the signal's number, so a supervisor sees why the run ended.
+            import signal
+
+            signum = int(getattr(exc, "signum", signal.SIGINT))
+            render.error(f"interrupted by {signal.Signals(signum).name}")
+            raise typer.Exit(128 + signum) from None
 
     return wrapper  # type: ignore[return-value]
 

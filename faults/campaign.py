@@ -38,6 +38,8 @@ from hicache_runtime.errors import ConfigError, InvalidFaultSpec
 from hicache_runtime.legacy import LegacySwitch, parse_legacy
 
 HEALTHY = "healthy"
+#: A cell that fails with evidence the doctor names no signature for (a shrunk unknown crash).
+NO_SIGNATURE = "no-signature"
 DEFAULT_CAMPAIGN = "default.yaml"
 MAX_CELLS = 1000
 """Cells one campaign may hold (seeds included): each is a real run of seconds, so more is a
@@ -254,8 +256,9 @@ def cell_settings(spec: CampaignSpec, cell: CellSpec) -> dict[str, Any]:
 
 
 def check_expectation(expect: str, known: set[str], where: str) -> None:
-    """Each ``|``-separated id must be ``healthy`` or a catalog signature: a typo would only
-    show after the cell ran, as a failure that is the spec's, not the runtime's."""
+    """Each ``|``-separated id must be ``healthy``, ``no-signature`` or a catalog signature: a
+    typo would only show after the cell ran, as a failure that is the spec's, not the
+    runtime's."""
     names = [n for n in (e.strip() for e in expect.split("|")) if n]
     if not names:
         raise ConfigError("campaign", f"{where}: empty expectation")
@@ -263,7 +266,7 @@ def check_expectation(expect: str, known: set[str], where: str) -> None:
         if name not in known:
             close = difflib.get_close_matches(name, sorted(known), n=1)
             raise ConfigError("campaign", f"{where}: expects {short_repr(name)}, which is "
-                                          "neither healthy nor a known signature"
+                                          "neither healthy, no-signature nor a known signature"
                               + (f" (did you mean {close[0]}?)" if close else ""),
                               hint="hicache signatures list shows the signature ids")
 
@@ -271,7 +274,7 @@ def check_expectation(expect: str, known: set[str], where: str) -> None:
 def _known_outcomes() -> set[str]:
     from signatures.loader import load_catalog
 
-    return {HEALTHY} | {s.id for s in load_catalog().signatures}
+    return {HEALTHY, NO_SIGNATURE} | {s.id for s in load_catalog().signatures}
 
 
 def _spec_error(exc: ValidationError, where: str, prefix: str) -> ConfigError:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
-from faults.campaign import HEALTHY, CampaignSpec, CellSpec
+from faults.campaign import HEALTHY, NO_SIGNATURE, CampaignSpec, CellSpec
 from faults.spec import parse_faults
 from hicache_runtime.bundle import CellOrigin, FiredFaultRecord, annotate_origin, load_manifest
 from hicache_runtime.config import RuntimeConfig, load_config
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from hicache_runtime.run import RunSummary
 
 RESULT_SCHEMA_VERSION = "1.0"
-NO_SIGNATURE = "no-signature"
 
 
 class CellResult(BaseModel):

@@ -48,7 +48,7 @@ def _load_error(tmp_path: Path, text: str) -> str:
 ])
 def test_unknown_expectations_fail_at_load(tmp_path: Path, text: str, says: str) -> None:
     message = _load_error(tmp_path, text)
-    assert "neither healthy nor a known signature" in message or "empty" in message
+    assert "nor a known signature" in message or "empty" in message
     assert says in message, message
 
 
@@ -133,3 +133,11 @@ def test_seed_ranges_are_counted_before_they_are_materialised(tmp_path: Path) ->
 
 def test_the_default_campaign_still_loads() -> None:
     assert len(load_campaign().expand()) >= 17
+
+
+def test_a_cell_may_expect_a_failure_no_signature_fits(tmp_path: Path) -> None:
+    """What the shrinker writes for an unknown crash (``expect: no-signature``) loads as a
+    campaign, so the shrunk case can be rerun as a cell."""
+    spec = load_campaign(_spec(tmp_path, "cells:\n  - faults: ['crash:point=scheduler.step']\n"
+                                         "    expect: no-signature\n"))
+    assert [c.expect for c in spec.cells] == ["no-signature"]
