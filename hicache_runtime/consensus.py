@@ -77,6 +77,11 @@ class ConsensusChecker:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=timeout_s)
 
+    @property
+    def running(self) -> bool:
+        """The thread has not ended (it may be inside a collective on the consensus group)."""
+        return self._thread.is_alive()
+
     def _loop(self) -> None:
         while True:
             self._stop.wait(self.interval_s)

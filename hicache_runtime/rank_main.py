@@ -207,7 +207,10 @@ def run_rank(run_dir: Path, rank: RankInfo, cfg: RuntimeConfig) -> int:
     listener = threading.Thread(target=dumper.listen, name="hicache-dump-listener",
                                 daemon=True)
     listener.start()
-    side = _SideThreads(dumper, listener, watchdog, consensus)
+    # A peer may still be writing its own evidence when this rank stops (seconds on a loaded
+    # machine): the consensus thread's last round waits for it, as long as a collective may.
+    side = _SideThreads(dumper, listener, watchdog, consensus,
+                        consensus_join_s=cfg.observability.protocol_timeout_s + _JOIN_S)
     outcome, error, result = RunOutcome.HEALTHY, None, None
     try:
         result = engine.run()
@@ -216,6 +219,9 @@ def run_rank(run_dir: Path, rank: RankInfo, cfg: RuntimeConfig) -> int:
         dumper.dump(RunOutcome.HEALTHY)
         side.stop(agreed=True)
         if consensus is not None:
+            if consensus.running:  # destroying its group under it would crash the process
+                raise RuntimeError("the consensus thread did not finish its last round "
+                                   f"within {side.consensus_join_s:.0f}s of the agreed stop")
             consensus.check()  # the last round ran at the agreed stop
         _final_barrier(groups)
     except BaseException as exc:
@@ -248,6 +254,7 @@ class _SideThreads:
     listener: threading.Thread
     watchdog: StepWatchdog
     consensus: ConsensusChecker | None
+    consensus_join_s: float = _JOIN_S
 
     def stop(self, agreed: bool) -> None:
         """Stop and join. ``agreed``: every rank is stopping too, so the consensus thread
@@ -255,7 +262,9 @@ class _SideThreads:
         self.dumper.stop.set()
         self.watchdog.stop()
         if self.consensus is not None:
-            self.consensus.stop(agreed=agreed)
+            # A failed rank exits without destroying its groups: no need to wait out a round.
+            self.consensus.stop(agreed=agreed,
+                                timeout_s=self.consensus_join_s if agreed else _JOIN_S)
         if self.listener.is_alive() and self.listener is not threading.current_thread():
             self.listener.join(timeout=_JOIN_S)
 

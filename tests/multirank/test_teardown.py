@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -84,3 +85,61 @@ def test_repeated_reference_runs_never_abort_at_exit(bundle_root: Path, cpu_hog:
             res.cleanup()
     assert not failures, failures
     assert not list(bundle_root.iterdir()), "a healthy run writes no bundle"
+
+
+def _late_stopper(rank: int, store_path: str, delay_s: float, out: str) -> None:
+    """One rank of a real 2-rank gloo job: stop the side threads ``delay_s`` late (rank 1),
+    as a rank still writing its evidence on a loaded machine does."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from hicache_runtime.comm import FlightRecorder, Group
+    from hicache_runtime.consensus import ConsensusChecker
+    from hicache_runtime.rank_main import _SideThreads
+    from hicache_runtime.topology import RankInfo
+    from hicache_runtime.tracing import Tracer
+    from hicache_runtime.watchdog import StepWatchdog
+
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=30))
+    pg = dist.new_group([0, 1], timeout=timedelta(seconds=30), backend="gloo")
+    tracer = Tracer(RankInfo.of(rank, 2, 1))
+    group = Group("consensus", pg, [0, 1], rank, FlightRecorder(), tracer)
+    consensus = ConsensusChecker(group, tracer).start()
+    dumper = SimpleNamespace(stop=threading.Event())
+    listener = threading.Thread(target=dumper.stop.wait, daemon=True)
+    listener.start()
+    side = _SideThreads(dumper, listener, StepWatchdog(60.0, lambda _s: None).start(),  # type: ignore[arg-type]
+                        consensus, consensus_join_s=30.0 + 5.0)
+    time.sleep(delay_s if rank == 1 else 0.0)
+    t0 = time.monotonic()
+    side.stop(agreed=True)
+    Path(out).write_text(json.dumps({"running": consensus.running,
+                                     "waited_s": time.monotonic() - t0}))
+    if not consensus.running:
+        dist.destroy_process_group()
+
+
+def test_the_consensus_thread_outlasts_a_peer_that_stops_late(tmp_path: Path) -> None:
+    """A rank that stops first waits for its consensus thread's last round, however long the
+    peer takes to get there (up to the protocol timeout): destroying the group under a thread
+    still inside a collective crashed the rank (a segfault at exit on a loaded machine)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    procs = [ctx.Process(target=_late_stopper,
+                         args=(r, str(tmp_path / "store"), 7.0, str(outs[r])))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    early = json.loads(outs[0].read_text())
+    assert early["running"] is False, early
+    assert early["waited_s"] > 5.0, early  # it did wait for the late peer's round
