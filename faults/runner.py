@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from faults.campaign import HEALTHY, NO_SIGNATURE, CampaignSpec, CellSpec
 from faults.spec import parse_faults
 from hicache_runtime.bundle import CellOrigin, FiredFaultRecord, annotate_origin, load_manifest
-from hicache_runtime.config import RuntimeConfig, load_config
+from hicache_runtime.config import RuntimeConfig, check_run_limits, load_config
 from hicache_runtime.legacy import parse_legacy
 
 if TYPE_CHECKING:
@@ -111,7 +111,10 @@ def cell_config(spec: CampaignSpec, cell: CellSpec, work: Path,
                  "observability.bundle_dir": bundle_root})
     if data.get("storage.backend") == "file" and not data.get("storage.path"):
         data["storage.path"] = work / _safe(cell.id) / "l3"
-    return load_config(data)
+    cfg = load_config(data)
+    # A spec built in code skips the loader's checks: the sizes are checked here too.
+    check_run_limits(cfg, memory=False)
+    return cfg
 
 
 class Observation(BaseModel):

@@ -141,3 +141,16 @@ def test_a_cell_may_expect_a_failure_no_signature_fits(tmp_path: Path) -> None:
     spec = load_campaign(_spec(tmp_path, "cells:\n  - faults: ['crash:point=scheduler.step']\n"
                                          "    expect: no-signature\n"))
     assert [c.expect for c in spec.cells] == ["no-signature"]
+
+
+def test_a_spec_built_in_code_is_size_checked_before_its_cell_runs(tmp_path: Path) -> None:
+    """Specs made by code (bench scripts, the shrinker) bypass the YAML loader: the cell's
+    config is still refused when a run could not hold it, before anything starts."""
+    from faults.campaign import CellSpec
+    from faults.runner import cell_config
+
+    spec = CampaignSpec(defaults={"workload.requests": 10_000_000})
+    cell = CellSpec(id="huge")
+    with pytest.raises(ConfigError, match=r"workload\.requests"):
+        cell_config(spec, cell, tmp_path, tmp_path / "bundles")
+    assert not (tmp_path / "bundles").exists()
