@@ -205,6 +205,9 @@ class ObservabilityConfig(BaseModel):
     guard that turns an unbounded send leak (#28916) into a bundle instead of an OOM kill."""
     check_integrity_every: int = Field(0, ge=0)
     """Run the pool/tree integrity check every N steps (0: only when idle and at drain)."""
+    sample_every: int = Field(0, ge=0)
+    """Multi-rank runs: each rank appends a resource sample (pending sends, pages in use, RSS,
+    L3 objects) to ``<run>/rank<N>.samples.jsonl`` every N steps (0: never; ``bench/soak.py``)."""
 
 
 class RuntimeConfig(BaseModel):

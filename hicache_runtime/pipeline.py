@@ -20,6 +20,7 @@ is the pipeline's depth. Rank 0 decides when the run is over and says so with th
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,8 @@ class PipelineEngine(Engine):
     consensus: ConsensusChecker | None = None
     local_tokens: dict[int, list[int]] = field(default_factory=dict)
     """Last stage: sampled tokens of each slot's in-flight batch, applied one round later."""
+    sampler: Callable[[int], None] | None = None
+    """Called with the step number after every step (resource samples, ``samples.py``)."""
 
     def run(self) -> EngineResult:
         rt, sched = self.rt, self.rt.scheduler
@@ -87,6 +90,8 @@ class PipelineEngine(Engine):
                 sched.check_integrity()
             if self.on_step is not None:
                 self.on_step(self.step, len(finished), self.workload.total)
+            if self.sampler is not None:
+                self.sampler(self.step)
             if batch is None and sched.has_work:
                 time.sleep(_IDLE_SLEEP_S)
         self._drain()

@@ -59,6 +59,7 @@ from hicache_runtime.errors import RankDivergence, StepStalled
 from hicache_runtime.groups import RankGroups, TPComm, create_groups
 from hicache_runtime.pipeline import PipelineEngine
 from hicache_runtime.rank import RankRuntime, build_rank, make_tracer
+from hicache_runtime.samples import RankSampler, samples_path
 from hicache_runtime.sync import DistributedSync
 from hicache_runtime.threads import torch_threads
 from hicache_runtime.topology import RankInfo
@@ -194,6 +195,9 @@ def run_rank(run_dir: Path, rank: RankInfo, cfg: RuntimeConfig) -> int:
                         client_aborts=not caps, caps=caps)
     engine = PipelineEngine(rt, workload, groups=groups, consensus=consensus,
                             on_step=_progress_writer(run_dir) if rank.rank == 0 else None)
+    if cfg.observability.sample_every:
+        engine.sampler = RankSampler(rt, groups, samples_path(run_dir, rank.rank),
+                                     cfg.observability.sample_every)
     dumper.engine = engine
     install_interrupt_handler()
 
