@@ -16,9 +16,11 @@ pp_act              scheduler      hidden states + batch description, stage to s
 pp_out              scheduler      sampled tokens, last stage -> PP0 -> ... (a ring)
 alloc_vote          scheduler      MIN over every rank of an allocation's success
 prefetch_hits       prefetch-query the L3 hit-length MIN over every rank
+prefetch_tp         prefetch-query this stage's hit-length MIN (``local-prefetch-progress``)
 prefetch_progress   prefetch-sync  the per-batch progress MIN over every rank
 consensus           consensus      digests of decisions that must agree
-world               start-up       host capacity MIN, final barrier
+world               start-up       host capacity MIN, final barrier; ``skip-empty-sync``'s
+                                   per-call count chain (scheduler, point to point)
 ==================  =============  ===================================================
 """
 
@@ -54,6 +56,7 @@ class RankGroups:
     pp_out: Group
     alloc_vote: Group
     prefetch_hits: Group
+    prefetch_tp: Group
     prefetch_progress: Group
     consensus: Group
     recorder: FlightRecorder
@@ -61,7 +64,7 @@ class RankGroups:
     def all(self) -> list[Group]:
         return [self.world, self.tp_compute, self.tp_cpu, self.pp_requests, self.pp_sync,
                 self.pp_act, self.pp_out, self.alloc_vote, self.prefetch_hits,
-                self.prefetch_progress, self.consensus]
+                self.prefetch_tp, self.prefetch_progress, self.consensus]
 
 
 def create_groups(rank: RankInfo, tracer: Tracer, timeout_s: float) -> RankGroups:
@@ -72,13 +75,15 @@ def create_groups(rank: RankInfo, tracer: Tracer, timeout_s: float) -> RankGroup
     # NCCL needs one GPU per rank; ranks sharing a GPU (or none) reduce through gloo.
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     compute_backend = "nccl" if gpus >= rank.world_size else "gloo"
-    tp_compute = tp_cpu = None
+    tp_compute = tp_cpu = prefetch_tp = None
     for stage in range(rank.pp_size):
         ranks = rank.stage_ranks(stage)
         compute = dist.new_group(ranks, timeout=timeout, backend=compute_backend)
         cpu = dist.new_group(ranks, timeout=timeout, backend="gloo")
+        # the classic prefetch_tp_group: the query thread's own stage-local communicator
+        hits = dist.new_group(ranks, timeout=timeout, backend="gloo")
         if stage == rank.pp_rank:
-            tp_compute, tp_cpu = compute, cpu
+            tp_compute, tp_cpu, prefetch_tp = compute, cpu, hits
     world = {name: dist.new_group(world_ranks, timeout=timeout, backend="gloo")
              for name in _WORLD_GROUPS}
     stage_ranks = rank.stage_ranks(rank.pp_rank)
@@ -92,6 +97,7 @@ def create_groups(rank: RankInfo, tracer: Tracer, timeout_s: float) -> RankGroup
         # the compute all_reduce runs twice per layer: recorded, but kept out of the event ring
         tp_compute=wrap("tp_compute", tp_compute, stage_ranks, traced=False),
         tp_cpu=wrap("tp_cpu", tp_cpu, stage_ranks),
+        prefetch_tp=wrap("prefetch_tp", prefetch_tp, stage_ranks),
         **{name: wrap(name, pg, world_ranks) for name, pg in world.items()},
         recorder=recorder,
     )

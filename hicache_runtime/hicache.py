@@ -181,7 +181,7 @@ class HiCache(TransferMixin, EvictionMixin, PrefixCache):
         if self.classic_drain:
             self.controller.start_writing()
             self._classic_writing_check()
-            self._loading_check(self.controller.ready_count(self.controller.ack_load_queue))
+            self._classic_loading_check()
         else:
             if agreed is None:
                 agreed = self.sync.drain_counts(self.local_drain_counts())
@@ -197,14 +197,29 @@ class HiCache(TransferMixin, EvictionMixin, PrefixCache):
             self.l3.drain(agreed)
 
     def _classic_writing_check(self) -> None:
-        """Pre-#27285/#26923 form: a per-stage TP MIN of the local ready count, skipped
-        entirely when this rank has nothing in flight under ``skip-empty-sync``."""
+        """Pre-#26923 ``writing_check``: skipped entirely when this rank has nothing in flight
+        (``skip-empty-sync``). The count is a per-stage TP MIN of the local ready count
+        (``local-ack-drain``, 0.5.5) or PP0's TP MIN chained down the pipeline (0.5.13)."""
         assert self.controller is not None
         if LegacySwitch.SKIP_EMPTY_SYNC in self.legacy and not self.ongoing_write_through:
             # upstream: "all ranks has the same ongoing_write_through, can skip sync if empty"
             return
         ready = self.controller.ready_count(self.controller.ack_write_queue)
-        self._writing_check(self.sync.legacy_tp_min(ready, "writing_check"))
+        if LegacySwitch.LOCAL_ACK_DRAIN in self.legacy:
+            self._writing_check(self.sync.legacy_tp_min(ready, "writing_check"))
+        else:
+            self._writing_check(self.sync.legacy_chained(ready, "writing_check"))
+
+    def _classic_loading_check(self) -> None:
+        """Classic ``loading_check``: the local ready count (``local-ack-drain``, 0.5.5: "no
+        need to sync across TP workers"), or PP0's TP MIN chained down the pipeline (0.5.13),
+        in an exchange of its own that is never skipped."""
+        assert self.controller is not None
+        ready = self.controller.ready_count(self.controller.ack_load_queue)
+        if LegacySwitch.LOCAL_ACK_DRAIN in self.legacy:
+            self._loading_check(ready)
+        else:
+            self._loading_check(self.sync.legacy_chained(ready, "loading_check"))
 
     def _writing_check(self, count: int) -> None:
         assert self.controller is not None

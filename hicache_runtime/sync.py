@@ -13,7 +13,9 @@ method                      thread              fixed protocol
 ``drain_counts``            scheduler           TP MIN on PP0, chained to PP1.. by p2p
 ``agree_min``/``agree_any`` scheduler           TP MIN/MAX on PP0, chained
 ``agree_all``               scheduler           MIN over every rank (allocation outcomes)
-``legacy_tp_min``           scheduler           classic per-stage TP MIN (legacy paths only)
+``legacy_tp_min``/``_any``  scheduler           classic per-stage TP MIN/MAX (legacy paths only)
+``legacy_chained``          scheduler           0.5.13's per-call PP0 count chain (legacy only)
+``legacy_hit_vote``         prefetch thread     classic per-stage TP MIN of the hit (legacy only)
 ``hit_vote``                prefetch thread     MIN over TP+PP on the prefetch-hit group
 ``progress_vote``           prefetch sync       MIN over TP+PP on the completion group
 ``host_capacity``           start-up            MIN over PP
@@ -105,6 +107,24 @@ class RankSync(ABC):
         """Classic per-stage TP MIN, used only by legacy code paths."""
 
     @abstractmethod
+    def legacy_tp_min_many(self, values: Sequence[int], site: str) -> list[int]:
+        """Classic per-stage element-wise TP MIN of several values (legacy paths only)."""
+
+    @abstractmethod
+    def legacy_tp_any(self, flag: bool, site: str) -> bool:
+        """Classic per-stage TP MAX of a flag (legacy paths only)."""
+
+    @abstractmethod
+    def legacy_chained(self, value: int, site: str) -> int:
+        """0.5.13's ``_all_reduce``: a TP MIN on PP0, sent point to point down the pipeline,
+        one message per call; a stage ignores its own value. Legacy paths only."""
+
+    @abstractmethod
+    def legacy_hit_vote(self, pages: Sequence[int]) -> list[int]:
+        """Prefetch thread, pre-#27010: element-wise MIN of the hit pages over this stage's
+        TP ranks only (the classic ``prefetch_tp_group``); stages never agree."""
+
+    @abstractmethod
     def hit_vote(self, pages: Sequence[int]) -> list[int]:
         """Prefetch thread: element-wise MIN of the L3 leading hit pages (KV, then each
         sidecar pool) over every rank."""
@@ -150,6 +170,18 @@ class SingleRankSync(RankSync):
 
     def legacy_tp_min(self, value: int, site: str) -> int:
         return value
+
+    def legacy_tp_min_many(self, values: Sequence[int], site: str) -> list[int]:
+        return list(values)
+
+    def legacy_tp_any(self, flag: bool, site: str) -> bool:
+        return flag
+
+    def legacy_chained(self, value: int, site: str) -> int:
+        return value
+
+    def legacy_hit_vote(self, pages: Sequence[int]) -> list[int]:
+        return list(pages)
 
     def hit_vote(self, pages: Sequence[int]) -> list[int]:
         self._trace_vote("prefetch_hit", list(pages), list(pages))
@@ -235,6 +267,44 @@ class DistributedSync(RankSync):
         t = torch.tensor([value], dtype=torch.int64)
         out = int(self.groups.tp_cpu.all_reduce(t, dist.ReduceOp.MIN).item())
         self._trace_vote(site, value, out)
+        return out
+
+    def legacy_tp_min_many(self, values: Sequence[int], site: str) -> list[int]:
+        t = torch.tensor(list(values), dtype=torch.int64)
+        out = self.groups.tp_cpu.all_reduce(t, dist.ReduceOp.MIN).tolist()
+        self._trace_vote(site, list(values), out)
+        return out
+
+    def legacy_tp_any(self, flag: bool, site: str) -> bool:
+        t = torch.tensor([int(flag)], dtype=torch.int64)
+        out = bool(self.groups.tp_cpu.all_reduce(t, dist.ReduceOp.MAX).item())
+        self._trace_vote(site, flag, out)
+        return out
+
+    def legacy_chained(self, value: int, site: str) -> int:
+        """Upstream sent these counts with tag 2 on the PP group, apart from the rest of the
+        PP traffic; here they travel on the ``world`` group, which carries nothing else
+        point to point, so they never interleave with the step exchange on ``pp_sync``.
+        Messages are matched in order per sender, not per call site: a stage that skips a
+        call (``skip-empty-sync``) reads that message in its next call, whatever its site,
+        as upstream's stages did. Sends are reaped only once complete, as 0.5.13 did."""
+        t = torch.tensor([value], dtype=torch.int64)
+        if self.rank.is_first_stage:
+            self.groups.tp_cpu.all_reduce(t, dist.ReduceOp.MIN)
+        else:
+            assert self._prev is not None
+            self.groups.world.recv(t, self._prev)
+        if self._next is not None:
+            self.groups.world.isend(t.clone(), self._next)
+            self.groups.world.reap_completed()
+        out = int(t.item())
+        self._trace_vote(site, value, out, chained=True)
+        return out
+
+    def legacy_hit_vote(self, pages: Sequence[int]) -> list[int]:
+        t = torch.tensor(list(pages), dtype=torch.int64)
+        out = self.groups.prefetch_tp.all_reduce(t, dist.ReduceOp.MIN).tolist()
+        self._trace_vote("prefetch_hit", list(pages), out, stage_local=True)
         return out
 
     def _decide(self, vec: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:

@@ -128,7 +128,7 @@ def test_runbook_for_every_signature(runner: CliRunner, tmp_path: Path) -> None:
                     "## Mitigation", "## Upstream fix", "## Verify with a campaign cell",
                     "## Escalation"):
         assert section in text
-    assert "hicache campaign --only 'pp2/local-ack-drain/dma-lag:pp=1,ms=30'" in text
+    assert "hicache campaign --only 'pp2/skip-empty-sync/host-alloc-fail:pp=1'" in text
     res = runner.invoke(app, ["runbook", "-s", "host-memory-growth"])
     assert res.exit_code == 0
     assert res.output.startswith("# host-memory-growth")

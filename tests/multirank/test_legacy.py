@@ -16,8 +16,16 @@ from tests.multirank.conftest import mr_config
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 
-def test_skip_empty_sync_deadlocks_at_different_collective_sites(bundle_root: Path) -> None:
-    cfg = mr_config(**{"topology.tp": 2, "legacy": frozenset({LegacySwitch.SKIP_EMPTY_SYNC}),
+@pytest.mark.parametrize(("legacy", "site"), [
+    # 0.5.13 (counts decided on PP0): the skipping rank's loading check pairs with its peer's
+    # writing check, so the peer is left waiting in its loading check
+    ({LegacySwitch.SKIP_EMPTY_SYNC}, "_classic_"),
+    # 0.5.5 (loads drained locally): the peer waits in its writing check, as py-spy showed
+    ({LegacySwitch.SKIP_EMPTY_SYNC, LegacySwitch.LOCAL_ACK_DRAIN}, "_classic_writing_check"),
+], ids=["chained", "with-local-ack-drain"])
+def test_skip_empty_sync_deadlocks_at_different_collective_sites(
+        bundle_root: Path, legacy: set[LegacySwitch], site: str) -> None:
+    cfg = mr_config(**{"topology.tp": 2, "legacy": frozenset(legacy),
                        "faults": (parse_fault("host-alloc-fail:tp=1"),)})
     s = run(cfg, bundle_root=bundle_root)
     assert s.outcome is RunOutcome.HANG, s.error
@@ -32,7 +40,38 @@ def test_skip_empty_sync_deadlocks_at_different_collective_sites(bundle_root: Pa
         assert stuck, f"rank {entry.rank} is blocked in a collective"
         sites.add((stuck[-1]["group"], stuck[-1]["site"]))
     assert len(sites) == 2, f"ranks blocked at different sites: {sites}"
-    assert any("_classic_writing_check" in site for _, site in sites)
+    assert any(site in where for _, where in sites), sites
+
+
+def test_skip_empty_sync_with_chained_counts_pops_from_an_empty_ack_queue(
+        bundle_root: Path) -> None:
+    """0.5.13: PP0's write and load counts go down the pipeline one message per check. PP1's
+    host allocations fail, so its in-flight set stays empty and it skips its writing check;
+    its loading check then reads PP0's write count, larger than its own load ack queue."""
+    cfg = mr_config(**{"topology.pp": 2, "workload.requests": 48, "cache.device_tokens": 2048,
+                       "legacy": frozenset({LegacySwitch.SKIP_EMPTY_SYNC}),
+                       "faults": (parse_fault("host-alloc-fail:pp=1"),)})
+    s = run(cfg, bundle_root=bundle_root)
+    assert s.outcome is RunOutcome.CRASH, s.error
+    assert "rank 1" in (s.error or "")
+    assert "IndexError: pop from empty list" in (s.error or "")
+    bundle = Path(s.bundle or "")
+    tb = (bundle / "rank1" / "traceback.txt").read_text()
+    assert tb.rstrip().endswith("IndexError: pop from empty list")
+    assert "in _classic_loading_check" in tb
+    assert "in pop_ack" in tb
+    assert "acks.pop(0)" in tb
+    events = [json.loads(x) for x in (bundle / "rank1" / "events.jsonl").read_text().splitlines()]
+    votes = [e["attrs"] for e in events if e["kind"] == "sync.vote"
+             and e["attrs"].get("site") in ("writing_check", "loading_check")]
+    assert votes
+    assert all(v["site"] == "loading_check" for v in votes), \
+        "PP1 never ran a writing check: its in-flight set stayed empty"
+    assert votes[-1]["agreed"] > 0, "the count that overran its queue came from PP0"
+    assert [e for e in events if e["kind"] == "l2.write.skip"]
+    from doctor.diagnose import diagnose
+
+    assert diagnose([bundle]).verdicts[0].signature == "write-ack-pop-empty"
 
 
 def test_local_ack_drain_breaks_the_downstream_batch(bundle_root: Path) -> None:
