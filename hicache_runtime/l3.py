@@ -190,7 +190,11 @@ class L3Tier:
             return True
         local = self._can_terminate(op)
         if LegacySwitch.LOCAL_PREFETCH_PROGRESS in self.legacy:
-            decided = local
+            # pre-#27010 (can_terminate_prefetch): a TP vote of this stage only; terminate
+            # when every TP rank can, or when any already terminated
+            can, live = self.sync.legacy_tp_min_many(
+                [int(local), int(not op.is_terminated())], "prefetch_terminate")
+            decided = bool(can) or not live
         else:
             decided = self.sync.agree_any(local, "prefetch_terminate")
         if not decided:
@@ -206,17 +210,19 @@ class L3Tier:
         done = op.io_finished or op.completed >= op.hit_pages * self.ps > 0
         if policy is PrefetchPolicy.WAIT_COMPLETE:
             return done
-        if not self.sync.rank.is_first_stage:
+        if not self.sync.rank.is_first_stage and \
+                LegacySwitch.LOCAL_PREFETCH_PROGRESS not in self.legacy:
             return False  # PP0 evaluates the wall-clock deadline; the vote carries it down
         budget = self.cfg.prefetch_timeout_base_s + \
             len(op.tokens) / 1024 * self.cfg.prefetch_timeout_per_ki_token_s
         return done or time.monotonic() - op.start_time > budget
 
     def _settle(self, op: PrefetchOperation, req: Req) -> None:
-        local = LegacySwitch.LOCAL_PREFETCH_PROGRESS in self.legacy
-        completed = op.local_completed if local else op.completed
+        if LegacySwitch.LOCAL_PREFETCH_PROGRESS in self.legacy:
+            self._stage_progress_vote(op)
+        completed = op.completed
         completed = min(completed, op.hit_pages * self.ps) if op.host_slots is not None else 0
-        completed = self._usable_with_sidecars(op, completed, local)
+        completed = self._usable_with_sidecars(op, completed)
         inserted = 0
         if completed and not op.pages_freed:
             assert op.host_slots is not None
@@ -237,11 +243,22 @@ class L3Tier:
         if op.io_finished or op.host_slots is None:
             self._finish(op)
 
-    def _usable_with_sidecars(self, op: PrefetchOperation, completed: int, local: bool) -> int:
+    def _stage_progress_vote(self, op: PrefetchOperation) -> None:
+        """Pre-#27010 (``check_prefetch_progress``): the scheduler MIN-reduces what each rank
+        of *this stage* loaded (its ``completed_tokens``, and each sidecar pool's pages) over
+        the stage's TP group, after the op was terminated. Stages never compare: each settles
+        on its own stage's value, which is what diverges under PP."""
+        names = list(self.workers.sidecars)
+        voted = self.sync.legacy_tp_min_many(
+            [op.local_completed, *(op.local_pool_pages.get(n, 0) for n in names)],
+            "prefetch_completed")
+        op.completed, op.pool_pages = voted[0], dict(zip(names, voted[1:]))
+
+    def _usable_with_sidecars(self, op: PrefetchOperation, completed: int) -> int:
         """Hybrid models (#31443): a KV-derived ``all_pages`` pool clamps the usable prefix to
         the pages it has too; a ``trailing_pages`` pool's state cannot be cut page by page, so
         anything short of the whole hit discards the prefetch."""
-        pages = op.local_pool_pages if local else op.pool_pages
+        pages = op.pool_pages
         for name in self.workers.sidecars:
             have = pages.get(name, 0) * self.ps
             if name == ALL_PAGES:

@@ -159,8 +159,9 @@ class StorageWorkers:
         op.local_hit_pages = hit
         # Terminated ops still vote (0 is harmless under MIN): the k-th vote pairs the k-th op.
         local = [0 if op.is_terminated() else n for n in (hit, *pool_hits)]
-        agreed = local if LegacySwitch.LOCAL_PREFETCH_PROGRESS in self.legacy \
-            else self.sync.hit_vote(local)
+        # pre-#27010 the hit was MIN-reduced over this stage's TP ranks only
+        agreed = self.sync.legacy_hit_vote(local) \
+            if LegacySwitch.LOCAL_PREFETCH_PROGRESS in self.legacy else self.sync.hit_vote(local)
         op.hit_pages = agreed[0]
         op.pool_hit_pages = dict(zip(self.sidecars, agreed[1:]))
         self.tracer.emit(Ev.PREFETCH_HIT, rid=op.rid, local=hit, agreed=op.hit_pages,

@@ -105,3 +105,28 @@ def test_fixed_protocols_survive_the_same_faults(bundle_root: Path, tmp_path: Pa
     assert s.outcome is RunOutcome.HEALTHY, s.error
     assert s.output_match is True
     assert s.faults_fired > 0
+
+
+def test_local_prefetch_progress_keeps_each_stages_tp_votes(bundle_root: Path,
+                                                            tmp_path: Path) -> None:
+    """Pre-#27010 the hit length, the terminate decision and the settled progress were voted
+    over each stage's TP ranks (only stages never agreed), so under TP alone one rank's short
+    L3 hit is every TP rank's: no rank-dependent batch, no gloo size mismatch."""
+    cfg = mr_config(**{"topology.tp": 2, "workload.requests": 48, "cache.host_tokens": 768,
+                       "storage.backend": "file", "storage.path": tmp_path / "l3",
+                       "legacy": frozenset({LegacySwitch.LOCAL_PREFETCH_PROGRESS}),
+                       "faults": (parse_fault("storage-shortfall:rank=1,mode=short,pages=3"),),
+                       "observability.trace_path": tmp_path / "run.jsonl"})
+    s = run(cfg, bundle_root=bundle_root)
+    assert s.outcome is RunOutcome.HEALTHY, s.error
+    assert s.output_match is True
+    hits = {}
+    for rank in (0, 1):
+        lines = (tmp_path / f"run.rank{rank}.jsonl").read_text().splitlines()
+        hits[rank] = [e["attrs"] for e in map(json.loads, lines)
+                      if e["kind"] == "sync.vote" and e["attrs"]["site"] == "prefetch_hit"]
+    assert hits[0], "prefetches were queried"
+    assert all(v.get("stage_local") for r in hits for v in hits[r]), "the stage's own TP vote"
+    assert [v["agreed"] for v in hits[0]] == [v["agreed"] for v in hits[1]]
+    assert any(a["local"] != b["local"] for a, b in zip(hits[0], hits[1], strict=True)), \
+        "rank 1's short hits were outvoted by the MIN, not absent"
