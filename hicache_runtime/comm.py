@@ -9,6 +9,14 @@ ranks up and see who stopped where.
 
 A :class:`Group` is owned by one thread. SGLang's rule, kept here: two threads never run
 collectives on the same communicator.
+
+Async sends are kept (with the tensors they send) until they are *reaped*, which for gloo
+means waited on: a gloo send's ``is_completed()`` stays false until someone calls ``wait()``,
+however long ago the peer received it, so reaping by ``is_completed()`` keeps every send ever
+made. The owner tags each send with its round (:attr:`Group.epoch`) and reaps with
+:meth:`Group.wait_through`, naming a round whose sends the peer must already have received
+(the wait then returns at once), or whose sends it is right to wait for (backpressure). A
+work is waited on exactly once: gloo's second ``wait()`` blocks until the timeout.
 """
 
 from __future__ import annotations
@@ -77,6 +85,17 @@ def call_site() -> str:
 
 
 @dataclass
+class PendingSend:
+    """An async send not reaped yet: its work, its flight record, the tensors it keeps alive
+    and the owner's round it was made in."""
+
+    work: dist.Work
+    rec: dict[str, Any]
+    tensors: list[torch.Tensor]
+    epoch: int
+
+
+@dataclass
 class Group:
     """One process group, used by one thread; every op is recorded.
 
@@ -89,9 +108,10 @@ class Group:
     recorder: FlightRecorder
     tracer: Tracer | None = None
     seq: int = 0
-    pending: list[tuple[dist.Work, dict[str, Any], list[torch.Tensor]]] = field(
-        default_factory=list)
-    """Async sends not yet known to be complete (with the tensors they keep alive)."""
+    pending: list[PendingSend] = field(default_factory=list)
+    """Async sends not reaped yet, oldest first (with the tensors they keep alive)."""
+    epoch: int = 0
+    """The owner's current round: each send is tagged with it (see :meth:`wait_through`)."""
 
     @property
     def size(self) -> int:
@@ -164,7 +184,7 @@ class Group:
             self._end(rec, exc)
             raise
         assert work is not None
-        self.pending.append((work, rec, [tensor]))
+        self.pending.append(PendingSend(work, rec, [tensor], self.epoch))
         return work
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
@@ -188,28 +208,47 @@ class Group:
         """Wait for the oldest ``count`` async sends of this group (all by default): bounds
         in-flight sends and applies backpressure to a sender that runs ahead."""
         n = len(self.pending) if count is None else min(count, len(self.pending))
-        pending, self.pending = self.pending[:n], self.pending[n:]
-        for work, rec, _ in pending:
+        self._wait(n)
+
+    def wait_through(self, epoch: int) -> int:
+        """Wait for (and forget) every send made in round ``epoch`` or before, oldest first.
+        The owner names a round whose sends the peer must have received already, so this
+        returns at once, or one it means to wait for. Returns how many are still pending."""
+        n = 0
+        while n < len(self.pending) and self.pending[n].epoch <= epoch:
+            n += 1
+        self._wait(n)
+        return len(self.pending)
+
+    def _wait(self, n: int) -> None:
+        done, self.pending = self.pending[:n], self.pending[n:]
+        for i, p in enumerate(done):
             try:
-                work.wait()
+                p.work.wait()
             except BaseException as exc:
-                self._end(rec, exc)
+                self._end(p.rec, exc)
+                self.pending[:0] = done[i + 1:]  # not waited: still pending
                 raise
-            self._end(rec)
+            self._end(p.rec)
 
     def reap_completed(self) -> int:
-        """Forget async sends that have completed; returns how many are still pending."""
-        keep = []
-        for work, rec, tensors in self.pending:
-            if work.is_completed():
-                self._end(rec)
-            else:
-                keep.append((work, rec, tensors))
-        self.pending = keep
-        return len(keep)
+        """Forget the leading async sends whose ``is_completed()`` is true; returns how many
+        are still pending. With gloo that is none until someone waits: the pre-fix reaping
+        (SGLang 0.5.13 ``_reap_completed_async_work``), kept for the legacy paths."""
+        n = 0
+        while n < len(self.pending) and self.pending[n].work.is_completed():
+            n += 1
+        for p in self.pending[:n]:
+            self._end(p.rec)
+        del self.pending[:n]
+        return len(self.pending)
 
     def pending_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for _, _, ts in self.pending for t in ts)
+        return sum(t.numel() * t.element_size() for p in self.pending for t in p.tensors)
+
+    def close(self) -> None:
+        """Forget pending sends (the run is over, or failed)."""
+        self.pending.clear()
 
 
 def _pickle(obj: Any) -> torch.Tensor:

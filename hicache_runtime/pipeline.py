@@ -69,6 +69,7 @@ class PipelineEngine(Engine):
             msg, agreed = self._exchange_requests(finished)
             if msg.get("stop"):
                 break
+            self._reap_sends()
             self._apply_requests(msg, all_reqs)
             prev = sched.slots[slot].in_flight
             if prev is not None:
@@ -144,7 +145,6 @@ class PipelineEngine(Engine):
         if rank.pp_size > 1:
             assert self.groups is not None
             self.groups.pp_out.isend_object(tokens, rank.stage_ranks(0)[rank.tp_rank])
-            self.groups.pp_out.reap_completed()
 
     def _send_activation(self, batch: ScheduleBatch, hidden: torch.Tensor) -> None:
         assert self.groups is not None
@@ -156,7 +156,6 @@ class PipelineEngine(Engine):
                 "shape": list(hidden.shape)}
         self.groups.pp_act.isend_object(desc, dst)
         self.groups.pp_act.isend(hidden.contiguous(), dst)
-        self.groups.pp_act.reap_completed()
         self.rt.tracer.emit(Ev.PP_SEND, tokens=fwd.num_tokens, rids=fwd.rids)
 
     def _recv_activation(self, fwd: ForwardBatch) -> torch.Tensor:
@@ -172,6 +171,28 @@ class PipelineEngine(Engine):
                             local_extend=fwd.extend_lens, sender_step=desc["step"])
         return hidden
 
+    def _reap_sends(self) -> None:
+        """Bound the activation and token channels: their sends are tagged with the step that
+        made them, and at step ``i`` (after the step exchange) the sends of step ``i - pp - 1``
+        and before are waited on, which the peer has certainly received by then:
+
+        * activations sent at step ``j`` are received by the next stage at its step ``j``;
+          this stage's chain backpressure (``sync``) waited at step ``i`` until the next stage
+          started step ``i - pp + 1`` at the latest, so it finished step ``j <= i - pp``;
+        * tokens sent by the last stage at step ``j`` are received by PP0 at step ``j + pp``;
+          the last stage is at step ``i`` only once PP0 started it (the chain), so PP0 has
+          finished step ``i - 1 >= j + pp``; a stage forwarding tokens is covered as for
+          activations.
+
+        So the waits return at once, and the channels hold at most ``pp + 1`` steps of sends.
+        (gloo's ``is_completed()`` stays false until a wait: reaping by it keeps every send.)"""
+        if self.groups is None:
+            return
+        done = self.step - self.rt.rank.pp_size - 1
+        for group in (self.groups.pp_act, self.groups.pp_out):
+            group.wait_through(done)
+            group.epoch = self.step
+
     def _result_tokens(self, batch: ScheduleBatch) -> list[int]:
         """The sampled tokens of ``batch`` (launched ``pp`` iterations ago)."""
         rank = self.rt.rank
@@ -184,7 +205,6 @@ class PipelineEngine(Engine):
         nxt = rank.rank + rank.tp_size
         if rank.pp_rank + 1 < rank.pp_size - 1:
             self.groups.pp_out.isend_object(tokens, nxt)
-            self.groups.pp_out.reap_completed()
         return tokens
 
     # --- end of run -------------------------------------------------------------------------------

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import pickle
 from abc import ABC, abstractmethod
-from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -214,9 +213,14 @@ class DistributedSync(RankSync):
     receives PP0's value and must consume exactly that much, waiting for its own work if it is
     behind. There is no PP collective in the scheduler loop: stages run out of phase.
 
-    In-flight chain sends are bounded to one round (#28916): each ``drain_counts`` first waits
-    for the previous round's sends. ``unbounded-pp-sends`` restores the leak: sends are only
-    reaped once completed, so a PP0 that outruns its next stage accumulates them.
+    In-flight chain sends are bounded (#28916): every send on the chain groups is tagged with
+    the round it was made in (the agreement helpers' between two rounds included), and each
+    round first waits for the sends of rounds older than the pipeline depth, so no remainder
+    is left behind. ``unbounded-pp-sends`` restores 0.5.13: no wait, and the chain's sends are
+    reaped only once ``is_completed()`` (``_reap_completed_async_work``). On the gloo group
+    upstream used (``pp_cache_group`` is the PP group's CPU group) a send reports completed
+    only after a ``wait()``, which 0.5.13 never called, so PP0 keeps every chain send it ever
+    made, one or more per round, until memory runs out.
     """
 
     def __init__(self, rank: RankInfo, tracer: Tracer, groups: RankGroups,
@@ -226,8 +230,10 @@ class DistributedSync(RankSync):
         self.legacy = legacy
         self.pending_send_limit = pending_send_limit
         self._rounds = 0
-        self._round_sends: deque[int] = deque()
-        self._sends_before = 0
+        self._epoch = 0
+        """Rounds started (drain rounds included): the tag of this round's chain sends."""
+        self._window = max(1, rank.pp_size - 1)
+        """Rounds whose chain sends may still be in flight when a new one starts."""
         self.unbounded = LegacySwitch.UNBOUNDED_PP_SENDS in legacy
         self._prev = rank.rank - rank.tp_size if not rank.is_first_stage else None
         self._next = rank.rank + rank.tp_size if not rank.is_last_stage else None
@@ -318,19 +324,21 @@ class DistributedSync(RankSync):
         return vec
 
     def _start_round(self) -> None:
-        """Backpressure (#28916): before a new round, wait for the sends of rounds older than
-        the pipeline depth. Upstream waits for the previous round; allowing ``pp - 1`` rounds
-        in flight keeps the same bound on memory without serialising the pipeline."""
-        if self.unbounded:
-            return
-        while len(self._round_sends) >= max(1, self.rank.pp_size - 1):
-            self.groups.pp_sync.wait_pending(self._round_sends.popleft())
-        self._sends_before = len(self.groups.pp_sync.pending)
+        """Backpressure (#28916): before a new round, wait for every chain send of the rounds
+        older than the pipeline depth, whichever call made it (the step exchange, or an
+        ``agree_min``/``agree_any`` after it). Upstream waits for the previous round; allowing
+        ``pp - 1`` rounds in flight keeps the same bound on memory without serialising the
+        pipeline. The sends of this round are tagged with it."""
+        self._epoch += 1
+        chain = (self.groups.pp_sync, self.groups.pp_requests)
+        for group in chain:
+            group.epoch = self._epoch
+        self.groups.pp_requests.wait_through(self._epoch - self._window)
+        if not self.unbounded:
+            self.groups.pp_sync.wait_through(self._epoch - self._window)
 
     def _end_round(self) -> None:
         self._rounds += 1
-        if not self.unbounded:
-            self._round_sends.append(len(self.groups.pp_sync.pending) - self._sends_before)
         if self.unbounded and self._next is not None:
             pending = self.groups.pp_sync.reap_completed()
             size = self.groups.pp_sync.pending_bytes()
@@ -403,8 +411,7 @@ class DistributedSync(RankSync):
             assert self._prev is not None
             payload = self.groups.pp_requests.recv_object(self._prev)
         if self._next is not None:
-            self.groups.pp_requests.isend_object(payload, self._next)
-            self.groups.pp_requests.reap_completed()
+            self.groups.pp_requests.isend_object(payload, self._next)  # reaped by rounds
         return list(payload or [])
 
     def flight_records(self) -> list[dict[str, Any]]:
@@ -416,7 +423,7 @@ class DistributedSync(RankSync):
 
     def close(self) -> None:
         for g in self.groups.all():
-            g.pending.clear()
+            g.close()
 
 
 #: What non-zero ranks offer as the payload size in the step MIN: never the minimum.
