@@ -15,6 +15,9 @@ path-based as in SGLang: ``inc_lock_ref`` walks to the root, so a locked node's
 ancestors are locked too. ``evictable_size`` and ``protected_size`` count device tokens in
 unlocked and locked nodes. The LRU clock is injected (logical by default, wall clock for the
 ``wallclock-lru`` legacy switch) so ranks that perform the same operations agree on victims.
+A match or insert stamps every node it walks, including one it ends inside, before splitting
+it, so eviction order follows SGLang's ``RadixCache`` (tests/runtime/test_tree_oracle.py drives
+both side by side).
 """
 
 from __future__ import annotations
@@ -199,9 +202,12 @@ class RadixTree:
             if child is None:
                 return
             n = self._common_len(child.key, rest)
+            # Stamp before splitting, as SGLang's RadixCache does: the remainder of a node a
+            # match or insert ends inside counts as just used too (the upper part inherits
+            # the stamp), so L1 eviction picks the same victims as upstream.
+            child.last_access = self.clock()
             if n < len(child.key):
                 child = self.split(child, n)
-            child.last_access = self.clock()
             yield child
             node, offset = child, offset + n
 

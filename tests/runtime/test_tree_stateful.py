@@ -121,3 +121,4 @@ TestSelective = SelectiveMachine.TestCase
 TestWriteBack = WriteBackMachine.TestCase
 for case in (TestWriteThrough, TestSelective, TestWriteBack):
     case.settings = settings(case.settings, stateful_step_count=30)
+del case  # a module-level TestCase name would be collected a second time
