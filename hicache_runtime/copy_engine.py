@@ -5,6 +5,8 @@ tracks completion with CUDA events; attention waits per layer on a ``LayerDoneCo
 load-back overlaps with compute. This module offers the same contract on both kinds of machine:
 
 * :class:`CudaCopyEngine` (a GPU is present): a D2H and an H2D stream, ``torch.cuda.Event``.
+  Both copy streams first wait for the work already queued on the compute stream, so a write
+  reads finished KV and a load never lands under a kernel still using its pages.
 * :class:`CpuCopyEngine` (no GPU): one worker thread per direction; :class:`CopyEvent` gives the
   same ``query()`` / ``synchronize()`` semantics as a CUDA event.
 
@@ -266,6 +268,14 @@ class CudaCopyEngine(CopyEngine):
              device_slots: torch.Tensor, counter: LayerDoneCounter) -> tuple[torch.cuda.Event, int]:
         slot = counter.start_producer()
         runs = page_runs(host_slots, device_slots, self.page_size)
+        # The copy overwrites device pages that kernels already queued on the compute stream
+        # may still read or write (pages freed by eviction and handed straight to this load, a
+        # forward still running ahead under overlap). As SGLang's cache controller does in
+        # ``start_loading`` (a start event recorded on the compute stream, waited on by the
+        # H2D stream), the copy starts only after everything queued there so far.
+        start = torch.cuda.Event()
+        start.record(torch.cuda.current_stream(self._device))
+        self._h2d.wait_event(start)
         with torch.cuda.stream(self._h2d):
             for layer in range(host.k.shape[0]):
                 copy_layer(host, device, layer, host_slots, device_slots, runs, self.page_size)
