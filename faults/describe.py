@@ -29,7 +29,7 @@ SELECTOR_FORM = {"steps": "inclusive scheduler-step range: steps=10-20, or step=
 #: What each kind-specific parameter means (the spec's fields carry no description).
 PARAM_HELP = {
     "ms": "milliseconds (default 20)",
-    "mode": "short | holes",
+    "mode": "short | holes (storage-shortfall); fail | raise (storage-error)",
     "pages": "pages that miss",
     "at": "first page that fails (holes)",
     "batch": "prefetch batch, 0-based",

@@ -42,7 +42,8 @@ class FaultKind(str, Enum):
     STORAGE_LATENCY = "storage-latency"
     """Add ``ms`` to every L3 call on the selected ranks."""
     STORAGE_ERROR = "storage-error"
-    """Make L3 calls fail (reads return nothing, writes report failure)."""
+    """Make L3 calls fail (reads return nothing, writes report failure); ``mode=raise`` makes
+    them raise instead, as a client library that throws would."""
     STORAGE_CORRUPT = "storage-corrupt"
     """Flip bytes in pages as they are read from L3 (the checksum must catch it)."""
     MID_PREFETCH_ABORT = "mid-prefetch-abort"
@@ -83,7 +84,7 @@ _KIND_PARAMS: dict[FaultKind, frozenset[str]] = {
     FaultKind.DMA_LAG: frozenset({"ms"}),
     FaultKind.STORAGE_SHORTFALL: frozenset({"mode", "pages", "at", "pool"}),
     FaultKind.STORAGE_LATENCY: frozenset({"ms"}),
-    FaultKind.STORAGE_ERROR: frozenset(),
+    FaultKind.STORAGE_ERROR: frozenset({"mode"}),
     FaultKind.STORAGE_CORRUPT: frozenset(),
     FaultKind.MID_PREFETCH_ABORT: frozenset({"batch"}),
     FaultKind.HOST_ALLOC_FAIL: frozenset(),
@@ -136,6 +137,8 @@ class FaultSpec(BaseModel):
             )
         if self.kind is FaultKind.STORAGE_SHORTFALL and self.mode not in (None, "short", "holes"):
             raise ValueError(f"storage-shortfall mode must be short or holes, not {self.mode!r}")
+        if self.kind is FaultKind.STORAGE_ERROR and self.mode not in (None, "fail", "raise"):
+            raise ValueError(f"storage-error mode must be fail or raise, not {self.mode!r}")
         if self.pool not in (None, "kv", "sidecar", "any"):
             raise ValueError(f"pool must be kv, sidecar or any, not {self.pool!r}")
         if self.kind in (FaultKind.CRASH, FaultKind.HANG):

@@ -36,8 +36,9 @@ class EvictionMixin:
     pins: HostPins
     stats: dict[str, int]
 
-    if TYPE_CHECKING:  # provided by TransferMixin
+    if TYPE_CHECKING:  # provided by TransferMixin and HiCache
         def write_backup(self, node: TreeNode, write_back: bool = False) -> int: ...
+        def on_backed_up(self, node: TreeNode) -> None: ...
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` of L1 from unlocked leaves, least recently used first."""
@@ -52,7 +53,7 @@ class EvictionMixin:
         write_back = self.cfg.write_policy is WritePolicy.WRITE_BACK and self.host is not None
         while evicted < num_tokens and heap:
             x = heapq.heappop(heap)
-            if x.lock_ref or x in drop:
+            if x.lock_ref or x in drop or x in copy:  # ``copy``: its L2 copy is not made yet
                 continue
             if x.host_value is None:
                 if write_back:
@@ -61,7 +62,11 @@ class EvictionMixin:
                         copy.extend(chain)
                         drop.append(x)
                         evicted += len(x.key)
-                    continue
+                        continue
+                    # No host pages, even after L2 eviction (pinned by prefetches, backups):
+                    # drop the leaf unsaved rather than keep it and stall every allocation
+                    # (upstream: "write_back: KV subtree dropped without backup due to host
+                    # memory pressure"). The reservation outcome was agreed, so ranks agree.
                 slots = x.value
                 self.tree.delete_leaf(x)
                 self.device.free(slots)  # type: ignore[arg-type]
@@ -114,6 +119,8 @@ class EvictionMixin:
         for n in drop:
             self.device.free(self.tree.drop_device(n))
         self.stats["backup_tokens"] += int(host_slots.numel())
+        for n in copy:  # their L2 copies are complete: chain L3 backups, as write-through does
+            self.on_backed_up(n)
 
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` of L2 from evicted, unreferenced leaves (LRU)."""

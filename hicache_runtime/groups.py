@@ -18,6 +18,7 @@ alloc_vote          scheduler      MIN over every rank of an allocation's succes
 prefetch_hits       prefetch-query the L3 hit-length MIN over every rank
 prefetch_tp         prefetch-query this stage's hit-length MIN (``local-prefetch-progress``)
 prefetch_progress   prefetch-sync  the per-batch progress MIN over every rank
+l3_backup           backup         the per-op backup completion MIN over every rank
 consensus           consensus      digests of decisions that must agree
 world               start-up       host capacity MIN, final barrier; ``skip-empty-sync``'s
                                    per-call count chain (scheduler, point to point)
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     from hicache_runtime.tracing import Tracer
 
 _WORLD_GROUPS = ("pp_requests", "pp_sync", "pp_act", "pp_out", "alloc_vote", "prefetch_hits",
-                 "prefetch_progress", "consensus")
+                 "prefetch_progress", "l3_backup", "consensus")
 
 
 @dataclass
@@ -58,13 +59,14 @@ class RankGroups:
     prefetch_hits: Group
     prefetch_tp: Group
     prefetch_progress: Group
+    l3_backup: Group
     consensus: Group
     recorder: FlightRecorder
 
     def all(self) -> list[Group]:
         return [self.world, self.tp_compute, self.tp_cpu, self.pp_requests, self.pp_sync,
                 self.pp_act, self.pp_out, self.alloc_vote, self.prefetch_hits,
-                self.prefetch_tp, self.prefetch_progress, self.consensus]
+                self.prefetch_tp, self.prefetch_progress, self.l3_backup, self.consensus]
 
 
 def create_groups(rank: RankInfo, tracer: Tracer, timeout_s: float) -> RankGroups:

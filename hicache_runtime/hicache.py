@@ -64,6 +64,9 @@ class HiCache(TransferMixin, EvictionMixin, PrefixCache):
                            if host is not None and engine is not None else None)
         self.pins = HostPins(cfg.page_size)
         self.ongoing_write_through: dict[int, TreeNode] = {}
+        self.write_tokens: dict[int, int] = {}
+        """Tokens each in-flight L1->L2 write covers: a split while it is in flight moves its
+        leading pages into new ancestors of the node, which the write covers too."""
         self.ongoing_load_back: dict[int, TreeNode] = {}
         self.l3: L3Tier | None = None
         """The L3 tier, attached after construction when a storage backend is configured."""
@@ -227,8 +230,10 @@ class HiCache(TransferMixin, EvictionMixin, PrefixCache):
             ack = self.controller.pop_ack(self.controller.ack_write_queue)
             for node_id in ack.node_ids:
                 node = self.ongoing_write_through.pop(node_id)
+                fragments = self._fragments(node, self.write_tokens.pop(node_id))
                 self.tree.dec_lock_ref(node)
-                self.on_backed_up(node)
+                for fragment in fragments:  # every fragment, top-down (as upstream)
+                    self.on_backed_up(fragment)
             self.tracer.emit(Ev.WRITE_ACK, nodes=ack.node_ids, tokens=ack.tokens)
         if count:
             self.tracer.emit(Ev.WRITE_DRAIN, count=count,
@@ -243,6 +248,21 @@ class HiCache(TransferMixin, EvictionMixin, PrefixCache):
             self.tracer.emit(Ev.LOAD_ACK, nodes=ack.node_ids, tokens=ack.tokens)
         if count:
             self.tracer.emit(Ev.LOAD_DRAIN, count=count, left=len(self.controller.ack_load_queue))
+
+    def _fragments(self, node: TreeNode, tokens: int) -> list[TreeNode]:
+        """The nodes a write of ``tokens`` tokens that ended at ``node`` now covers, top-down.
+        A split keeps the original node as the lower part and puts a new node above it, and
+        the write's lock keeps every part in the tree, so the parts are ``node`` and the
+        ancestors right above it, until their lengths add up to the write."""
+        out, covered, x = [node], len(node.key), node
+        while covered < tokens and x.parent is not None and x.parent is not self.tree.root:
+            x = x.parent
+            out.append(x)
+            covered += len(x.key)
+        if covered != tokens:
+            raise InvariantViolation(f"write of {tokens} tokens ending at node {node.id} "
+                                     f"does not end on a node boundary ({covered})")
+        return out[::-1]
 
     def on_backed_up(self, node: TreeNode) -> None:
         """A node's L2 copy is complete: chain its L3 backup."""

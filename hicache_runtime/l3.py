@@ -67,7 +67,10 @@ class L3Tier:
         admitted: otherwise L2 pressure can evict them while the request still waits."""
         self._backup_ids = 0
         self.stats = {"prefetch_issued": 0, "prefetch_revoked": 0, "prefetch_rate_limited": 0,
-                      "prefetched_tokens": 0, "backup_pages": 0, "backup_failed_pages": 0}
+                      "prefetched_tokens": 0, "backup_pages": 0, "backup_failed_pages": 0,
+                      "query_errors": 0, "io_errors": 0, "backup_errors": 0,
+                      "query_shed": 0, "backup_shed_pages": 0}
+        """Scheduler-side counters; the last five mirror the threads' (see ``drain``)."""
 
     # --- backup -------------------------------------------------------------------------------
 
@@ -127,14 +130,15 @@ class L3Tier:
         w = self.workers
         return {"prefetch_hits": w.prefetch_hit_queue.qsize(),
                 "prefetch_acks": w.ack_prefetch_queue.qsize(),
-                "backup_acks": w.ack_backup_queue.qsize(),
-                "host_releases": w.host_mem_release_queue.qsize()}
+                "backup_acks": w.ack_backup_queue.qsize()}
 
     def drain(self, agreed: DrainCounts) -> None:
         """Consume exactly the agreed number of items of each queue, waiting for this rank's
         own threads when they are behind (a blocking ``get``, as upstream)."""
         w = self.workers
         w.check_alive()
+        self.stats.update({f"{k}_errors": n for k, n in w.errors.items()},
+                          query_shed=w.shed["query_ops"], backup_shed_pages=w.shed["backup_pages"])
         for op in _take(w.prefetch_hit_queue, agreed.prefetch_hits, w):
             self._on_hit(op)
         for ack in _take(w.ack_prefetch_queue, agreed.prefetch_acks, w):

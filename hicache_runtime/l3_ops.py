@@ -10,7 +10,19 @@ Prefetch ack protocol (SGLang #27010, per op, on every rank):
 
 Because the hit length is agreed, every rank emits the same number of acks per op, and the
 sync thread can pair the k-th ack of each rank in a MIN vote. The ``abort-early-exit`` legacy
-switch breaks rule 2.
+switch breaks rule 2. An exception in the IO thread is caught per batch and counted; the op
+goes on acking with the pages it has (SGLang catches it the same way).
+
+Backup (L2 -> L3): the backup thread writes an op's pages, then votes once per op over every
+rank (:meth:`~hicache_runtime.sync.RankSync.backup_vote`) before acking it, so an ack exists
+on a rank only once every rank has finished that op: the scheduler's agreed drain never waits
+for a peer's storage.
+
+IO budget: every rank spends at most ``io_budget_s`` of wall time on one query or one backup,
+counted from when the op was queued; what is not done by then is given up (a shorter leading
+hit, fewer pages backed up), each a valid, smaller answer that the votes then agree on. A
+peer therefore waits in a vote for at most the budget plus one storage call, whatever the
+backlog of a slow rank: a slow backend makes L3 less useful, it never stops the run.
 """
 
 from __future__ import annotations
@@ -21,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+
+from hicache_runtime.legacy import LegacySwitch
 
 if TYPE_CHECKING:
     from hicache_runtime.radix_tree import TreeNode
@@ -100,5 +114,24 @@ class BackupOperation:
     node_id: int
     host_slots: torch.Tensor
     hashes: list[str]
+    queued_at: float = field(default_factory=time.monotonic)
     completed_pages: int = 0
+    """Pages this rank wrote (its own outcome; the vote only says every rank is done)."""
+    shed_pages: int = 0
+    """Pages given up because the IO budget ran out (a slow backend)."""
     skipped: bool = False
+    failed: bool = False
+    """The write raised; counted and acked like a failed write."""
+
+
+def past_budget(queued_at: float, budget_s: float | None) -> bool:
+    """Whether an op queued at ``queued_at`` has used up its IO budget (None: unbounded)."""
+    return budget_s is not None and time.monotonic() - queued_at > budget_s
+
+
+def storage_drain_is_stage_local(legacy: frozenset[LegacySwitch]) -> bool:
+    """Whether ``legacy`` restores a path where storage queues are drained stage-locally (the
+    pre-#27010 form) and ranks may submit different backups: no per-op backup vote then (a
+    vote would pair different ops and change how those paths fail)."""
+    return bool(legacy & {LegacySwitch.LOCAL_ACK_DRAIN, LegacySwitch.SKIP_EMPTY_SYNC,
+                          LegacySwitch.LOCAL_PREFETCH_PROGRESS})

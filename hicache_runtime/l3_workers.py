@@ -11,8 +11,16 @@ backup              ``backup_queue``                 ``ack_backup_queue``
 
 Every thread owns its input queue and polls it with a timeout so the shared stop event ends it;
 ``stop`` joins them with a timeout and reports the ones that did not stop (a hung worker is a
-finding, not something to hide). The voting threads use their own communicators (``sync``).
-Only the scheduler thread frees host pages; threads only read or fill pages they were given.
+finding, not something to hide). The voting threads use their own communicators (``sync``):
+the query thread votes each op's hit, the sync thread each progress ack, the backup thread
+each finished backup. Only the scheduler thread frees host pages; threads only read or fill
+pages they were given.
+
+A storage call that raises is caught where it runs (as SGLang does), traced, counted in
+``errors`` and treated as a miss or a failed write: the thread goes on voting and acking, so
+no peer waits for a vote that never comes. An exception outside those calls still ends the
+thread, and the scheduler reports it (``check_alive``). A slow backend is bounded by the IO
+budget (see ``l3_ops``).
 """
 
 from __future__ import annotations
@@ -27,7 +35,13 @@ from typing import TYPE_CHECKING
 from faults.points import FaultPoint
 from faults.spec import FaultKind
 from hicache_runtime.errors import WorkerDied
-from hicache_runtime.l3_ops import BackupOperation, PrefetchAck, PrefetchOperation
+from hicache_runtime.l3_ops import (
+    BackupOperation,
+    PrefetchAck,
+    PrefetchOperation,
+    past_budget,
+    storage_drain_is_stage_local,
+)
 from hicache_runtime.legacy import LegacySwitch
 from hicache_runtime.storage.base import StorageCallInfo
 from hicache_runtime.storage.keys import extend_chain, sidecar_hash
@@ -59,7 +73,8 @@ class StorageWorkers:
                  host: HostKVPool, sync: RankSync, tracer: Tracer, rank: RankInfo,
                  legacy: frozenset[LegacySwitch], faults: FaultInjector | None = None,
                  request_abort: AbortRequester | None = None,
-                 sidecars: dict[str, SidecarCodec] | None = None) -> None:
+                 sidecars: dict[str, SidecarCodec] | None = None,
+                 io_budget_s: float | None = None) -> None:
         self.cfg = cfg
         self.backend = backend
         self.codec = codec
@@ -75,6 +90,13 @@ class StorageWorkers:
         self.faults = faults if faults and faults.armed(FaultPoint.PREFETCH_BATCH) \
             and rank.rank == 0 else None
         self.request_abort = request_abort
+        self.io_budget_s = io_budget_s
+        """Wall time one query or backup may take from when it was queued (None: unbounded)."""
+        self.vote_backups = not storage_drain_is_stage_local(legacy)
+        self.errors = {"query": 0, "io": 0, "backup": 0}
+        """Storage calls that raised, per thread (each key is written by one thread only)."""
+        self.shed = {"query_ops": 0, "backup_pages": 0}
+        """Work given up when the IO budget ran out."""
         self.page_size = codec.layout.page_size
         self.prefetch_queue: queue.Queue[PrefetchOperation] = queue.Queue()
         self.prefetch_hit_queue: queue.Queue[PrefetchOperation] = queue.Queue()
@@ -83,7 +105,6 @@ class StorageWorkers:
         self.ack_prefetch_queue: queue.Queue[PrefetchAck] = queue.Queue()
         self.backup_queue: queue.Queue[BackupOperation] = queue.Queue()
         self.ack_backup_queue: queue.Queue[BackupOperation] = queue.Queue()
-        self.host_mem_release_queue: queue.Queue[object] = queue.Queue()
         self.stop_event = threading.Event()
         self.failure: tuple[str, BaseException] | None = None
         self._warnings = 0
@@ -131,6 +152,16 @@ class StorageWorkers:
             name, exc = self.failure
             raise WorkerDied(f"{name} died: {type(exc).__name__}: {exc}") from exc
 
+    def _caught(self, where: str, rid: str | None, exc: Exception) -> None:
+        """A storage call raised: log it with its traceback, trace it and count it; the
+        caller carries on as if the call had failed soft."""
+        self.errors[where] += 1
+        log.warning("HiCache storage %s failed%s: %s: %s", where,
+                    f" for request {rid}" if rid else "", type(exc).__name__, exc,
+                    exc_info=self.errors[where] <= _WARN_FIRST)
+        self.tracer.emit(Ev.STORAGE, op="raised", thread=where, rid=rid,
+                         error=f"{type(exc).__name__}: {exc}"[:300])
+
     def _loop(self, q: queue.Queue, handle: Callable[[object], None]) -> None:  # type: ignore[type-arg]
         while not self.stop_event.is_set():
             try:
@@ -151,11 +182,19 @@ class StorageWorkers:
 
     def _query(self, op: PrefetchOperation) -> None:  # type: ignore[override]
         op.hashes = extend_chain(op.last_hash, op.tokens, self.page_size)
-        hit = self._leading_hits(op, op.hashes, "kv")
-        pool_hits = []
         for name in self.sidecars:
             op.pool_hashes[name] = [sidecar_hash(h, name) for h in op.hashes]
-            pool_hits.append(self._leading_hits(op, op.pool_hashes[name][:hit], name))
+        hit, pool_hits = 0, [0] * len(self.sidecars)
+        if past_budget(op.start_time, self.io_budget_s):
+            self.shed["query_ops"] += 1  # queued too long behind a slow backend: a miss
+        else:
+            try:
+                hit = self._leading_hits(op, op.hashes, "kv")
+                for i, name in enumerate(self.sidecars):
+                    pool_hits[i] = self._leading_hits(op, op.pool_hashes[name][:hit], name)
+            except Exception as exc:  # upstream: logged, the op votes 0 hits
+                self._caught("query", op.rid, exc)
+                hit, pool_hits = 0, [0] * len(self.sidecars)
         op.local_hit_pages = hit
         # Terminated ops still vote (0 is harmless under MIN): the k-th vote pairs the k-th op.
         local = [0 if op.is_terminated() else n for n in (hit, *pool_hits)]
@@ -169,9 +208,14 @@ class StorageWorkers:
         self.prefetch_hit_queue.put(op)
 
     def _leading_hits(self, op: PrefetchOperation, hashes: list[str], pool: str) -> int:
+        """Leading pages of ``hashes`` present in L3, batch by batch; stops at the first
+        short batch, or once the op's IO budget is spent (what was found so far is still a
+        valid leading hit)."""
         info = StorageCallInfo(rid=op.rid, step=self.tracer.step, pool=pool)
         hit, batch = 0, self.cfg.io_batch_pages
         for start in range(0, len(hashes), batch):
+            if start and past_budget(op.start_time, self.io_budget_s):
+                break
             keys = hashes[start : start + batch]
             n = self.backend.batch_exists(keys, info)
             hit += n
@@ -187,22 +231,33 @@ class StorageWorkers:
         info = StorageCallInfo(rid=op.rid, step=self.tracer.step)
         failed = False
         early_exit = LegacySwitch.ABORT_EARLY_EXIT in self.legacy
-        for index, start in enumerate(range(0, len(hashes), batch)):
-            self._maybe_abort(op, index)
-            if op.is_terminated():
-                if early_exit:
-                    self.tracer.emit(Ev.PREFETCH_ACK, rid=op.rid, batch=index, stopped=True)
-                    return  # upstream, pre-#27010: no further acks for this op
-                failed = True
-            if not failed:
-                failed = not self._read_batch(op, hashes[start : start + batch], start, info)
-                for name in self.sidecars:
-                    if not failed:
-                        failed = not self._read_sidecar(op, name, start, batch)
-            self.prefetch_sync_queue.put(PrefetchAck(op.rid, op.local_completed, index,
-                                                     pool_pages=self._pool_pages(op)))
-        self.prefetch_sync_queue.put(PrefetchAck(op.rid, op.local_completed, -1, True,
-                                                 self._pool_pages(op)))
+        stopped = False
+        try:
+            for index, start in enumerate(range(0, len(hashes), batch)):
+                self._maybe_abort(op, index)
+                if op.is_terminated():
+                    if early_exit:
+                        self.tracer.emit(Ev.PREFETCH_ACK, rid=op.rid, batch=index, stopped=True)
+                        stopped = True
+                        return  # upstream, pre-#27010: no further acks for this op
+                    failed = True
+                if not failed:
+                    try:
+                        failed = not self._read_batch(op, hashes[start : start + batch],
+                                                      start, info)
+                        for name in self.sidecars:
+                            if not failed:
+                                failed = not self._read_sidecar(op, name, start, batch)
+                    except Exception as exc:  # upstream: logged, the batch counts 0 pages
+                        self._caught("io", op.rid, exc)
+                        failed = True
+                # one ack per batch on every rank, whatever happened to this batch (#27010)
+                self.prefetch_sync_queue.put(PrefetchAck(op.rid, op.local_completed, index,
+                                                         pool_pages=self._pool_pages(op)))
+        finally:
+            if not stopped:  # the completion ack, also if something above raised
+                self.prefetch_sync_queue.put(PrefetchAck(op.rid, op.local_completed, -1, True,
+                                                         self._pool_pages(op)))
 
     def _pool_pages(self, op: PrefetchOperation) -> tuple[int, ...]:
         return tuple(op.local_pool_pages.get(name, 0) for name in self.sidecars)
@@ -272,22 +327,37 @@ class StorageWorkers:
         if not self.writer:
             op.skipped = True  # MLA-style single writer: others skip the write, but still ack
         else:
-            ps, batch = self.page_size, self.cfg.io_batch_pages
-            info = StorageCallInfo(step=self.tracer.step)
-            for start in range(0, len(op.hashes), batch):
-                keys = op.hashes[start : start + batch]
-                slots = op.host_slots[start * ps : (start + len(keys)) * ps]
-                ok = self.backend.batch_set(keys, self.codec.read_pages(self.host, slots), info)
-                for name, codec in self.sidecars.items():
-                    if all(ok):
-                        ok = self.backend.batch_set(
-                            [sidecar_hash(h, name) for h in keys],
-                            codec.read_pages(self.host, slots),
-                            StorageCallInfo(step=self.tracer.step, pool=name))
-                if not all(ok):
-                    self._warn("Write page to storage: %d pages failed.", ok.count(False))
-                    break
-                op.completed_pages += len(keys)
+            try:
+                self._write_backup(op)
+            except Exception as exc:  # upstream ``_page_backup_or_log``: logged, still acked
+                self._caught("backup", None, exc)
+                op.failed = True
+        agreed = self.sync.backup_vote(op.completed_pages) if self.vote_backups else None
         self.tracer.emit(Ev.BACKUP_ACK, node=op.node_id, pages=op.completed_pages,
-                         of=len(op.hashes), skipped=op.skipped)
+                         of=len(op.hashes), skipped=op.skipped, shed=op.shed_pages,
+                         agreed=agreed)
         self.ack_backup_queue.put(op)
+
+    def _write_backup(self, op: BackupOperation) -> None:
+        """Write the op's pages batch by batch; stop at the first failed batch, or when the
+        IO budget is spent (the pages written so far are a valid leading run)."""
+        ps, batch = self.page_size, self.cfg.io_batch_pages
+        info = StorageCallInfo(step=self.tracer.step)
+        for start in range(0, len(op.hashes), batch):
+            if past_budget(op.queued_at, self.io_budget_s):
+                op.shed_pages = len(op.hashes) - start
+                self.shed["backup_pages"] += op.shed_pages
+                return
+            keys = op.hashes[start : start + batch]
+            slots = op.host_slots[start * ps : (start + len(keys)) * ps]
+            ok = self.backend.batch_set(keys, self.codec.read_pages(self.host, slots), info)
+            for name, codec in self.sidecars.items():
+                if all(ok):
+                    ok = self.backend.batch_set(
+                        [sidecar_hash(h, name) for h in keys],
+                        codec.read_pages(self.host, slots),
+                        StorageCallInfo(step=self.tracer.step, pool=name))
+            if not all(ok):
+                self._warn("Write page to storage: %d pages failed.", ok.count(False))
+                return
+            op.completed_pages += len(keys)

@@ -35,6 +35,9 @@ from hicache_runtime.sync import RankSync, SingleRankSync
 from hicache_runtime.topology import RankInfo
 from hicache_runtime.tracing import Ev, Tracer
 
+_IO_BUDGET_FRACTION = 0.25
+"""Share of the protocol timeout one L3 query or backup may take on a rank."""
+
 
 class AbortInbox:
     """Aborts requested from other threads (a client, or a mid-prefetch-abort fault firing in
@@ -147,8 +150,11 @@ def _attach_l3(rt: RankRuntime, cache: HiCache, host_pool: HostKVPool) -> None:
                            step=lambda: rt.tracer.step,
                            max_payload_bytes=max_payload_bytes(codec, *sidecars.values()))
     assert backend is not None
+    # A peer waits in an L3 vote for at most this plus one storage call (see ``l3_ops``).
+    budget = cfg.observability.protocol_timeout_s * _IO_BUDGET_FRACTION
     workers = StorageWorkers(cfg.storage, backend, codec, host_pool, rt.sync, rt.tracer,
-                             rt.rank, cfg.legacy, rt.faults, rt.aborts.request, sidecars)
+                             rt.rank, cfg.legacy, rt.faults, rt.aborts.request, sidecars,
+                             io_budget_s=budget)
     cache.l3 = L3Tier(cfg.storage, cache, workers)
     workers.start()
 

@@ -81,6 +81,17 @@ class L3Stats(BaseModel):
     prefetched_tokens: int = 0
     backup_pages: int = 0
     backup_failed_pages: int = 0
+    query_errors: int = 0
+    """Storage calls that raised in the prefetch query thread (caught: the op hit nothing)."""
+    io_errors: int = 0
+    """Storage calls that raised in the prefetch IO thread (caught: the batch loaded nothing,
+    the op still acked every batch)."""
+    backup_errors: int = 0
+    """Storage calls that raised in the backup thread (caught: the backup failed, still acked)."""
+    query_shed: int = 0
+    """Prefetch queries given up: queued longer than the IO budget (a slow backend)."""
+    backup_shed_pages: int = 0
+    """Backup pages given up when the IO budget ran out (a slow backend)."""
     backend: StorageStats = Field(default_factory=StorageStats)
 
     @field_validator("backend", mode="after")

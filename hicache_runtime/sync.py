@@ -18,6 +18,7 @@ method                      thread              fixed protocol
 ``legacy_hit_vote``         prefetch thread     classic per-stage TP MIN of the hit (legacy only)
 ``hit_vote``                prefetch thread     MIN over TP+PP on the prefetch-hit group
 ``progress_vote``           prefetch sync       MIN over TP+PP on the completion group
+``backup_vote``             backup              MIN over every rank on the backup group
 ``host_capacity``           start-up            MIN over PP
 ``broadcast_requests``      scheduler           rank 0 -> all
 ==========================  ==================  ===========================================
@@ -57,16 +58,12 @@ class DrainCounts(NamedTuple):
     """L1->L2 write acks whose copy has finished."""
     load_acks: int = 0
     """L2->L1 load acks whose copy has finished."""
-    backup_reservations: int = 0
-    """Leading write-backup host reservations that succeeded (two-phase write_backup)."""
     prefetch_hits: int = 0
     """Prefetch ops whose agreed L3 hit length is known (``prefetch_hit_queue``)."""
     prefetch_acks: int = 0
     """Reduced prefetch progress acks (``ack_prefetch_queue``)."""
     backup_acks: int = 0
-    """Finished L2->L3 backups (``ack_backup_queue``)."""
-    host_releases: int = 0
-    """Host pages other threads asked the scheduler to free (``host_mem_release_queue``)."""
+    """L2->L3 backups finished on every rank (``ack_backup_queue``, after the backup vote)."""
 
 
 class RankSync(ABC):
@@ -133,6 +130,12 @@ class RankSync(ABC):
         """Prefetch sync thread: element-wise MIN of one progress ack over every rank."""
 
     @abstractmethod
+    def backup_vote(self, pages: int) -> int:
+        """Backup thread, once per backup op after its writes: MIN of the pages written
+        over every rank. Returning means every rank has finished this op, so the scheduler
+        never waits for a peer's storage when it drains the agreed backup acks."""
+
+    @abstractmethod
     def host_capacity(self, tokens: int) -> int:
         """Start-up: MIN of the host pool token capacity over PP stages."""
 
@@ -188,6 +191,9 @@ class SingleRankSync(RankSync):
 
     def progress_vote(self, values: Sequence[int]) -> list[int]:
         return list(values)
+
+    def backup_vote(self, pages: int) -> int:
+        return pages
 
     def host_capacity(self, tokens: int) -> int:
         return tokens
@@ -395,6 +401,10 @@ class DistributedSync(RankSync):
     def progress_vote(self, values: Sequence[int]) -> list[int]:
         t = torch.tensor(list(values), dtype=torch.int64)
         return self.groups.prefetch_progress.all_reduce(t, dist.ReduceOp.MIN).tolist()
+
+    def backup_vote(self, pages: int) -> int:
+        t = torch.tensor([pages], dtype=torch.int64)
+        return int(self.groups.l3_backup.all_reduce(t, dist.ReduceOp.MIN).item())
 
     def host_capacity(self, tokens: int) -> int:
         t = torch.tensor([tokens], dtype=torch.int64)

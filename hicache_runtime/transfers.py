@@ -40,6 +40,7 @@ class TransferMixin:
     pins: HostPins
     stats: dict[str, int]
     ongoing_write_through: dict[int, TreeNode]
+    write_tokens: dict[int, int]
     ongoing_load_back: dict[int, TreeNode]
 
     if TYPE_CHECKING:  # provided by EvictionMixin and HiCache
@@ -74,6 +75,7 @@ class TransferMixin:
             return len(node.key)
         self.tree.inc_lock_ref(node)
         self.ongoing_write_through[node.id] = node
+        self.write_tokens[node.id] = len(node.key)
         self.controller.write(node.value, slots, node.id)
         self.stats["backup_tokens"] += len(node.key)
         return len(node.key)

@@ -9,6 +9,8 @@ What each armed fault does when it fires on a call (``faults/spec.py`` has the s
   pages still load;
 * ``storage-latency``: sleeps ``ms`` (default 20) before every exists/get/set;
 * ``storage-error``: get → all ``None``, set → all ``False`` (the medium is not touched);
+  with ``mode=raise`` the call raises :class:`InjectedFault` instead (a client library that
+  throws), which the L3 threads must survive;
 * ``storage-corrupt`` (at ``storage.get``): one byte of one page's stored payload is flipped in
   memory **before** the envelope check, so the checksum must reject it: that page is a miss,
   counted as corrupt, and the stored object is left alone.
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from faults.points import FaultPoint
 from faults.spec import FaultKind
+from hicache_runtime.errors import InjectedFault
 from hicache_runtime.storage.base import RawPage, StorageBackend, StorageCallInfo, StorageStats
 
 if TYPE_CHECKING:
@@ -78,6 +81,7 @@ class FaultyBackend(StorageBackend):
                   info: StorageCallInfo | None = None) -> list[bytes | None]:
         fired = self._fire(FaultPoint.STORAGE_GET, info)
         kinds = {s.kind for s in fired}
+        _maybe_raise(fired, "get")
         if FaultKind.STORAGE_ERROR in kinds:
             self._count(get_calls=1, gets=len(keys), misses=len(keys))
             return [None] * len(keys)
@@ -106,6 +110,7 @@ class FaultyBackend(StorageBackend):
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
         fired = self._fire(FaultPoint.STORAGE_SET, info)
+        _maybe_raise(fired, "set")
         if any(s.kind is FaultKind.STORAGE_ERROR for s in fired):
             self._count(set_calls=1, sets=len(keys), set_failures=len(keys))
             return [False] * len(keys)
@@ -169,3 +174,10 @@ class FaultyBackend(StorageBackend):
         out = list(raws)
         out[page] = (header, bytes(flipped))
         return out
+
+
+def _maybe_raise(fired: list[FaultSpec], op: str) -> None:
+    """``storage-error:mode=raise``: the call raises instead of failing soft."""
+    for spec in fired:
+        if spec.kind is FaultKind.STORAGE_ERROR and spec.mode == "raise":
+            raise InjectedFault(f"injected storage error: batch_{op} raised ({spec.compact()})")

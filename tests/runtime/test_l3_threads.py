@@ -1,0 +1,47 @@
+"""The L3 threads under a backend that raises, and the per-step agreement they feed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from faults.spec import parse_fault
+from hicache_runtime.run import run_single
+from hicache_runtime.sync import DrainCounts
+from hicache_runtime.tracing import Ev
+from tests.runtime.test_l3 import healthy, l3_config
+
+
+def test_a_backend_that_raises_is_a_miss_and_the_threads_go_on(tmp_path: Path,
+                                                               bundle_root: Path) -> None:
+    store = tmp_path / "l3"
+    healthy(run_single(l3_config(store), compare=False, bundle_root=bundle_root))  # warm L3
+    cfg = l3_config(store, faults=(parse_fault("storage-error:mode=raise,p=0.5"),))
+    s = run_single(cfg, bundle_root=bundle_root)
+    healthy(s)
+    assert s.output_match is True
+    l3 = s.cache_stats.total.l3
+    assert l3 is not None
+    assert l3.io_errors > 0, "page reads raised in the prefetch IO thread"
+    assert l3.backup_errors > 0, "page writes raised in the backup thread"
+    assert l3.prefetched_tokens > 0, "reads that did not raise still served hits"
+
+
+def test_every_slot_of_the_step_agreement_is_fed(tmp_path: Path, bundle_root: Path) -> None:
+    """Each count in the per-step vector is some queue's real length: a slot nothing ever
+    feeds is a vote about nothing (and a trap for whoever reads it as a count)."""
+    store = tmp_path / "l3"
+    healthy(run_single(l3_config(store), compare=False, bundle_root=bundle_root))  # warm L3
+    trace = tmp_path / "run.jsonl"
+    s = run_single(l3_config(store, **{"observability.trace_path": trace}),
+                   bundle_root=bundle_root)
+    healthy(s)
+    seen = [0] * len(DrainCounts._fields)
+    for line in trace.read_text().splitlines():
+        event = json.loads(line)
+        if event["kind"] == Ev.VOTE and event["attrs"].get("site") == "drain_counts":
+            agreed = event["attrs"]["agreed"]
+            assert len(agreed) == len(seen)
+            seen = [max(a, b) for a, b in zip(seen, agreed)]
+    never = [name for name, n in zip(DrainCounts._fields, seen) if n == 0]
+    assert not never, f"agreement slots never fed: {never}"
