@@ -54,8 +54,6 @@ class FaultKind(str, Enum):
     """Make host (L2) page allocation fail on the selected ranks."""
     RANK_KILL = "rank-kill"
     """Kill the selected rank's process with SIGKILL at the selected step."""
-    CLOCK_SKEW = "clock-skew"
-    """Jitter the rank's wall clock by up to ``ms`` per reading (matters for ``wallclock-lru``)."""
     CRASH = "crash"
     """Raise ``InjectedFault`` at ``point`` (a scheduler-thread point)."""
     HANG = "hang"
@@ -73,7 +71,6 @@ KIND_POINT: dict[FaultKind, FaultPoint | None] = {
     FaultKind.MID_PREFETCH_ABORT: FaultPoint.PREFETCH_BATCH,
     FaultKind.HOST_ALLOC_FAIL: FaultPoint.HOST_ALLOC,
     FaultKind.RANK_KILL: FaultPoint.SCHEDULER_STEP,
-    FaultKind.CLOCK_SKEW: None,  # read by the LRU clock, not a point
     FaultKind.CRASH: None,
     FaultKind.HANG: None,
 }
@@ -89,7 +86,6 @@ _KIND_PARAMS: dict[FaultKind, frozenset[str]] = {
     FaultKind.MID_PREFETCH_ABORT: frozenset({"batch"}),
     FaultKind.HOST_ALLOC_FAIL: frozenset(),
     FaultKind.RANK_KILL: frozenset(),
-    FaultKind.CLOCK_SKEW: frozenset({"ms"}),
     FaultKind.CRASH: frozenset({"point"}),
     FaultKind.HANG: frozenset({"point"}),
 }

@@ -13,6 +13,7 @@ than a rank holds therefore fails exactly the way production did:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,9 @@ class HiCacheAck:
     event: Event
     node_ids: list[int]
     tokens: int
+    done_at: float | None = None
+    """``time.monotonic()`` when this rank first saw its own copy finished: a rank-local
+    moment (a lagging copy engine sees it later). Read only by the ``wallclock-lru`` switch."""
 
 
 class CacheController:
@@ -109,6 +113,8 @@ class CacheController:
         for ack in acks:
             if not ack.event.query():
                 break
+            if ack.done_at is None:
+                ack.done_at = time.monotonic()
             n += 1
         return n
 
@@ -117,6 +123,8 @@ class CacheController:
         """Consume the oldest ack, waiting for its transfer if this rank is behind."""
         ack = acks.pop(0)
         ack.event.synchronize()
+        if ack.done_at is None:  # consumed before this rank's own query saw it finish
+            ack.done_at = time.monotonic()
         return ack
 
     def in_flight(self) -> dict[str, int]:

@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from hicache_runtime.config import WritePolicy
+from hicache_runtime.legacy import LegacySwitch
 from hicache_runtime.tracing import Ev
 
 if TYPE_CHECKING:
     from hicache_runtime.config import CacheConfig
-    from hicache_runtime.controller import CacheController
+    from hicache_runtime.controller import CacheController, HiCacheAck
     from hicache_runtime.host_pins import HostPins
     from hicache_runtime.pools import DeviceKVPool, HostKVPool
     from hicache_runtime.radix_tree import RadixTree, TreeNode
@@ -35,6 +36,7 @@ class EvictionMixin:
     tracer: Tracer
     pins: HostPins
     stats: dict[str, int]
+    legacy: frozenset[LegacySwitch]
 
     if TYPE_CHECKING:  # provided by TransferMixin and HiCache
         def write_backup(self, node: TreeNode, write_back: bool = False) -> int: ...
@@ -84,6 +86,15 @@ class EvictionMixin:
         self.tracer.emit(Ev.EVICT, want=num_tokens, evicted=evicted, written_back=len(drop),
                          victims=victims)
         return evicted
+
+    def touch_on_io_done(self, node: TreeNode, ack: HiCacheAck) -> None:
+        """``wallclock-lru``: the node's LRU stamp moves to the wall-clock moment this rank
+        found its own copy of it finished. That moment is rank-local (a copy engine that lags
+        on one rank finds it later), so one rank's lag reorders its stamps against nodes the
+        ranks touched together, and the ranks pick different victims. The fixed tree's
+        logical clock only advances with tree operations, which every rank performs alike."""
+        if LegacySwitch.WALLCLOCK_LRU in self.legacy and ack.done_at is not None:
+            node.last_access = max(node.last_access, ack.done_at)
 
     def _push_parent_if_leaf(self, heap: list[TreeNode], x: TreeNode) -> None:
         p = x.parent

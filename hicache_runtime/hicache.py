@@ -232,6 +232,7 @@ class HiCache(TransferMixin, EvictionMixin, PrefixCache):
                 node = self.ongoing_write_through.pop(node_id)
                 fragments = self._fragments(node, self.write_tokens.pop(node_id))
                 self.tree.dec_lock_ref(node)
+                self.touch_on_io_done(node, ack)
                 for fragment in fragments:  # every fragment, top-down (as upstream)
                     self.on_backed_up(fragment)
             self.tracer.emit(Ev.WRITE_ACK, nodes=ack.node_ids, tokens=ack.tokens)
@@ -244,7 +245,9 @@ class HiCache(TransferMixin, EvictionMixin, PrefixCache):
         for _ in range(count):
             ack = self.controller.pop_ack(self.controller.ack_load_queue)
             for node_id in ack.node_ids:
-                self.tree.dec_lock_ref(self.ongoing_load_back.pop(node_id))
+                node = self.ongoing_load_back.pop(node_id)
+                self.tree.dec_lock_ref(node)
+                self.touch_on_io_done(node, ack)
             self.tracer.emit(Ev.LOAD_ACK, nodes=ack.node_ids, tokens=ack.tokens)
         if count:
             self.tracer.emit(Ev.LOAD_DRAIN, count=count, left=len(self.controller.ack_load_queue))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,7 +17,6 @@ import torch
 
 from faults.injector import FaultInjector
 from faults.points import FaultPoint
-from faults.spec import FaultKind
 from hicache_runtime.cache import NoPrefixCache, PrefixCache
 from hicache_runtime.config import RuntimeConfig
 from hicache_runtime.copy_engine import CopyEngine, CpuCopyEngine, CudaCopyEngine
@@ -125,7 +125,7 @@ def build_rank(cfg: RuntimeConfig, rank: RankInfo | None = None, *,
         if cfg.cache.enable_hicache:
             host_pool = _host_pool(cfg, shape, sync, faults, tracer)
             engine = _copy_engine(cfg, device, tracer, faults)
-        tree = RadixTree(cfg.cache.page_size, _lru_clock(cfg, faults))
+        tree = RadixTree(cfg.cache.page_size, _lru_clock(cfg))
         cache = HiCache(cfg.cache, device_pool, host_pool, engine, sync, tracer, tree,
                         cfg.legacy)
     scheduler = Scheduler(cfg.scheduler, cache, tracer, num_slots=cfg.topology.pp)
@@ -201,18 +201,6 @@ def _copy_engine(cfg: RuntimeConfig, device: torch.device, tracer: Tracer,
     return CpuCopyEngine(cfg.cache.page_size, tracer, lag)
 
 
-def _lru_clock(cfg: RuntimeConfig, faults: FaultInjector | None):
-    """Logical clock (fixed) or wall clock (``wallclock-lru``), optionally skewed."""
-    if LegacySwitch.WALLCLOCK_LRU not in cfg.legacy:
-        return None
-    skews = faults.of_kind(FaultKind.CLOCK_SKEW) if faults is not None else []
-    if not skews:
-        return time.monotonic
-    jitter_s = max(s.lag_s for s in skews)
-    visits = iter(range(1 << 62))
-
-    def skewed() -> float:
-        assert faults is not None
-        return time.monotonic() + jitter_s * faults.draw("clock-skew", next(visits))
-
-    return skewed
+def _lru_clock(cfg: RuntimeConfig) -> Callable[[], float] | None:
+    """The tree's LRU clock: logical (fixed; ``None``) or the wall clock (``wallclock-lru``)."""
+    return time.monotonic if LegacySwitch.WALLCLOCK_LRU in cfg.legacy else None

@@ -130,3 +130,28 @@ def test_local_prefetch_progress_keeps_each_stages_tp_votes(bundle_root: Path,
     assert [v["agreed"] for v in hits[0]] == [v["agreed"] for v in hits[1]]
     assert any(a["local"] != b["local"] for a, b in zip(hits[0], hits[1], strict=True)), \
         "rank 1's short hits were outvoted by the MIN, not absent"
+
+
+@pytest.mark.parametrize("fault", ["dma-lag:rank=1,ms=100", None], ids=["lag", "no-fault"])
+def test_wallclock_lru_diverges_through_stamps_taken_when_a_ranks_own_copy_finishes(
+        bundle_root: Path, fault: str | None) -> None:
+    """The same tree operations in the same order are ordered alike by any monotonic clock, so
+    without a fault the wall clock changes nothing. With rank 1's copies lagging, the stamps
+    each rank takes when it finds its own copies finished land later on rank 1 than nodes both
+    ranks touched meanwhile: the ranks evict different victims."""
+    cfg = mr_config(**{"topology.tp": 2, "workload.requests": 48,
+                       "cache.device_tokens": 1024, "cache.host_tokens": 512,
+                       "legacy": frozenset({LegacySwitch.WALLCLOCK_LRU}),
+                       "faults": (parse_fault(fault),) if fault else (),
+                       "observability.consensus_check": True})
+    s = run(cfg, bundle_root=bundle_root)
+    if fault is None:
+        assert s.outcome is RunOutcome.HEALTHY, s.error
+        assert s.output_match is True
+        return
+    assert s.outcome is RunOutcome.CRASH, s.error
+    assert "RankDivergence" in (s.error or "")
+    assert "tree.evict" in (s.error or "")
+    from doctor.diagnose import diagnose
+
+    assert diagnose([Path(s.bundle or "")]).verdicts[0].signature == "lru-clock-divergence"
