@@ -159,7 +159,7 @@ class StorageWorkers:
         log.warning("HiCache storage %s failed%s: %s: %s", where,
                     f" for request {rid}" if rid else "", type(exc).__name__, exc,
                     exc_info=self.errors[where] <= _WARN_FIRST)
-        self.tracer.emit(Ev.STORAGE, op="raised", thread=where, rid=rid,
+        self.tracer.emit(Ev.STORAGE, op="raised", ok=False, thread=where, rid=rid,
                          error=f"{type(exc).__name__}: {exc}"[:300])
 
     def _loop(self, q: queue.Queue, handle: Callable[[object], None]) -> None:  # type: ignore[type-arg]
