@@ -8,6 +8,7 @@ the run goes, so a soak can be watched live and a run that failed keeps what it 
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,9 @@ class ResourceSample(BaseModel):
     rss_mb: float
     l3_keys: int | None
     """Objects of this model in the L3 store (file backend, counted by rank 0 only)."""
+    tree_nodes: int = 0
+    py_objects: int = 0
+    """Objects the garbage collector tracks: what grows when Python-level state is kept."""
 
 
 def samples_path(run_dir: Path, rank: int) -> Path:
@@ -94,10 +98,15 @@ class RankSampler:
             pending_by_group=by_group, pending_bytes=sum(g.pending_bytes() for g in groups),
             device_pages=self.rt.device_pool.allocator.used_pages,
             host_pages=host.allocator.used_pages if host is not None else 0,
-            rss_mb=round(rss_mb(), 2), l3_keys=self._l3_keys())
+            rss_mb=round(rss_mb(), 2), l3_keys=self._l3_keys(), tree_nodes=self._tree_nodes(),
+            py_objects=len(gc.get_objects()))
         with self.path.open("a", encoding="utf-8") as fh:
             fh.write(sample.model_dump_json() + "\n")
         return sample
+
+    def _tree_nodes(self) -> int:
+        tree = getattr(self.rt.cache, "tree", None)
+        return sum(1 for _ in tree.nodes()) if tree is not None else 0
 
     def _l3_keys(self) -> int | None:
         """The store is shared by every rank: rank 0 counts it, others report None."""
