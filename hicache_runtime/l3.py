@@ -291,8 +291,9 @@ class L3Tier:
         op.mark_terminate()
         op.aborted = True
         if LegacySwitch.ABORT_FREES_IN_FLIGHT in self.legacy and op.host_slots is not None \
-                and not op.pages_freed:
+                and not op.settled and not op.pages_freed:
             # pre-#31296: the pages go back to the pool while the IO thread may still fill them
+            # (a settled op's pages already belong to the tree or were freed at settlement)
             self.cache.host_free(op.host_slots)
             op.pages_freed = True
         if not op.settled:
@@ -320,7 +321,7 @@ class L3Tier:
         if op.finished:
             return
         op.finished = True
-        if op.host_slots is not None:
+        if op.host_slots is not None and not op.pages_freed:  # the abort may have freed them
             tail = op.host_slots[op.settled_tokens :]
             if tail.numel():
                 self.cache.host_free(tail)

@@ -32,6 +32,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import torch
+
 from faults.points import FaultPoint
 from faults.spec import FaultKind
 from hicache_runtime.errors import WorkerDied
@@ -60,6 +62,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _POLL_S = 0.2
 _ABORT_WAIT_S = 5.0
+_LATE_POLL_S = 0.002
 _WARN_FIRST, _WARN_EVERY = 5, 100
 
 AbortRequester = Callable[[str], threading.Event]
@@ -231,6 +234,7 @@ class StorageWorkers:
         info = StorageCallInfo(rid=op.rid, step=self.tracer.step)
         failed = False
         early_exit = LegacySwitch.ABORT_EARLY_EXIT in self.legacy
+        late_writes = LegacySwitch.ABORT_FREES_IN_FLIGHT in self.legacy
         stopped = False
         try:
             for index, start in enumerate(range(0, len(hashes), batch)):
@@ -240,6 +244,11 @@ class StorageWorkers:
                         self.tracer.emit(Ev.PREFETCH_ACK, rid=op.rid, batch=index, stopped=True)
                         stopped = True
                         return  # upstream, pre-#27010: no further acks for this op
+                    if late_writes and not failed and op.pages_freed:
+                        try:
+                            self._late_write(op, hashes[start : start + batch], start, info)
+                        except Exception as exc:  # as a read failure would be
+                            self._caught("io", op.rid, exc)
                     failed = True
                 if not failed:
                     try:
@@ -258,6 +267,44 @@ class StorageWorkers:
             if not stopped:  # the completion ack, also if something above raised
                 self.prefetch_sync_queue.put(PrefetchAck(op.rid, op.local_completed, -1, True,
                                                          self._pool_pages(op)))
+
+    def _late_write(self, op: PrefetchOperation, keys: list[str], first_page: int,
+                    info: StorageCallInfo) -> None:
+        """``abort-frees-in-flight`` (pre-#31296): the batch that was being read when the
+        abort came is not re-checked: it lands in the op's pages although the abort already
+        gave them back to the pool. In production the read was slow (that is why the request
+        was aborted) and could finish after the scheduler had handed the pages to another
+        owner; this read finishes then: as soon as a page of the batch holds its new owner's
+        data (allocated again and written), else when the scheduler has moved on two steps
+        after the reuse, bounded by the abort wait. The late data then sits in that owner's
+        host copy (and in its L3 copy, if backed up after): a use-after-free that shows as
+        wrong KV wherever that copy is loaded, not as a bookkeeping error."""
+        assert op.host_slots is not None
+        ps = self.page_size
+        slots = op.host_slots[first_page * ps : (first_page + len(keys)) * ps]
+        pages = (slots[::ps] // ps).tolist()
+        freed = self.host.k[:, slots].clone()  # what the pages held when the abort freed them
+        payloads = self.backend.batch_get(keys, info)
+        good = next((i for i, p in enumerate(payloads) if p is None or not self.codec.fits(p)),
+                    len(payloads))
+        deadline = time.monotonic() + _ABORT_WAIT_S
+        reused_at = None
+        while time.monotonic() < deadline and not self.stop_event.is_set():
+            used = [i for i, p in enumerate(pages) if self.host.allocator.is_used(p)]
+            if used and reused_at is None:
+                reused_at = self.tracer.step
+            if any(not torch.equal(self.host.k[:, slots[i * ps : (i + 1) * ps]],
+                                   freed[:, i * ps : (i + 1) * ps]) for i in used):
+                break  # a new owner's data is in: land on top of it
+            if reused_at is not None and self.tracer.step >= reused_at + 2:
+                break
+            time.sleep(_LATE_POLL_S)
+        if good:
+            self.codec.write_pages(self.host, slots[: good * ps],
+                                   payloads[:good])  # type: ignore[arg-type]
+        reused = [p for p in pages[:good] if self.host.allocator.is_used(p)]
+        self.tracer.emit(Ev.PREFETCH_LATE_WRITE, rid=op.rid, pages=pages[:good],
+                         reused=reused)
 
     def _pool_pages(self, op: PrefetchOperation) -> tuple[int, ...]:
         return tuple(op.local_pool_pages.get(name, 0) for name in self.sidecars)

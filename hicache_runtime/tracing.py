@@ -62,6 +62,7 @@ class Ev:
     PREFETCH_REVOKE = "l3.prefetch.revoke"
     PREFETCH_TERMINATE = "l3.prefetch.terminate"
     PREFETCH_DISCARD = "l3.prefetch.discard"
+    PREFETCH_LATE_WRITE = "l3.prefetch.late_write"
     STORAGE = "l3.storage"
     VOTE = "sync.vote"
     COLLECTIVE_ENTER = "comm.enter"

@@ -82,6 +82,11 @@ def _prefetch_lifecycle(ev: Evidence, divs: list[Divergence], facts: FactSet) ->
             elif kind == "req.abort" and rid in in_flight:
                 facts.add(Fact.ABORT_DURING_PREFETCH, witness(
                     f"rank {r.rank}: {rid} aborted while its prefetch was in flight", src, r.rank))
+            elif kind == "l3.prefetch.late_write" and attrs.get("reused"):
+                facts.add(Fact.HOST_POOL_DOUBLE_USE, witness(
+                    f"rank {r.rank}: the prefetch IO of {rid} wrote host pages "
+                    f"{attrs.get('reused')} after its abort had freed them and they were "
+                    "handed out again", src, r.rank))
             elif kind == "l3.prefetch.ack":
                 acks.setdefault(rid, {}).setdefault(r.rank, 0)
                 acks[rid][r.rank] += 1

@@ -40,7 +40,7 @@ NOTABLE = frozenset({
     Ev.REQ_ABORT, Ev.PREFETCH_SUBMIT, Ev.PREFETCH_ACK, Ev.PREFETCH_SETTLE, Ev.PREFETCH_HIT,
     Ev.PREFETCH_TERMINATE, Ev.PREFETCH_REVOKE, Ev.WRITE_SKIP, Ev.FAULT, Ev.CONSENSUS,
     Ev.INTEGRITY, Ev.WATCHDOG, Ev.STORAGE, Ev.VOTE, Ev.WORKER_DIED, Ev.PP_RECV,
-    Ev.HOST_CAPACITY,
+    Ev.HOST_CAPACITY, Ev.PREFETCH_LATE_WRITE,
 })
 _SAMPLE_ATTRS = {"rss_mb": "rss_mb", "rss": "rss_mb", "pending_sends": "pending_sends",
                  "host_free": "host_free"}

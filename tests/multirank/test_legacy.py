@@ -155,3 +155,37 @@ def test_wallclock_lru_diverges_through_stamps_taken_when_a_ranks_own_copy_finis
     from doctor.diagnose import diagnose
 
     assert diagnose([Path(s.bundle or "")]).verdicts[0].signature == "lru-clock-divergence"
+
+
+def _events(bundle: Path, kind: str) -> list[dict]:
+    out = []
+    for path in sorted(bundle.glob("rank*/events.jsonl")):
+        out += [e["attrs"] for e in map(json.loads, path.read_text().splitlines())
+                if e["kind"] == kind]
+    return out
+
+
+def test_abort_frees_in_flight_is_a_use_after_free_not_a_double_free(bundle_root: Path,
+                                                                      tmp_path: Path) -> None:
+    """Pre-#31296 the abort gave the prefetch's host pages back while the IO thread still
+    wrote them: they went to other nodes' host copies, the late writes landed on top, and the
+    outputs that loaded those copies are wrong. No bookkeeping check fires: the abort path
+    frees each page once, and the op's own end frees nothing it already gave back."""
+    cfg = mr_config(**{"topology.tp": 2, "workload.requests": 64, "cache.host_tokens": 768,
+                       "storage.backend": "file", "storage.path": tmp_path / "l3",
+                       "legacy": frozenset({LegacySwitch.ABORT_FREES_IN_FLIGHT}),
+                       "faults": (parse_fault("mid-prefetch-abort:batch=0"),)})
+    s = run(cfg, bundle_root=bundle_root)
+    assert s.outcome is RunOutcome.WRONG_OUTPUT, s.error
+    assert s.output_match is False
+    bundle = Path(s.bundle or "")
+    late = _events(bundle, "l3.prefetch.late_write")
+    assert any(e["reused"] for e in late), "late writes into pages handed out again"
+    for entry in sorted(bundle.glob("rank*")):
+        text = "".join(p.read_text() for p in entry.glob("*.txt"))
+        assert "Double-free" not in text
+        assert "Double-alloc" not in text
+    from doctor.diagnose import diagnose
+
+    d = diagnose([bundle])
+    assert d.verdicts[0].signature == "prefetch-abort-use-after-free"
