@@ -13,7 +13,7 @@ method                      thread              fixed protocol
 ``drain_counts``            scheduler           TP MIN on PP0, chained to PP1.. by p2p
 ``agree_min``/``agree_any`` scheduler           TP MIN/MAX on PP0, chained
 ``agree_all``               scheduler           MIN over every rank (allocation outcomes)
-``legacy_tp_min``/``_any``  scheduler           classic per-stage TP MIN/MAX (legacy paths only)
+``legacy_tp_min[_many]``    scheduler           classic per-stage TP MIN (legacy paths only)
 ``legacy_chained``          scheduler           0.5.13's per-call PP0 count chain (legacy only)
 ``legacy_hit_vote``         prefetch thread     classic per-stage TP MIN of the hit (legacy only)
 ``hit_vote``                prefetch thread     MIN over TP+PP on the prefetch-hit group
@@ -107,10 +107,6 @@ class RankSync(ABC):
         """Classic per-stage element-wise TP MIN of several values (legacy paths only)."""
 
     @abstractmethod
-    def legacy_tp_any(self, flag: bool, site: str) -> bool:
-        """Classic per-stage TP MAX of a flag (legacy paths only)."""
-
-    @abstractmethod
     def legacy_chained(self, value: int, site: str) -> int:
         """0.5.13's ``_all_reduce``: a TP MIN on PP0, sent point to point down the pipeline,
         one message per call; a stage ignores its own value. Legacy paths only."""
@@ -175,9 +171,6 @@ class SingleRankSync(RankSync):
 
     def legacy_tp_min_many(self, values: Sequence[int], site: str) -> list[int]:
         return list(values)
-
-    def legacy_tp_any(self, flag: bool, site: str) -> bool:
-        return flag
 
     def legacy_chained(self, value: int, site: str) -> int:
         return value
@@ -285,12 +278,6 @@ class DistributedSync(RankSync):
         t = torch.tensor(list(values), dtype=torch.int64)
         out = self.groups.tp_cpu.all_reduce(t, dist.ReduceOp.MIN).tolist()
         self._trace_vote(site, list(values), out)
-        return out
-
-    def legacy_tp_any(self, flag: bool, site: str) -> bool:
-        t = torch.tensor([int(flag)], dtype=torch.int64)
-        out = bool(self.groups.tp_cpu.all_reduce(t, dist.ReduceOp.MAX).item())
-        self._trace_vote(site, flag, out)
         return out
 
     def legacy_chained(self, value: int, site: str) -> int:
