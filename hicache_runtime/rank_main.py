@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hicache_runtime.accounting import drain_account, reached_drain
 from hicache_runtime.bundle import RankEntry, RunOutcome, rank_dir, write_text
 from hicache_runtime.config import RuntimeConfig, load_config
 from hicache_runtime.consensus import ConsensusChecker
@@ -234,14 +235,15 @@ def run_rank(run_dir: Path, rank: RankInfo, cfg: RuntimeConfig) -> int:
             outcome = RunOutcome.CRASH
         request_dump(run_dir, rank.rank, outcome, f"rank {rank.rank} ({rank.label}): {error}")
         # the result first: the launcher stops ranks soon after their dump is complete
-        _write_result(run_dir, rt, outcome, error, result, engine.step)
+        _write_result(run_dir, rt, outcome, error, result, engine.step,
+                      drained=result is not None or reached_drain(exc))
         dumper.dump(outcome, exc)
         dumper.finish_without_launcher(read_dump(run_dir) or {})
         _linger_without_launcher(run_dir, cfg)
     finally:
         side.stop(agreed=False)  # no-op after a clean stop; a failed rank does not wait
     if outcome is RunOutcome.HEALTHY:
-        _write_result(run_dir, rt, outcome, error, result, engine.step)
+        _write_result(run_dir, rt, outcome, error, result, engine.step, drained=True)
         rt.close()  # L3 workers and copy engine joined: nothing runs a collective any more
         dist.destroy_process_group()
     else:
@@ -289,7 +291,9 @@ def _final_barrier(groups: RankGroups) -> None:
 
 
 def _write_result(run_dir: Path, rt: RankRuntime, outcome: RunOutcome, error: str | None,
-                  result: EngineResult | None, step: int) -> None:
+                  result: EngineResult | None, step: int, *, drained: bool = False) -> None:
+    """``drained``: the rank got through its drain (or failed the drain's own check), so its
+    page accounting (``drain``) is what the run left behind."""
     reqs = result.reqs if result is not None else {}
     stats: dict[str, Any] = dict(getattr(rt.cache, "stats", {}))
     l3 = getattr(rt.cache, "l3", None)
@@ -304,6 +308,7 @@ def _write_result(run_dir: Path, rt: RankRuntime, outcome: RunOutcome, error: st
                            "cached": r.cached} for rid, r in reqs.items()},
         "stats": stats,
         "faults_fired": [f.as_dict() for f in rt.faults.fired] if rt.faults else [],
+        "drain": drain_account(rt.cache).as_dict() if drained else None,
     }
     path = run_dir / f"rank{rt.rank.rank}.result.json"
     tmp = path.with_suffix(".tmp")

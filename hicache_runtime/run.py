@@ -13,6 +13,7 @@ Every non-healthy outcome leaves a bundle whose manifest validates against ``bun
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from hicache_runtime.accounting import DrainAccount, drain_account, reached_drain
 from hicache_runtime.bundle import (
     FiredFaultRecord,
     Manifest,
@@ -144,6 +146,57 @@ def _total(ranks: list[RankCacheStats]) -> RankCacheStats:
     return RankCacheStats(**summed(RankCacheStats, ranks), l3=l3)
 
 
+class RankDrain(BaseModel):
+    """One rank's holdings at drain (:class:`~hicache_runtime.accounting.DrainAccount`), in
+    pages; every leak counter is 0 on a rank that leaked nothing."""
+
+    model_config = ConfigDict(extra="forbid")
+    device_capacity: int
+    device_free: int
+    device_tree: int
+    device_unowned: int = 0
+    device_locked: int = 0
+    host_capacity: int = 0
+    host_free: int = 0
+    host_tree: int = 0
+    host_unowned: int = 0
+    host_pinned: int = 0
+    l3_reserved: int = 0
+    l3_open: int = 0
+    leaked_pages: int = 0
+
+
+class LeakCheck(BaseModel):
+    """The end-of-run page accounting of every rank that got to its drain (a rank that
+    crashed or hung before it has none: ``complete`` is then false)."""
+
+    model_config = ConfigDict(extra="forbid")
+    complete: bool
+    leaked_pages: int
+    ranks: dict[int, RankDrain] = {}
+
+    @classmethod
+    def of(cls, ranks: dict[int, dict[str, Any] | None], world: int) -> LeakCheck | None:
+        """From each rank's raw account (``None`` where it did not drain); ``None`` when no
+        rank drained."""
+        per = {r: RankDrain.model_validate(a) for r, a in sorted(ranks.items()) if a}
+        if not per:
+            return None
+        return cls(complete=len(per) == world, ranks=per,
+                   leaked_pages=sum(d.leaked_pages for d in per.values()))
+
+    def describe(self) -> str:
+        """The leaks in one line, e.g. ``rank 1: host_pinned=2, l3_open=1``."""
+        parts = []
+        for r, d in self.ranks.items():
+            bad = {k: v for k, v in d.model_dump().items()
+                   if v and k not in ("leaked_pages",) and not k.endswith(
+                       ("_capacity", "_free", "_tree"))}
+            if bad:
+                parts.append(f"rank {r}: " + ", ".join(f"{k}={v}" for k, v in bad.items()))
+        return "; ".join(parts) or "no page leaked"
+
+
 class RunSummary(BaseModel):
     """What ``hicache run --json`` prints: one schema for every topology (``cache_stats`` is
     always per rank plus the total; durations in seconds, rounded to the millisecond)."""
@@ -166,6 +219,9 @@ class RunSummary(BaseModel):
     error: str | None = None
     mismatches: list[Mismatch] = []
     cache_stats: CacheStats = CacheStats()
+    leaks: LeakCheck | None = None
+    """End-of-run page accounting (what each rank still held once drained); ``None`` when no
+    rank got to its drain."""
 
     @field_validator("wall_s", "reference_wall_s", mode="after")
     @classmethod
@@ -173,16 +229,47 @@ class RunSummary(BaseModel):
         return seconds(v)
 
 
+class ReferenceMemo:
+    """Cache-disabled reference runs kept for reuse. A reference has no cache, no faults and
+    no switches, so cells that differ only in those (a campaign's cells of one topology and
+    seed) share one: the reference is keyed by its own config, less the machine's paths, and
+    by the client-abort caps it replays. Only healthy references are kept."""
+
+    def __init__(self) -> None:
+        self._runs: dict[str, tuple[dict[str, Req], float]] = {}
+        self.reused = 0
+
+    @staticmethod
+    def key(cfg: RuntimeConfig, caps: dict[str, int] | None) -> str:
+        data = cfg.reference().model_dump(mode="json")
+        data.pop("storage", None)  # the reference has no store: its path is the cell's
+        data["observability"] = {k: v for k, v in data["observability"].items()
+                                 if k not in ("bundle_dir", "trace_path")}
+        return json.dumps([data, sorted((caps or {}).items())], sort_keys=True)
+
+    def get(self, key: str) -> tuple[dict[str, Req], float] | None:
+        hit = self._runs.get(key)
+        self.reused += hit is not None
+        return hit
+
+    def put(self, key: str, reqs: dict[str, Req], wall_s: float) -> None:
+        self._runs[key] = (reqs, wall_s)
+
+
 def run(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn | None = None,
-        bundle_root: Path | None = None) -> RunSummary:
-    """Run ``cfg``: in this process for one rank, as ``tp * pp`` processes otherwise."""
+        bundle_root: Path | None = None, references: ReferenceMemo | None = None) -> RunSummary:
+    """Run ``cfg``: in this process for one rank, as ``tp * pp`` processes otherwise.
+    ``references``: reuse (and keep) cache-disabled reference runs across calls."""
     if cfg.topology.world_size == 1:
-        return run_single(cfg, compare=compare, progress=progress, bundle_root=bundle_root)
-    return run_multi(cfg, compare=compare, progress=progress, bundle_root=bundle_root)
+        return run_single(cfg, compare=compare, progress=progress, bundle_root=bundle_root,
+                          references=references)
+    return run_multi(cfg, compare=compare, progress=progress, bundle_root=bundle_root,
+                     references=references)
 
 
 def run_multi(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn | None = None,
-              bundle_root: Path | None = None) -> RunSummary:
+              bundle_root: Path | None = None,
+              references: ReferenceMemo | None = None) -> RunSummary:
     """Launch the ranks, then (if healthy) the cache-disabled reference of the same topology;
     judge outputs (every rank must also agree with rank 0) and summarise."""
     from hicache_runtime.launcher import launch
@@ -196,20 +283,27 @@ def run_multi(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn 
             return summary
         caps = {rid: len(r.output_ids) for rid, r in reqs.items()
                 if r.status is ReqStatus.ABORTED and r.abort_reason == "client abort"}
-        ref = launch(cfg.reference(), bundle_root=bundle_root, caps=caps)
-        try:
-            summary.reference_wall_s = round(ref.wall_s, 3)
-            if ref.outcome is not RunOutcome.HEALTHY:
-                _reference_failed(summary, ref)
-                return summary
-            summary.mismatches = compare_outputs(reqs, _reqs_of(ref.results.get(0, {})))
-            for r, result in sorted(res.results.items()):
-                if r and _outputs(result) != _outputs(res.results.get(0, {})):
-                    summary.mismatches.append(Mismatch(
-                        rid="*", index=-1, expected=[], got=[],
-                        note=f"rank {r} produced different outputs than rank 0"))
-        finally:
-            ref.cleanup()
+        key = ReferenceMemo.key(cfg, caps)
+        kept = references.get(key) if references is not None else None
+        if kept is None:
+            ref = launch(cfg.reference(), bundle_root=bundle_root, caps=caps)
+            try:
+                if ref.outcome is not RunOutcome.HEALTHY:
+                    summary.reference_wall_s = round(ref.wall_s, 3)
+                    _reference_failed(summary, ref)
+                    return summary
+                kept = (_reqs_of(ref.results.get(0, {})), ref.wall_s)
+                if references is not None:
+                    references.put(key, *kept)
+            finally:
+                ref.cleanup()
+        summary.reference_wall_s = round(kept[1], 3)
+        summary.mismatches = compare_outputs(reqs, kept[0])
+        for r, result in sorted(res.results.items()):
+            if r and _outputs(result) != _outputs(res.results.get(0, {})):
+                summary.mismatches.append(Mismatch(
+                    rid="*", index=-1, expected=[], got=[],
+                    note=f"rank {r} produced different outputs than rank 0"))
         summary.output_match = not summary.mismatches
         if summary.mismatches:
             summary.outcome = RunOutcome.WRONG_OUTPUT
@@ -267,12 +361,15 @@ def _multi_summary(cfg: RuntimeConfig, res: Any, reqs: dict[str, Req]) -> RunSum
         faults_fired=sum(len(x.get("faults_fired", [])) for x in res.results.values()),
         bundle=str(res.bundle) if res.bundle else None,
         error=res.error or (errors[0] if errors else None),
-        cache_stats=CacheStats.of({r: x.get("stats") or {} for r, x in res.results.items()}))
+        cache_stats=CacheStats.of({r: x.get("stats") or {} for r, x in res.results.items()}),
+        leaks=LeakCheck.of({r: x.get("drain") for r, x in res.results.items()},
+                           cfg.topology.world_size))
 
 
 @pinned_threads
 def run_single(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn | None = None,
-               bundle_root: Path | None = None) -> RunSummary:
+               bundle_root: Path | None = None,
+               references: ReferenceMemo | None = None) -> RunSummary:
     """Run one rank in this process, then (if healthy) its reference; judge and summarise."""
     bundle_root = bundle_root or cfg.observability.bundle_dir or DEFAULT_BUNDLE_ROOT
     rt = build_rank(cfg)
@@ -294,23 +391,34 @@ def run_single(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn
     start = time.monotonic()
     result: EngineResult | None = None
     outcome, error, bundle = RunOutcome.HEALTHY, None, None
+    drained: DrainAccount | None = None
     try:
         result = engine.run()
+        drained = drain_account(rt.cache)
     except StepStalled as exc:
         outcome, error, bundle = RunOutcome.HANG, hang.get("reason", str(exc)), hang.get("bundle")
     except Exception as exc:
         outcome, error = RunOutcome.CRASH, f"{type(exc).__name__}: {exc}".splitlines()[0]
+        if reached_drain(exc):  # the drain's check failed: what is left is what leaked
+            drained = drain_account(rt.cache)
         bundle = _write_bundle(bundle_root, cfg, rt, outcome, error, engine.step, exc)
     finally:
         watchdog.stop()
     wall = time.monotonic() - start
     summary = _summary(cfg, rt, result, outcome, error, bundle, engine.step, wall)
+    summary.leaks = LeakCheck.of({rt.rank.rank: drained.as_dict() if drained else None}, 1)
     if outcome is RunOutcome.HEALTHY and compare and result is not None:
-        ref = run_reference(cfg, aborted={rid: len(r.output_ids) for rid, r in result.reqs.items()
-                                          if r.status is ReqStatus.ABORTED
-                                          and r.abort_reason == "client abort"})
-        summary.reference_wall_s = ref.wall_s
-        summary.mismatches = compare_outputs(result.reqs, ref.reqs)
+        aborted = {rid: len(r.output_ids) for rid, r in result.reqs.items()
+                   if r.status is ReqStatus.ABORTED and r.abort_reason == "client abort"}
+        key = ReferenceMemo.key(cfg, aborted)
+        kept = references.get(key) if references is not None else None
+        if kept is None:
+            ref = run_reference(cfg, aborted=aborted)
+            kept = (ref.reqs, ref.wall_s)
+            if references is not None:
+                references.put(key, *kept)
+        summary.reference_wall_s = kept[1]
+        summary.mismatches = compare_outputs(result.reqs, kept[0])
         summary.output_match = not summary.mismatches
         if summary.mismatches:
             summary.outcome = RunOutcome.WRONG_OUTPUT
