@@ -18,6 +18,7 @@ from tests.doctor.conftest import FIXTURES
 
 LEGACY = {
     "collective-order-deadlock/runtime-tp2-skip-empty-sync": "skip-empty-sync",
+    "write-ack-pop-empty/runtime-pp2-skip-empty-sync": "skip-empty-sync",
     "prefix-length-mismatch/runtime-pp2-local-ack-drain": "local-ack-drain",
     "prefix-length-mismatch/runtime-pp2-local-prefetch-progress": "local-prefetch-progress",
     "collective-shape-mismatch/runtime-tp2-local-prefetch-progress": "local-prefetch-progress",
