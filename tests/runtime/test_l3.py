@@ -95,16 +95,16 @@ def test_aborts_during_prefetch_leak_nothing(tmp_path: Path, bundle_root: Path) 
     assert s.aborted > 0
 
 
-def test_legacy_abort_frees_in_flight_corrupts_the_host_pool(tmp_path: Path,
-                                                             bundle_root: Path) -> None:
+def test_legacy_abort_frees_in_flight_never_trips_the_pool_bookkeeping(
+        tmp_path: Path, bundle_root: Path) -> None:
+    """The pre-#31296 abort is a use-after-free (late writes into pages handed out again,
+    wrong KV where they are loaded), not a double free: the run ends with its outputs, right
+    or wrong (``tests/runtime/test_legacy_abort.py`` and the campaign cell show the rest)."""
     cfg = l3_config(tmp_path / "l3", **{
         "storage.io_batch_pages": 1, "legacy": frozenset({LegacySwitch.ABORT_FREES_IN_FLIGHT}),
         "faults": (parse_fault("mid-prefetch-abort:batch=1"),)})
     s = run_single(cfg, bundle_root=bundle_root)
-    assert s.outcome in (RunOutcome.CRASH, RunOutcome.WRONG_OUTPUT)
-    if s.outcome is RunOutcome.CRASH:
-        assert s.error is not None
-        assert "Double-free detected" in s.error or "Double-alloc detected" in s.error
+    assert s.outcome in (RunOutcome.HEALTHY, RunOutcome.WRONG_OUTPUT), s.error
 
 
 def test_page_files_corrupted_while_the_workload_runs(tmp_path: Path, bundle_root: Path) -> None:
