@@ -459,6 +459,37 @@ def campaign_summary(result: Any) -> None:
             if c.bundle:
                 con.print(f"    bundle {esc(c.bundle)}  (hicache inject --replay "
                           f"{esc(c.bundle)} --shrink)", soft_wrap=True)
+    if result.properties:
+        campaign_properties(result)
+
+
+def campaign_properties(result: Any) -> None:
+    """A property campaign's properties: one row each (cells checked, violations, cells it
+    could not be read in), then each violated property's cells with their bundles."""
+    con = console()
+    table = Table(title=f"properties of {esc(result.name)}", title_justify="left")
+    _short(table, "property")
+    _short(table, "checked", justify="right")
+    _short(table, "violations", justify="right")
+    _short(table, "unchecked", justify="right")
+    _long(table, "meaning")
+    for p in result.properties:
+        style = STYLE_OK if p.holds else STYLE_BAD
+        table.add_row(f"[{style}]{esc(p.property)}[/]", str(p.checked),
+                      f"[{style}]{p.violations}[/]", str(len(p.unchecked)), esc(p.meaning))
+    con.print(_fit(con, table, {"meaning": 16}))
+    held = sum(p.holds for p in result.properties)
+    style = STYLE_OK if held == len(result.properties) else STYLE_BAD
+    con.print(f"[{style}]{held} of {len(result.properties)} properties held[/] over "
+              f"{len(result.cells)} cells")
+    for p in result.properties:
+        if p.holds:
+            continue
+        con.print(f"[{STYLE_BAD}]{esc(p.property)}[/] violated in {p.violations} cell(s):")
+        for v in p.violating:
+            con.print(f"  {esc(v.cell)}: {esc(v.detail)}", soft_wrap=True)
+            if v.bundle:
+                con.print(f"    bundle {esc(v.bundle)}", soft_wrap=True)
 
 
 def campaign_cells(cells: list[Any]) -> None:

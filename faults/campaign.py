@@ -20,18 +20,31 @@ A spec is YAML or TOML::
 
 Cell ids read ``<topology>/<legacy switches or fixed>/<faults or none>``, the same ids the
 signature catalog cites as the cell that reproduces each signature.
+
+A *property campaign* names ``properties`` at the top level (Antithesis-style "always"
+properties, see :class:`Property`): every cell runs the fixed protocols (no legacy switch),
+expects healthy, and is judged on each property as well; the report adds a table per property
+(cells checked, violations, the violating cells and their bundles)::
+
+    name: properties
+    properties: [no-crash, no-hang, no-wrong-token, no-leaked-page]
+    matrix:
+      - topologies: [{tp: 2}, {pp: 2}]
+        faults: [["dma-lag:rank=1,ms=30"]]
+        seeds: [0, 1, 2, 3, 4]
 """
 
 from __future__ import annotations
 
 import difflib
+from enum import Enum
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from faults.spec import check_topology, parse_faults
+from faults.spec import FaultKind, check_topology, parse_faults
 from hicache_runtime.config import RuntimeConfig, check_run_limits, load_config
 from hicache_runtime.config_files import load_file, parse_text, short_repr
 from hicache_runtime.errors import ConfigError, InvalidFaultSpec
@@ -44,6 +57,33 @@ DEFAULT_CAMPAIGN = "default.yaml"
 MAX_CELLS = 1000
 """Cells one campaign may hold (seeds included): each is a real run of seconds, so more is a
 mistake, and a matrix is counted before it is expanded, never materialised past this."""
+
+
+class Property(str, Enum):
+    """What must hold in every cell of a property campaign, whatever the fault and seed."""
+
+    NO_CRASH = "no-crash"
+    NO_HANG = "no-hang"
+    NO_WRONG_TOKEN = "no-wrong-token"
+    NO_LEAKED_PAGE = "no-leaked-page"
+
+    @property
+    def meaning(self) -> str:
+        return _PROPERTY_MEANING[self]
+
+
+_PROPERTY_MEANING = {
+    Property.NO_CRASH: "no rank crashed (the warm-up and the reference runs included)",
+    Property.NO_HANG: "no rank hung (watchdog or protocol timeout)",
+    Property.NO_WRONG_TOKEN: "every output identical to the cache-disabled run",
+    Property.NO_LEAKED_PAGE: "at drain no page is held outside the tree, locked, pinned or "
+                             "reserved, on any rank",
+}
+
+#: Faults that *are* the failure (a process killed, raised out of, or stopped for good): no
+#: protocol survives them, so a property campaign cannot hold them to "no crash, no hang".
+#: The default campaign and the doctor's tests cover them.
+FAILURE_FAULTS = frozenset({FaultKind.CRASH, FaultKind.HANG, FaultKind.RANK_KILL})
 
 
 class CellSpec(BaseModel):
@@ -137,6 +177,9 @@ class CampaignSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = "campaign"
     description: str = ""
+    properties: list[Property] = []
+    """Non-empty: a property campaign (fixed protocols only, every cell expects healthy and is
+    judged on each of these properties too)."""
     defaults: dict[str, Any] = {}
     cells: list[CellSpec] = []
     matrix: list[MatrixSpec] = []
@@ -147,6 +190,18 @@ class CampaignSpec(BaseModel):
         if total > MAX_CELLS:
             raise ValueError(f"the campaign expands to {total} cells; at most {MAX_CELLS} "
                              "(each is a real run)")
+        if len(set(self.properties)) != len(self.properties):
+            raise ValueError("a property is named twice")
+        if self.properties:
+            for i, m in enumerate(self.matrix):
+                problem = _not_fixed(m.legacy, list(m.expect.values()), m.faults)
+                if problem:
+                    raise ValueError(f"matrix {i}: {problem}")
+            for c in self.cells:
+                problem = _not_fixed([c.legacy], [c.expect], [c.faults]) or (
+                    "" if c.compare else "compare: false (no-wrong-token needs the reference)")
+                if problem:
+                    raise ValueError(f"cell {c.id[:80]}: {problem}")
         return self
 
     @property
@@ -165,6 +220,21 @@ class CampaignSpec(BaseModel):
                 raise ConfigError("cells", f"cell id {cell.id!r} appears twice")
             seen.add(cell.id)
         return out
+
+
+def _not_fixed(legacy: list[list[str]], expects: list[str], faults: list[list[str]]) -> str:
+    """Why cells cannot belong to a property campaign (which runs the fixed protocols, each
+    cell expecting healthy), or ``""``."""
+    if any(legacy):
+        return "a property campaign runs the fixed protocols: no legacy switch"
+    if any(e.strip() != HEALTHY for e in expects):
+        return "every cell of a property campaign expects healthy"
+    for specs in faults:
+        for spec in parse_faults(specs):
+            if spec.kind in FAILURE_FAULTS:
+                return (f"{spec.kind.value} is the failure itself: no cell survives it "
+                        "(a property campaign holds cells to no crash and no hang)")
+    return ""
 
 
 #: Config fields a cell sets through its own keys, or that belong to the machine it runs on.
