@@ -197,9 +197,11 @@ def test_a_violation_on_a_real_run_is_reported_with_its_bundle(tmp_path: Path,
     path.write_text("""
 name: slow
 properties: [no-crash, no-hang, no-wrong-token, no-leaked-page]
-defaults: {workload.requests: 4, observability.watchdog_timeout_s: 0.3}
+defaults: {workload.requests: 4}
 matrix:
-  - faults: [["stage-lag:ms=2000,steps=3-3"], ["stage-lag:ms=1,steps=3-3"]]
+  - faults: [["stage-lag:ms=2000,steps=3-3"]]
+    config: {observability.watchdog_timeout_s: 0.5}
+  - faults: [["stage-lag:ms=1,steps=3-3"]]
 """)
     result = run_campaign(load_campaign(path), bundle_root=bundle_root)
     hung, fine = result.cells
