@@ -6,8 +6,8 @@ the evictable/protected sizes, the whole structure (keys, slots and lock counts 
 the order in which eviction frees slots. Ours is a real one-rank ``HiCache`` with L2 off, so its
 L1 eviction deletes leaves, as ``RadixCache.evict`` does.
 
-The oracle is ``sglang/srt/mem_cache/radix_cache.py`` of an installed sglang 0.5.23 (the
-``oracle`` extra, installed with ``--no-deps``: see pyproject.toml). Importing it the normal way
+The oracle is ``sglang/srt/mem_cache/radix_cache.py`` of an installed sglang 0.5.23 (installed
+with ``--no-deps`` by the README's test command). Importing it the normal way
 pulls in SGLang's whole serving stack (triton, transformers, pyzmq, msgspec, pillow, starlette,
 ...), none of which the tree uses, so the loader below runs SGLang's own files for the tree
 (``radix_cache.py``, ``base_prefix_cache.py``, ``cache_init_params.py``, ``evict_policy.py``,
@@ -125,7 +125,7 @@ def load_sglang_radix_cache() -> tuple[ModuleType | None, str]:
         dist = importlib.metadata.distribution("sglang")
     except importlib.metadata.PackageNotFoundError:
         return None, (f"sglang is not installed: pip install --no-deps sglang=={SGLANG_VERSION} "
-                      "(the oracle extra)")
+                      "(the README's test command)")
     if dist.version != SGLANG_VERSION:
         return None, f"sglang {dist.version} is installed; the oracle is sglang {SGLANG_VERSION}"
     if "sglang" in sys.modules:
