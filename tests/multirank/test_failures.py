@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,19 @@ from tests.multirank.conftest import mr_config
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 
+_MARK = f"HICACHE_TEST_RUN={uuid.uuid4().hex}".encode()
+
+
+@pytest.fixture(autouse=True)
+def _mark_our_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank processes inherit the environment: the mark tells this module's ranks from those
+    of other runs on the same machine (another suite, a campaign)."""
+    name, _, value = _MARK.decode().partition("=")
+    monkeypatch.setenv(name, value)
+
+
 def _rank_processes() -> list[int]:
+    """This module's rank processes still alive (orphans included: they keep the mark)."""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -27,7 +40,13 @@ def _rank_processes() -> list[int]:
             cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"hicache_runtime.rank_main" in cmd:
+        if b"hicache_runtime.rank_main" not in cmd:
+            continue
+        try:
+            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if _MARK in env:
             pids.append(int(entry))
     return pids
 
