@@ -297,12 +297,12 @@ def campaign(
     from faults.campaign import MAX_CELLS, load_campaign
     from faults.reports import junit_xml
     from faults.reports import markdown as markdown_report
-    from faults.runner import run_campaign, select
+    from faults.runner import run_campaign, seed_bases, select
 
     camp = load_campaign(spec)
     seed_list = _seeds(seeds) if seeds else None
     if seed_list is not None:  # counted before select() multiplies the cells
-        n = len(select(camp, only)) * len(seed_list)
+        n = len(seed_bases(select(camp, only))) * len(seed_list)
         if n > MAX_CELLS:
             raise ConfigError("seeds", f"{n} cell runs ({len(seed_list)} seeds); at most "
                                        f"{MAX_CELLS}")

@@ -130,11 +130,16 @@ def select(spec: CampaignSpec, only: str | None,
     cells = [c for c in spec.expand() if only is None or fnmatch.fnmatchcase(c.id, only)]
     if not seeds:
         return cells
+    return [c.model_copy(update={"seed": s, "id": f"{base}/seed{s}"})
+            for base, c in seed_bases(cells).items() for s in seeds]
+
+
+def seed_bases(cells: list[CellSpec]) -> dict[str, CellSpec]:
+    """One cell per id without its ``/seed<N>`` suffix: what ``--seeds`` runs once per seed."""
     bases: dict[str, CellSpec] = {}
     for c in cells:
         bases.setdefault(c.id.removesuffix(f"/seed{c.seed}"), c)
-    return [c.model_copy(update={"seed": s, "id": f"{base}/seed{s}"})
-            for base, c in bases.items() for s in seeds]
+    return bases
 
 
 def run_campaign(spec: CampaignSpec, *, bundle_root: Path, only: str | None = None,

@@ -225,3 +225,11 @@ matrix:
     data = json.loads(res.output)
     assert [p["violations"] for p in data["properties"]] == [0, 0, 0, 0]
     assert [p["checked"] for p in data["properties"]] == [1, 1, 1, 1]
+
+
+def test_the_seed_cap_counts_the_runs_seeds_make() -> None:
+    """Ten seeds of the five-seed property campaign are 10 runs per cell (350 in all), not
+    10 × its 175 expanded cells: accepted (the listing runs nothing)."""
+    res = CliRunner().invoke(app, ["campaign", str(SPEC), "--seeds", "0-9", "--list", "--json"])
+    assert res.exit_code == 0, res.output
+    assert len(json.loads(res.stdout)) == 10 * len(select(load_campaign(SPEC), None, [0]))
