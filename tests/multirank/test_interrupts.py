@@ -30,7 +30,14 @@ def _start(tmp: Path, bundles: Path, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, str(ROOT / "cli.py"), "run", "--tp", "2", "--json",
          "--config", str(cfg), "--bundle-dir", str(bundles), *args],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_interactive_sigint)
+
+
+def _interactive_sigint() -> None:
+    """Run as a terminal would: a suite started in the background (``pytest &``) has SIGINT
+    ignored, its children inherit that, and a command rightly keeps an ignored signal ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _wait_for(what: str, cond: object, proc: subprocess.Popen[str]) -> object:
