@@ -91,16 +91,20 @@ def drain_account(cache: Any) -> DrainAccount:
     return DrainAccount(**account)
 
 
+def check_at_drain(cache: Any) -> None:
+    """The drain's integrity check; a failure is marked as raised at drain."""
+    from hicache_runtime.errors import InvariantViolation
+
+    try:
+        cache.check_integrity(0, [])
+    except InvariantViolation as exc:
+        exc.at_drain = True
+        raise
+
+
 def reached_drain(exc: BaseException) -> bool:
     """Whether ``exc`` is the drain's own integrity check failing (the run got to its end and
     its holdings are what is left, not what a step in flight held)."""
     from hicache_runtime.errors import InvariantViolation
 
-    if not isinstance(exc, InvariantViolation):
-        return False
-    tb = exc.__traceback__
-    names = []
-    while tb is not None:
-        names.append(tb.tb_frame.f_code.co_name)
-        tb = tb.tb_next
-    return "_drain" in names and "check_integrity" in names
+    return isinstance(exc, InvariantViolation) and exc.at_drain

@@ -21,6 +21,7 @@ from typing import Any
 
 from faults.points import FaultPoint
 from faults.spec import FaultKind
+from hicache_runtime.accounting import check_at_drain
 from hicache_runtime.bundle import (
     RankEntry,
     RankFiles,
@@ -124,7 +125,7 @@ class Engine:
         drain = getattr(self.rt.cache, "drain", None)
         if drain is not None:
             drain()
-        self.rt.cache.check_integrity(0, [])
+        check_at_drain(self.rt.cache)
         self.rt.tracer.emit(Ev.INTEGRITY, ok=True, at="drain")
 
     def _fault_point(self, point: FaultPoint) -> None:

@@ -76,6 +76,10 @@ class InvariantViolation(HiCacheError, RuntimeError):
     This is a bug in the runtime or an injected legacy behaviour, never a user error.
     """
 
+    at_drain: bool = False
+    """Raised by the end-of-run check (:func:`~hicache_runtime.accounting.check_at_drain`):
+    what the rank still holds is what leaked, not what a step in flight held."""
+
 
 class DoubleAllocation(InvariantViolation):
     """A pool handed out a page that was already in use ("Double-alloc detected")."""

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from faults.points import FaultPoint
+from hicache_runtime.accounting import check_at_drain
 from hicache_runtime.engine import Engine, EngineResult
 from hicache_runtime.request import Req
 from hicache_runtime.sync import DrainCounts
@@ -222,5 +223,5 @@ class PipelineEngine(Engine):
             time.sleep(_DRAIN_POLL_S)
         for group in (self.groups.all() if self.groups is not None else []):
             group.wait_pending()
-        cache.check_integrity(0, [])
+        check_at_drain(cache)
         self.rt.tracer.emit(Ev.INTEGRITY, ok=True, at="drain", rounds=rounds)
