@@ -23,7 +23,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from hicache_runtime.errors import ConfigError, HiCacheError
+from hicache_runtime.contracts.errors import ConfigError, HiCacheError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Run, break and diagnose a hierarchical KV cache (SGLang HiCache).")
@@ -187,7 +187,7 @@ def run(
     """Run the runtime on a seeded workload and judge it against a cache-disabled run."""
     from faults.spec import parse_faults
     from hicache_runtime.config import load_config
-    from hicache_runtime.legacy import parse_legacy
+    from hicache_runtime.contracts.legacy import parse_legacy
 
     data: dict[str, Any] = _read_config(config) if config else {}
     overrides = {
@@ -220,7 +220,7 @@ def run(
         torchrun_dir.mkdir(parents=True, exist_ok=True)
         (torchrun_dir / "config.json").write_text(cfg.model_dump_json(indent=1))
         print(f"torchrun --nproc-per-node {cfg.topology.world_size} "
-              f"-m hicache_runtime.rank_main --run-dir {torchrun_dir}")
+              f"-m hicache_runtime.launch.rank_process --run-dir {torchrun_dir}")
         raise typer.Exit(EXIT_OK)
     _check_machine(cfg)
     summary = _execute(cfg, compare, progress=not json_out)
@@ -251,7 +251,7 @@ def _check_machine(cfg: Any) -> None:
 
 def _execute(cfg: Any, compare: bool, progress: bool) -> Any:
     import render
-    from hicache_runtime.run import run
+    from hicache_runtime.launch.run import run
 
     with render.run_progress("running", enabled=progress and sys.stderr.isatty()) as update:
         return run(cfg, compare=compare, progress=update)
@@ -294,10 +294,10 @@ def campaign(
     end as expected (healthy with outputs identical to a cache-disabled run, or failed with
     the doctor naming the expected signature). Exit 1 when any cell did not."""
     import render
-    from faults.campaign import MAX_CELLS, load_campaign
-    from faults.reports import junit_xml
-    from faults.reports import markdown as markdown_report
-    from faults.runner import run_campaign, seed_bases, select
+    from faults.campaign.cells import run_campaign, seed_bases, select
+    from faults.campaign.plan import MAX_CELLS, load_campaign
+    from faults.campaign.reports import junit_xml
+    from faults.campaign.reports import markdown as markdown_report
 
     camp = load_campaign(spec)
     seed_list = _seeds(seeds) if seeds else None
@@ -331,7 +331,7 @@ def campaign(
 
 
 def _seeds(text: str) -> list[int]:
-    from faults.campaign import MAX_CELLS
+    from faults.campaign.plan import MAX_CELLS
 
     out: list[int] = []
     for part in filter(None, (p.strip() for p in text.split(","))):
@@ -425,9 +425,9 @@ def _replay(bundle: Path, *, shrink: bool, max_runs: int, confirm: int, out: Pat
     import tempfile
 
     import render
-    from faults.replay import plan
-    from faults.replay import replay as replay_bundle
-    from hicache_runtime.run import DEFAULT_BUNDLE_ROOT
+    from faults.campaign.replay import plan
+    from faults.campaign.replay import replay as replay_bundle
+    from hicache_runtime.launch.run import DEFAULT_BUNDLE_ROOT
 
     if shrink and storage_url is not None:
         raise ConfigError("--storage-url", "--shrink always uses private file stores")
@@ -442,7 +442,7 @@ def _replay(bundle: Path, *, shrink: bool, max_runs: int, confirm: int, out: Pat
     if not json_out or sys.stderr.isatty():
         print("\n".join(the_plan.lines()), file=sys.stderr)
     if shrink:
-        from faults.shrink import shrink_bundle
+        from faults.campaign.shrink import shrink_bundle
 
         result = shrink_bundle(bundle, output, max_runs=max_runs, confirm=confirm, warm=warm)
         if json_out:
@@ -466,11 +466,11 @@ def _inject_faults(faults: list[str], tp: int | None, pp: int | None,
                    config: Path | None, bundle_dir: Path | None, warm: bool | None,
                    json_out: bool) -> None:
     import render
-    from faults.runner import observe
+    from faults.campaign.cells import observe
     from faults.spec import parse_faults
     from hicache_runtime.config import load_config
-    from hicache_runtime.legacy import parse_legacy
-    from hicache_runtime.run import DEFAULT_BUNDLE_ROOT
+    from hicache_runtime.contracts.legacy import parse_legacy
+    from hicache_runtime.launch.run import DEFAULT_BUNDLE_ROOT
 
     data: dict[str, Any] = _read_config(config) if config else {}
     data.update({k: v for k, v in {"topology.tp": tp, "topology.pp": pp, "seed": seed,
@@ -508,7 +508,7 @@ def trace_export(
     (exit 2).
     """
     import render
-    from hicache_runtime.perfetto import export_perfetto
+    from hicache_runtime.telemetry.perfetto import export_perfetto
 
     stats = export_perfetto(list(traces), out)
     for problem in stats.problems:
@@ -528,7 +528,7 @@ def trace_schema(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write to a file.")] = None,
 ) -> None:
     """Print the JSON Schema of crash bundles (manifest, state, events, flight recorder)."""
-    from hicache_runtime.bundle import bundle_json_schema
+    from hicache_runtime.contracts.bundle import bundle_json_schema
 
     text = json.dumps(bundle_json_schema(), indent=2)
     if out:
@@ -660,7 +660,7 @@ def signatures_schema(
     """JSON Schemas: the catalog, the doctor's diagnosis, capture manifests, crash bundles."""
     from doctor.read.bundle import CaptureManifest
     from doctor.report.model import Diagnosis
-    from hicache_runtime.bundle import bundle_json_schema
+    from hicache_runtime.contracts.bundle import bundle_json_schema
     from signatures.models import Catalog
 
     text = json.dumps({"catalog": Catalog.model_json_schema(),

@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from hicache_runtime.run import RunSummary
+    from hicache_runtime.launch.run import RunSummary
 
 STYLE_OK = "bold green"
 STYLE_BAD = "bold red"

@@ -14,8 +14,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from faults.campaign import HEALTHY, load_campaign
-from faults.runner import run_campaign
+from faults.campaign.cells import run_campaign
+from faults.campaign.plan import HEALTHY, load_campaign
 
 
 def main() -> None:

@@ -28,8 +28,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from faults.campaign import HEALTHY, load_campaign
-from faults.runner import CellResult, run_cell, select
+from faults.campaign.cells import CellResult, run_cell, select
+from faults.campaign.plan import HEALTHY, load_campaign
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RUNS = 200

@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import torch
 
-from hicache_runtime.copy_engine import CpuCopyEngine, LayerDoneCounter
-from hicache_runtime.pools import DeviceKVPool, HostKVPool, KVShape
+from hicache_runtime.kv.copy_engine import CpuCopyEngine, LayerDoneCounter
+from hicache_runtime.kv.pools import DeviceKVPool, HostKVPool, KVShape
 
 PAGE = 16
 

@@ -106,7 +106,7 @@ def _doctor(path: Path) -> dict[str, float | str | None]:
 
 
 def _grep(root: Path) -> float:
-    from doctor.read.lines import LineHandler
+    from doctor.read.text.lines import LineHandler
     from signatures.loader import load_catalog
 
     triggers = root.parent / "triggers.txt"

@@ -59,17 +59,17 @@ from typing import Any
 import torch
 
 from hicache_runtime.config import RuntimeConfig, load_config
-from hicache_runtime.engine import Engine, EngineResult
-from hicache_runtime.pools import HostKVPool, KVShape
-from hicache_runtime.rank import build_rank
-from hicache_runtime.request import Req
-from hicache_runtime.run import compare_outputs
-from hicache_runtime.storage.base import StorageBackend
-from hicache_runtime.storage.file import FileBackend
-from hicache_runtime.storage.keys import KeyScheme, chain_hashes
-from hicache_runtime.storage.pages import PageCodec
-from hicache_runtime.storage.redis_server import LocalRedisServer, redis_server_binary
-from hicache_runtime.workload import Workload
+from hicache_runtime.engine.rank import build_rank
+from hicache_runtime.engine.step import Engine, EngineResult
+from hicache_runtime.engine.workload import Workload
+from hicache_runtime.kv.pools import HostKVPool, KVShape
+from hicache_runtime.kv.request import Req
+from hicache_runtime.l3.backend import StorageBackend
+from hicache_runtime.l3.backends.file import FileBackend
+from hicache_runtime.l3.backends.redis_server import LocalRedisServer, redis_server_binary
+from hicache_runtime.l3.keys import KeyScheme, chain_hashes
+from hicache_runtime.l3.pages import PageCodec
+from hicache_runtime.launch.run import compare_outputs
 
 SCHEME = KeyScheme("_bench_0_1")
 
@@ -251,7 +251,7 @@ def backend_bandwidth(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def redis_bandwidth(pages: list[bytes], args: argparse.Namespace) -> dict[str, Any]:
-    from hicache_runtime.storage.redis_backend import RedisBackend
+    from hicache_runtime.l3.backends.redis import RedisBackend
 
     nulls: dict[str, Any] = {"redis_set_ratio": None, "redis_get_ratio": None}
     if args.no_redis:

@@ -42,13 +42,13 @@ from pathlib import Path
 from typing import Any
 
 from faults.spec import FaultSpec, parse_fault
-from hicache_runtime.bundle import RunOutcome
 from hicache_runtime.config import RuntimeConfig, load_config
-from hicache_runtime.launcher import LaunchResult, launch
-from hicache_runtime.request import Req, ReqStatus
-from hicache_runtime.run import compare_outputs
-from hicache_runtime.samples import ResourceSample, read_samples
-from hicache_runtime.workload import Workload
+from hicache_runtime.contracts.bundle import RunOutcome
+from hicache_runtime.engine.samples import ResourceSample, read_samples
+from hicache_runtime.engine.workload import Workload
+from hicache_runtime.kv.request import Req, ReqStatus
+from hicache_runtime.launch.launcher import LaunchResult, launch
+from hicache_runtime.launch.run import compare_outputs
 
 SERIES = ("pending_sends", "pending_bytes", "device_pages", "host_pages", "rss_mb", "l3_keys",
           "tree_nodes", "py_objects")

@@ -20,10 +20,10 @@ import json
 import tempfile
 from pathlib import Path
 
-from hicache_runtime.bundle import RunOutcome
 from hicache_runtime.config import RuntimeConfig, load_config
-from hicache_runtime.launcher import launch
-from hicache_runtime.legacy import LegacySwitch
+from hicache_runtime.contracts.bundle import RunOutcome
+from hicache_runtime.contracts.legacy import LegacySwitch
+from hicache_runtime.launch.launcher import launch
 
 
 def config(args: argparse.Namespace, *, legacy: bool, tracing: bool) -> RuntimeConfig:

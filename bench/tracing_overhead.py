@@ -14,9 +14,9 @@ import json
 import time
 
 from hicache_runtime.config import load_config
-from hicache_runtime.engine import Engine
-from hicache_runtime.rank import build_rank
-from hicache_runtime.workload import Workload
+from hicache_runtime.engine.rank import build_rank
+from hicache_runtime.engine.step import Engine
+from hicache_runtime.engine.workload import Workload
 
 
 def one_run(tracing: bool, requests: int) -> tuple[float, int, int]:

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from doctor.read.bundle import CaptureManifest, CaptureTarget
-from hicache_runtime.bundle import now_iso
-from hicache_runtime.errors import ConfigError, ToolUnavailable
+from hicache_runtime.contracts.bundle import now_iso
+from hicache_runtime.contracts.errors import ConfigError, ToolUnavailable
 
 PERMISSION_HINT = (
     "py-spy must be allowed to ptrace the ranks: run the capture as root (sudo -E hicache "

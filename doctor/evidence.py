@@ -275,7 +275,7 @@ class RankEvidence:
     kv_lines: Bounded[tuple[str, str, SourceRef]] = field(
         default_factory=lambda: Bounded(MAX_ERROR_LINES, MAX_ERROR_LINES))
     """Lines of KV storage or transfer layers that report a failure or memory pressure:
-    ``(kind, text, source)``, kinds from :func:`doctor.read.kvstore.classify`."""
+    ``(kind, text, source)``, kinds from :func:`doctor.read.text.kvstore.classify`."""
     sites: dict[str, SourceRef] = field(default_factory=dict)
     """Source files that log lines name (``[engine.py:135]``, ``client.cpp:406]``), first
     line of each; at most ``MAX_SITES``."""

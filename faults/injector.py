@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 from faults.points import FaultPoint
 from faults.spec import KIND_POINT, FaultKind, FaultSpec
+from hicache_runtime.contracts.events import Ev, EventSink
 
 if TYPE_CHECKING:
-    from hicache_runtime.topology import RankInfo
-    from hicache_runtime.tracing import Tracer
+    from hicache_runtime.contracts.topology import RankInfo
 
 _STORAGE_POINTS = {FaultPoint.STORAGE_EXISTS, FaultPoint.STORAGE_GET, FaultPoint.STORAGE_SET}
 
@@ -65,7 +65,7 @@ class FaultInjector:
     """Fault decisions for one rank. Thread-safe."""
 
     def __init__(self, specs: tuple[FaultSpec, ...] | list[FaultSpec], seed: int,
-                 rank: RankInfo, tracer: Tracer | None = None) -> None:
+                 rank: RankInfo, tracer: EventSink | None = None) -> None:
         self.seed = seed
         self.rank = rank
         self.tracer = tracer
@@ -117,7 +117,7 @@ class FaultInjector:
                                              self.rank.rank, step, rid, thread))
         if self.tracer is not None:
             for spec in out:
-                self.tracer.emit("fault.fired", kind=spec.kind.value, point=point.value,
+                self.tracer.emit(Ev.FAULT, kind=spec.kind.value, point=point.value,
                                  spec=spec.compact(), rid=rid)
         return out
 

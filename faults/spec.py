@@ -24,7 +24,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from faults.points import CRASHABLE_POINTS, FaultPoint
-from hicache_runtime.errors import InvalidFaultSpec
+from hicache_runtime.contracts.errors import InvalidFaultSpec
 
 
 class FaultKind(str, Enum):

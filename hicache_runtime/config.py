@@ -21,8 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from faults.spec import FaultSpec, check_topology
 from hicache_runtime.config_files import short_repr
-from hicache_runtime.errors import ConfigError
-from hicache_runtime.legacy import LegacySwitch
+from hicache_runtime.contracts.errors import ConfigError
+from hicache_runtime.contracts.legacy import LegacySwitch
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 

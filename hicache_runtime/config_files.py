@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import yaml
 
-from hicache_runtime.errors import ConfigError
+from hicache_runtime.contracts.errors import ConfigError
 
 MAX_BYTES = 1 << 20
 """Largest config or campaign file read (the built-in campaign is about 4 KB)."""

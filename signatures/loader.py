@@ -6,7 +6,8 @@ validates them against :mod:`signatures.models`, and checks the cross-references
 ids, legacy switch names, the order list, the signatures a look-alike excludes). It is cached:
 the catalog is immutable data.
 
-Raises :class:`hicache_runtime.errors.ConfigError` naming the file and field when the catalog is
+Raises :class:`~hicache_runtime.contracts.errors.ConfigError`
+naming the file and field when the catalog is
 broken (a packaging or editing mistake, never user input).
 """
 
@@ -19,8 +20,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from hicache_runtime.errors import ConfigError
-from hicache_runtime.legacy import LegacySwitch
+from hicache_runtime.contracts.errors import ConfigError
+from hicache_runtime.contracts.legacy import LegacySwitch
 from signatures.models import Catalog, Signature
 
 _INDEX = "catalog.yaml"

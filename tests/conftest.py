@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Verbosity, settings
 
-from hicache_runtime.storage.redis_server import LocalRedisServer, redis_server_binary
+from hicache_runtime.l3.backends.redis_server import LocalRedisServer, redis_server_binary
 
 # One intra-op thread per process: tests run several ranks (and other tests) on two cores,
 # where spinning OpenMP threads make everything many times slower.

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from hicache_runtime.cache.hicache import HiCache
 from hicache_runtime.config import RuntimeConfig, load_config
-from hicache_runtime.hicache import HiCache
-from hicache_runtime.rank import RankRuntime, build_rank
-from hicache_runtime.request import Req
+from hicache_runtime.engine.rank import RankRuntime, build_rank
+from hicache_runtime.kv.request import Req
 
 
 def small_config(**overrides: object) -> RuntimeConfig:

@@ -259,7 +259,7 @@ def test_a_small_run_still_works_under_the_cap(tmp_path: Path) -> None:
 
 def test_the_memory_estimate_matches_the_pools_a_rank_allocates() -> None:
     from hicache_runtime.config import load_config, memory_need
-    from hicache_runtime.rank import build_rank
+    from hicache_runtime.engine.rank import build_rank
 
     cfg = load_config({"cache.device_tokens": 512, "cache.host_tokens": 1024,
                        "model.sidecars": ["all_pages", "trailing_pages"]})
@@ -276,7 +276,7 @@ def test_the_memory_estimate_matches_the_pools_a_rank_allocates() -> None:
 
 def test_device_pools_on_an_accelerator_are_checked_against_its_free_memory() -> None:
     from hicache_runtime.config import check_run_limits, load_config
-    from hicache_runtime.errors import ConfigError
+    from hicache_runtime.contracts.errors import ConfigError
 
     cfg = load_config({"cache.device_tokens": 1 << 16})
     check_run_limits(cfg, accelerator=True, device_free=64 << 30)

@@ -26,14 +26,14 @@ from doctor.diagnose import diagnose
 from doctor.report.markdown import diagnosis_markdown, md_code, md_escape
 from doctor.report.model import Diagnosis
 from doctor.report.runbook import to_html
-from faults.campaign import load_campaign
+from faults.campaign.cells import CampaignResult, CellResult, select
+from faults.campaign.plan import load_campaign
+from faults.campaign.reports import markdown as campaign_markdown
+from faults.campaign.shrink import ShrinkResult
 from faults.describe import describe_faults
-from faults.reports import markdown as campaign_markdown
-from faults.runner import CampaignResult, CellResult, select
-from faults.shrink import ShrinkResult
 from faults.spec import FaultKind, parse_fault
 from hicache_runtime.config import load_config
-from hicache_runtime.errors import InvalidFaultSpec
+from hicache_runtime.contracts.errors import InvalidFaultSpec
 from signatures.loader import load_catalog
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from hicache_runtime.run import TIME_DECIMALS, CacheStats, RunSummary
+from hicache_runtime.launch.run import TIME_DECIMALS, CacheStats, RunSummary
 
 SMALL = ["--requests", "8", "--device-tokens", "256", "--host-tokens", "512", "--page-size",
          "4", "--max-new-tokens", "4"]

@@ -1,5 +1,5 @@
-"""Each legacy switch is stated once, in ``hicache_runtime.legacy.REGISTRY``: its upstream fix,
-the versions it restores and the default-campaign recipe that exposes it. Every other place
+"""Each legacy switch is stated once, in ``hicache_runtime.contracts.legacy.REGISTRY``: its upstream
+fix, the versions it restores and the default-campaign recipe that exposes it. Every other place
 that repeats part of it is held to the registry here: the default campaign's legacy cells, the
 signature catalog's campaign cells, the README table, ``docs/legacy-switches.md`` and the
 recipes that regenerate the doctor's runtime bundle fixtures."""
@@ -17,10 +17,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from faults.campaign import cell_id, load_campaign
+from faults.campaign.plan import cell_id, load_campaign
 from faults.spec import parse_faults
 from hicache_runtime.config import load_config
-from hicache_runtime.legacy import REGISTRY, Exposure, LegacySwitch, SwitchEntry
+from hicache_runtime.contracts.legacy import REGISTRY, Exposure, LegacySwitch, SwitchEntry
 from signatures.loader import load_catalog
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -135,7 +135,7 @@ def _fact_unranked_stacks(ev: Evidence, frames: FrameClassifier, facts: FactSet)
 
 
 def _fact_kv_layers(ev: Evidence, facts: FactSet) -> None:
-    """What the KV storage and transfer layers said (:mod:`doctor.read.kvstore`): a store that
+    """What the KV storage and transfer layers said (:mod:`doctor.read.text.kvstore`): a store that
     failed, a host pool with no room, a disaggregation transfer that failed. A transfer engine's
     failure belongs to the store when the inputs show a store in use and no disaggregation."""
     kv = ev.kv

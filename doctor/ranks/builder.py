@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from doctor.evidence import InputRecord, RankEvidence, RankHint, SourceRef
-from doctor.read.kvstore import KvContext
+from doctor.read.text.kvstore import KvContext
 
 _Key = tuple[str, int | None, int | None, int | None]
 MAX_WORLD = 65536

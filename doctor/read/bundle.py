@@ -20,8 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from doctor.evidence import ExceptionRecord, ExitRecord, RankHint, SourceRef
 from doctor.ranks.builder import MAX_SLOTS, MAX_WORLD, EvidenceBuilder
-from hicache_runtime.bundle import Manifest
-from hicache_runtime.errors import DumpFormatError
+from hicache_runtime.contracts.bundle import Manifest
+from hicache_runtime.contracts.errors import DumpFormatError
 
 CAPTURE_KIND = "hicache-capture"
 CAPTURE_SCHEMA_VERSION = "1.1"

@@ -32,7 +32,7 @@ from doctor.evidence import (
 )
 from doctor.ranks.builder import MAX_WORLD, EvidenceBuilder
 from doctor.ranks.frames import FrameClassifier
-from hicache_runtime.errors import DumpFormatError
+from hicache_runtime.contracts.errors import DumpFormatError
 
 MAX_FR_ENTRIES = 20_000
 """Entries read per dump (torch keeps 2,000 by default); the newest are read."""

@@ -33,15 +33,15 @@ from doctor.ranks.builder import EvidenceBuilder
 from doctor.ranks.frames import classifier_for
 from doctor.read.bundle import MAX_MANIFEST_BYTES, read_capture, read_manifest
 from doctor.read.dumps import read_pyspy_json, read_runtime_fr, read_torch_fr
-from doctor.read.lines import LineHandler
 from doctor.read.logscan import LogScanner
-from doctor.read.pages import HtmlText
 from doctor.read.rankid import path_hint
 from doctor.read.safe_pickle import MAX_BUILD_COST, MAX_PICKLE_BYTES, load_plain
 from doctor.read.sniff import HEAD_BYTES, Kind, sniff
+from doctor.read.text.lines import LineHandler
+from doctor.read.text.pages import HtmlText
 from doctor.read.trace import read_events, read_state
-from hicache_runtime.errors import DumpFormatError
-from hicache_runtime.jsonl import describe_mode
+from hicache_runtime.contracts.errors import DumpFormatError
+from hicache_runtime.contracts.jsonl import describe_mode
 from signatures.models import Catalog
 
 MAX_JSON_BYTES = 64 << 20

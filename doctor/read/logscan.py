@@ -3,7 +3,7 @@
 Memory is flat whatever the input size: the scanner holds one chunk (``CHUNK`` bytes) plus the
 unfinished last line, and everything it keeps is bounded per rank (see :mod:`doctor.evidence`).
 
-Which lines reach the slow path (:class:`~doctor.read.lines.LineHandler`):
+Which lines reach the slow path (:class:`~doctor.read.text.lines.LineHandler`):
 
 * the first ``HEAD_LINES`` lines of the input, and the first ``CHUNK_HEAD_LINES`` lines of every
   chunk (the rank prefixes in use) — for their prefixes and blocks only;
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import BinaryIO
 
-from doctor.read.lines import LineHandler
 from doctor.read.prefilter import TriggerIndex
+from doctor.read.text.lines import LineHandler
 
 CHUNK = 4 << 20
 HEAD_LINES = 500

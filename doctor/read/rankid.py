@@ -1,7 +1,7 @@
 """Which rank wrote a file, from its path.
 
 File names: ``rank3.log``, ``rank_3/``, ``nccl_trace_rank_3``, ``tp1_pp0.log``, ``TP1-PP0``...
-(Per-line rank prefixes are :mod:`doctor.read.prefixes`.)
+(Per-line rank prefixes are :mod:`doctor.read.text.prefixes`.)
 """
 
 from __future__ import annotations

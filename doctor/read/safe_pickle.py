@@ -28,7 +28,7 @@ import pickletools
 from collections.abc import Iterator
 from typing import Any
 
-from hicache_runtime.errors import DumpFormatError
+from hicache_runtime.contracts.errors import DumpFormatError
 
 MAX_PICKLE_BYTES = 64 << 20
 MAX_BUILD_COST = 256 << 20

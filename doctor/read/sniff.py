@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from enum import Enum
 
-from doctor.read.pages import looks_like_html
+from doctor.read.text.pages import looks_like_html
 
 HEAD_BYTES = 64 << 10
 

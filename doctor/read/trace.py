@@ -20,8 +20,8 @@ from typing import Any, BinaryIO
 
 from doctor.evidence import MAX_ARRIVALS, Decision, RankHint, SourceRef
 from doctor.ranks.builder import EvidenceBuilder
-from hicache_runtime.jsonl import iter_lines
-from hicache_runtime.tracing import Ev
+from hicache_runtime.contracts.events import Ev
+from hicache_runtime.contracts.jsonl import iter_lines
 
 #: kind -> (attribute naming the decision's subject or None, attributes that must agree)
 DECISIONS: dict[str, tuple[str | None, tuple[str, ...]]] = {

@@ -28,7 +28,7 @@ from doctor.capture import (
     pyspy_error,
 )
 from doctor.diagnose import diagnose
-from hicache_runtime.errors import ToolUnavailable
+from hicache_runtime.contracts.errors import ToolUnavailable
 
 RANK = textwrap.dedent('''
     import os, sys, time

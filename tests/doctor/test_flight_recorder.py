@@ -13,7 +13,7 @@ import pytest
 
 from doctor.diagnose import diagnose
 from doctor.read.safe_pickle import load_plain
-from hicache_runtime.errors import DumpFormatError
+from hicache_runtime.contracts.errors import DumpFormatError
 from tests.doctor.conftest import FIXTURES
 
 REAL = FIXTURES / "collective-order-deadlock" / "gloo-tp4-real"

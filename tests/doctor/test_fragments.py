@@ -10,11 +10,11 @@ import io
 
 from doctor.evidence import ExceptionRecord, SourceRef, ThreadStack
 from doctor.ranks.builder import Evidence, EvidenceBuilder
-from doctor.read.backtraces import chain_stack
 from doctor.read.ingest import Ingester
-from doctor.read.pages import HtmlText, clean_line, looks_like_html
-from doctor.read.prefixes import strip_prefixes
-from doctor.read.tracebacks import TracebackParser
+from doctor.read.text.backtraces import chain_stack
+from doctor.read.text.pages import HtmlText, clean_line, looks_like_html
+from doctor.read.text.prefixes import strip_prefixes
+from doctor.read.text.tracebacks import TracebackParser
 from signatures.loader import load_catalog
 from tests.corpus import CASES
 
@@ -230,7 +230,7 @@ def test_markdown_and_crlf_wrapping_is_undone() -> None:
 
 
 def test_html_page_text_streams_across_chunk_boundaries(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    import doctor.read.pages as pages
+    import doctor.read.text.pages as pages
 
     monkeypatch.setattr(pages, "CHUNK", 7)  # every tag and entity split somewhere
     page = ("<html><script>var x = '<b>';</script><pre>Traceback (most recent call last):\n"
@@ -250,7 +250,7 @@ def test_a_log_that_mentions_a_tag_is_not_html() -> None:
 # --- KV storage layers ---------------------------------------------------------------------
 
 def test_kv_layers_tell_store_pool_and_disaggregation_apart() -> None:
-    from doctor.read.kvstore import KvContext, classify
+    from doctor.read.text.kvstore import KvContext, classify
 
     ctx = KvContext()
     assert classify("[2026-09-15 06:24:51,595] LMCache WARNING: Store task 1 to adapter 0 "

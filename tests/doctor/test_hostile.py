@@ -23,7 +23,7 @@ from doctor.ranks.builder import MAX_RETAINED, MAX_WORLD, EvidenceBuilder
 from doctor.read.dumps import _sizes, _text, parse_rank_list
 from doctor.report.bounds import clip_texts, rank_ranges
 from doctor.report.model import Diagnosis, EvidenceItem, NearMiss
-from hicache_runtime.jsonl import iter_lines
+from hicache_runtime.contracts.jsonl import iter_lines
 from tests.doctor import hostile
 from tests.doctor.hostile import run_capped
 

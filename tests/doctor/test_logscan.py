@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 import doctor.read.logscan as logscan
 from doctor.evidence import RankHint
 from doctor.ranks.builder import EvidenceBuilder
-from doctor.read.lines import LineHandler
 from doctor.read.logscan import LogScanner
 from doctor.read.prefilter import TriggerIndex
+from doctor.read.text.lines import LineHandler
 from tests.doctor.conftest import FIXTURES
 
 TRIGGERS = [b"Traceback (most recent call last)", b"Timed out waiting", b"rss", b"Xid",

@@ -13,12 +13,12 @@ from pathlib import Path
 from doctor.evidence import ExceptionRecord, RankHint, SourceRef, ThreadStack
 from doctor.ranks.builder import EvidenceBuilder
 from doctor.read.dumps import read_pyspy_json
-from doctor.read.lines import LineHandler
 from doctor.read.logscan import LogScanner
-from doctor.read.prefixes import strip_prefixes
 from doctor.read.rankid import path_hint
-from doctor.read.threaddumps import FaulthandlerParser, PySpyTextParser
-from doctor.read.tracebacks import TracebackParser
+from doctor.read.text.lines import LineHandler
+from doctor.read.text.prefixes import strip_prefixes
+from doctor.read.text.threaddumps import FaulthandlerParser, PySpyTextParser
+from doctor.read.text.tracebacks import TracebackParser
 from signatures.loader import load_catalog
 from tests.doctor.conftest import FIXTURES
 

@@ -8,8 +8,8 @@ import pytest
 
 from doctor.diagnose import diagnose
 from faults.spec import parse_fault
-from hicache_runtime.legacy import LegacySwitch
-from hicache_runtime.run import run, run_single
+from hicache_runtime.contracts.legacy import LegacySwitch
+from hicache_runtime.launch.run import run, run_single
 from tests.helpers import small_config
 
 
@@ -26,7 +26,7 @@ def test_crash_bundle_from_run_single(tmp_path: Path) -> None:
     assert row.error is not None
     assert "InjectedFault" in row.error
     assert row.frame is not None
-    assert "engine.py" in row.frame
+    assert "_fault_point" in row.frame  # the fault point, not a wrapper
     assert {"bundle", "trace", "state", "faulthandler", "traceback"} <= set(row.sources)
     # an injected crash is no known signature: said plainly, nothing forced
     assert d.status == "no-known-signature"

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from faults.campaign import CampaignSpec, CellSpec, cell_from_config, cell_id, load_campaign
-from faults.reports import junit_xml, markdown
-from faults.runner import CampaignResult, CellResult, cell_config, select
-from hicache_runtime.errors import ConfigError
-from hicache_runtime.legacy import LegacySwitch
+from faults.campaign.cells import CampaignResult, CellResult, cell_config, select
+from faults.campaign.plan import CampaignSpec, CellSpec, cell_from_config, cell_id, load_campaign
+from faults.campaign.reports import junit_xml, markdown
+from hicache_runtime.contracts.errors import ConfigError
+from hicache_runtime.contracts.legacy import LegacySwitch
 from signatures.loader import load_catalog
 
 SPEC_YAML = """

@@ -14,8 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from faults.campaign import MAX_CELLS, CampaignSpec, load_campaign
-from hicache_runtime.errors import ConfigError
+from faults.campaign.plan import MAX_CELLS, CampaignSpec, load_campaign
+from hicache_runtime.contracts.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 AS_CAP = 1536 << 20
@@ -146,8 +146,8 @@ def test_a_cell_may_expect_a_failure_no_signature_fits(tmp_path: Path) -> None:
 def test_a_spec_built_in_code_is_size_checked_before_its_cell_runs(tmp_path: Path) -> None:
     """Specs made by code (bench scripts, the shrinker) bypass the YAML loader: the cell's
     config is still refused when a run could not hold it, before anything starts."""
-    from faults.campaign import CellSpec
-    from faults.runner import cell_config
+    from faults.campaign.cells import cell_config
+    from faults.campaign.plan import CellSpec
 
     spec = CampaignSpec(defaults={"workload.requests": 10_000_000})
     cell = CellSpec(id="huge")

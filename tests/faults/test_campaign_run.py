@@ -12,11 +12,11 @@ import yaml
 from typer.testing import CliRunner
 
 from cli import app
-from faults.campaign import load_campaign
-from faults.replay import replay
-from faults.runner import run_campaign
-from faults.shrink import shrink_bundle
-from hicache_runtime.bundle import load_manifest
+from faults.campaign.cells import run_campaign
+from faults.campaign.plan import load_campaign
+from faults.campaign.replay import replay
+from faults.campaign.shrink import shrink_bundle
+from hicache_runtime.contracts.bundle import load_manifest
 
 # The sum-hit-pages reproduction, small: a warm L3, sidecar holes, 24 requests.
 SPEC = """

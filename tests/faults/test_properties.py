@@ -14,9 +14,7 @@ from typer.testing import CliRunner
 
 import render
 from cli import app
-from faults.campaign import FAILURE_FAULTS, Property, load_campaign
-from faults.reports import junit_xml, markdown
-from faults.runner import (
+from faults.campaign.cells import (
     CampaignResult,
     CellResult,
     Observation,
@@ -25,8 +23,10 @@ from faults.runner import (
     run_campaign,
     select,
 )
+from faults.campaign.plan import FAILURE_FAULTS, Property, load_campaign
+from faults.campaign.reports import junit_xml, markdown
 from faults.spec import FaultKind, parse_faults
-from hicache_runtime.errors import ConfigError
+from hicache_runtime.contracts.errors import ConfigError
 from tests.test_presentation import _check_tables
 
 SPEC = Path(__file__).resolve().parents[2] / "faults" / "campaigns" / "properties.yaml"

@@ -23,8 +23,8 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from faults.replay_guard import MAX_MANIFEST_BYTES
-from faults.runner import observe
+from faults.campaign.cells import observe
+from faults.campaign.replay_guard import MAX_MANIFEST_BYTES
 from faults.spec import parse_faults
 from hicache_runtime.config import load_config
 

@@ -8,12 +8,12 @@ from collections import Counter
 from hypothesis import given
 from hypothesis import strategies as st
 
-from faults.replay import ReplayCase, TrialRecord
-from faults.runner import Observation
-from faults.shrink import reproduction, shrink
+from faults.campaign.cells import Observation
+from faults.campaign.replay import ReplayCase, TrialRecord
+from faults.campaign.shrink import reproduction, shrink
 from faults.spec import parse_faults
-from hicache_runtime.bundle import FiredFaultRecord
 from hicache_runtime.config import RuntimeConfig, load_config
+from hicache_runtime.contracts.bundle import FiredFaultRecord
 
 
 def _case(requests: int, faults: list[str]) -> ReplayCase:

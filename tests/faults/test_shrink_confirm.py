@@ -14,9 +14,9 @@ import yaml
 from typer.testing import CliRunner
 
 from cli import app
-from faults.replay import TrialRecord, load_case, run_trial
-from faults.runner import Observation, observe
-from faults.shrink import shrink, shrink_bundle, write_cell_spec
+from faults.campaign.cells import Observation, observe
+from faults.campaign.replay import TrialRecord, load_case, run_trial
+from faults.campaign.shrink import shrink, shrink_bundle, write_cell_spec
 from hicache_runtime.config import RuntimeConfig
 from tests.helpers import small_config
 

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from faults.injector import FaultInjector
 from faults.points import FaultPoint
 from faults.spec import FaultKind, FaultSpec, parse_fault, parse_faults
-from hicache_runtime.errors import InvalidFaultSpec
-from hicache_runtime.topology import RankInfo
+from hicache_runtime.contracts.errors import InvalidFaultSpec
+from hicache_runtime.contracts.topology import RankInfo
 
 
 @pytest.mark.parametrize("text", [

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from faults.campaign import load_campaign
-from faults.replay import replay
-from faults.reports import junit_xml
-from faults.runner import run_campaign
-from faults.shrink import shrink_bundle
+from faults.campaign.cells import run_campaign
+from faults.campaign.plan import load_campaign
+from faults.campaign.replay import replay
+from faults.campaign.reports import junit_xml
+from faults.campaign.shrink import shrink_bundle
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 

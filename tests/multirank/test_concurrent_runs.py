@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hicache_runtime.bundle import RunOutcome
-from hicache_runtime.launcher import launch
+from hicache_runtime.contracts.bundle import RunOutcome
+from hicache_runtime.launch.launcher import launch
 from tests.multirank.conftest import mr_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]

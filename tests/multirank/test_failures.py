@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from faults.spec import parse_fault
-from hicache_runtime.bundle import RunOutcome, load_manifest
-from hicache_runtime.run import run
+from hicache_runtime.contracts.bundle import RunOutcome, load_manifest
+from hicache_runtime.launch.run import run
 from tests.multirank.conftest import mr_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
@@ -40,7 +40,7 @@ def _rank_processes() -> list[int]:
             cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"hicache_runtime.rank_main" not in cmd:
+        if b"hicache_runtime.launch.rank_process" not in cmd:
             continue
         try:
             env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")

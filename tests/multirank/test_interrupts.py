@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache_runtime.bundle import load_manifest
+from hicache_runtime.contracts.bundle import load_manifest
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
@@ -80,7 +80,7 @@ def _rank_pid(run_dir: Path, rank: int) -> int | None:
             env = Path(f"/proc/{entry}/environ").read_bytes()
         except OSError:
             continue
-        if b"hicache_runtime.rank_main" in cmd and str(run_dir).encode() in cmd \
+        if b"hicache_runtime.launch.rank_process" in cmd and str(run_dir).encode() in cmd \
                 and f"\0RANK={rank}\0".encode() in b"\0" + env:
             return int(entry)
     return None

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from faults.spec import parse_fault
-from hicache_runtime.bundle import RunOutcome, load_manifest
-from hicache_runtime.legacy import LegacySwitch
-from hicache_runtime.run import run
+from hicache_runtime.contracts.bundle import RunOutcome, load_manifest
+from hicache_runtime.contracts.legacy import LegacySwitch
+from hicache_runtime.launch.run import run
 from tests.multirank.conftest import mr_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from faults.campaign import Property, load_campaign
-from faults.reports import junit_xml
-from faults.runner import run_campaign
+from faults.campaign.cells import run_campaign
+from faults.campaign.plan import Property, load_campaign
+from faults.campaign.reports import junit_xml
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 

@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hicache_runtime.bundle import RunOutcome
-from hicache_runtime.comm import FlightRecorder, Group
-from hicache_runtime.launcher import launch
-from hicache_runtime.samples import ResourceSample, read_samples
+from hicache_runtime.contracts.bundle import RunOutcome
+from hicache_runtime.dist.flight_recorder import FlightRecorder, Group
+from hicache_runtime.engine.samples import ResourceSample, read_samples
+from hicache_runtime.launch.launcher import launch
 from tests.multirank.conftest import mr_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]

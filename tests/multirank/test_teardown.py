@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hicache_runtime.bundle import RunOutcome
-from hicache_runtime.launcher import LaunchResult, launch
+from hicache_runtime.contracts.bundle import RunOutcome
+from hicache_runtime.launch.launcher import LaunchResult, launch
 from tests.multirank.conftest import mr_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
@@ -96,12 +96,12 @@ def _late_stopper(rank: int, store_path: str, delay_s: float, out: str) -> None:
 
     import torch.distributed as dist
 
-    from hicache_runtime.comm import FlightRecorder, Group
-    from hicache_runtime.consensus import ConsensusChecker
-    from hicache_runtime.rank_main import _SideThreads
-    from hicache_runtime.topology import RankInfo
-    from hicache_runtime.tracing import Tracer
-    from hicache_runtime.watchdog import StepWatchdog
+    from hicache_runtime.contracts.topology import RankInfo
+    from hicache_runtime.dist.consensus_check import ConsensusChecker
+    from hicache_runtime.dist.flight_recorder import FlightRecorder, Group
+    from hicache_runtime.launch.rank_process import _SideThreads
+    from hicache_runtime.launch.watchdog import StepWatchdog
+    from hicache_runtime.telemetry.tracer import Tracer
 
     store = dist.FileStore(store_path, 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hicache_runtime.bundle import RunOutcome
-from hicache_runtime.run import run
+from hicache_runtime.contracts.bundle import RunOutcome
+from hicache_runtime.launch.run import run
 from tests.multirank.conftest import mr_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]

@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from hicache_runtime.bundle import RunOutcome, load_manifest
+from hicache_runtime.contracts.bundle import RunOutcome, load_manifest
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 

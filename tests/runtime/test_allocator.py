@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache_runtime.allocator import PageAllocator
-from hicache_runtime.errors import DoubleAllocation, DoubleFree, InvariantViolation
+from hicache_runtime.contracts.errors import DoubleAllocation, DoubleFree, InvariantViolation
+from hicache_runtime.kv.allocator import PageAllocator
 
 
 def test_alloc_returns_whole_pages_and_none_when_full() -> None:

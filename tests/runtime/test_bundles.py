@@ -9,10 +9,10 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-import hicache_runtime.copy_engine as copy_engine
+import hicache_runtime.kv.copy_engine as copy_engine
 from faults.spec import parse_fault
-from hicache_runtime.bundle import RunOutcome, bundle_json_schema, load_manifest
-from hicache_runtime.run import run_single
+from hicache_runtime.contracts.bundle import RunOutcome, bundle_json_schema, load_manifest
+from hicache_runtime.launch.run import run_single
 from tests.helpers import small_config
 
 

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 
 from faults.spec import parse_fault
-from hicache_runtime.accounting import drain_account, reached_drain
-from hicache_runtime.bundle import RunOutcome
+from hicache_runtime.cache.accounting import drain_account, reached_drain
 from hicache_runtime.config import RuntimeConfig, load_config
-from hicache_runtime.engine import Engine
-from hicache_runtime.errors import InjectedFault, InvariantViolation
-from hicache_runtime.rank import RankRuntime, build_rank
-from hicache_runtime.run import RunSummary, run_single
-from hicache_runtime.workload import Workload
+from hicache_runtime.contracts.bundle import RunOutcome
+from hicache_runtime.contracts.errors import InjectedFault, InvariantViolation
+from hicache_runtime.engine.rank import RankRuntime, build_rank
+from hicache_runtime.engine.step import Engine
+from hicache_runtime.engine.workload import Workload
+from hicache_runtime.launch.run import RunSummary, run_single
 
 
 def config(tmp_path: Path, **overrides: object) -> RuntimeConfig:

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hicache_runtime.bundle import RunOutcome
-from hicache_runtime.copy_engine import CudaCopyEngine, LayerDoneCounter
-from hicache_runtime.pools import DeviceKVPool, HostKVPool, KVShape
-from hicache_runtime.run import run_single
+from hicache_runtime.contracts.bundle import RunOutcome
+from hicache_runtime.kv.copy_engine import CudaCopyEngine, LayerDoneCounter
+from hicache_runtime.kv.pools import DeviceKVPool, HostKVPool, KVShape
+from hicache_runtime.launch.run import run_single
 from tests.helpers import small_config
 
 pytestmark = pytest.mark.gpu

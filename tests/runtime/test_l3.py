@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from faults.spec import parse_fault
-from hicache_runtime.bundle import RunOutcome
 from hicache_runtime.config import RuntimeConfig, load_config
-from hicache_runtime.legacy import LegacySwitch
-from hicache_runtime.run import RunSummary, run_single
+from hicache_runtime.contracts.bundle import RunOutcome
+from hicache_runtime.contracts.legacy import LegacySwitch
+from hicache_runtime.launch.run import RunSummary, run_single
 
 
 def l3_config(path: Path, **overrides: object) -> RuntimeConfig:

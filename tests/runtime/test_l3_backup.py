@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hicache_runtime.bundle import RunOutcome
-from hicache_runtime.run import run_single
-from hicache_runtime.storage.keys import extend_chain
+from hicache_runtime.contracts.bundle import RunOutcome
+from hicache_runtime.l3.keys import extend_chain
+from hicache_runtime.launch.run import run_single
 from tests.helpers import CacheRig
 from tests.runtime.test_l3 import healthy, l3_config
 

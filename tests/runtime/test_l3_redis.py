@@ -14,14 +14,18 @@ import redis
 import torch
 from typer.testing import CliRunner
 
-import hicache_runtime.run as run_mod
+import hicache_runtime.launch.run as run_mod
 from cli import app
 from hicache_runtime.config import RuntimeConfig
-from hicache_runtime.rank import RankRuntime
-from hicache_runtime.run import RunSummary, run_single
-from hicache_runtime.storage.base import StorageBackend
-from hicache_runtime.storage.redis_server import LocalRedisServer, free_port, redis_server_binary
-from hicache_runtime.tracing import Ev
+from hicache_runtime.contracts.events import Ev
+from hicache_runtime.engine.rank import RankRuntime
+from hicache_runtime.l3.backend import StorageBackend
+from hicache_runtime.l3.backends.redis_server import (
+    LocalRedisServer,
+    free_port,
+    redis_server_binary,
+)
+from hicache_runtime.launch.run import RunSummary, run_single
 from tests.runtime.test_l3 import healthy, l3_config
 
 runner = CliRunner()

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 from faults.spec import parse_fault
-from hicache_runtime.run import run_single
-from hicache_runtime.sync import DrainCounts
-from hicache_runtime.tracing import Ev
+from hicache_runtime.contracts.events import Ev
+from hicache_runtime.dist.protocols import DrainCounts
+from hicache_runtime.launch.run import run_single
 from tests.runtime.test_l3 import healthy, l3_config
 
 

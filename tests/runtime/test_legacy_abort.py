@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 from faults.spec import parse_fault
-from hicache_runtime.bundle import RunOutcome
 from hicache_runtime.config import load_config
-from hicache_runtime.legacy import LegacySwitch
-from hicache_runtime.run import run_single
+from hicache_runtime.contracts.bundle import RunOutcome
+from hicache_runtime.contracts.legacy import LegacySwitch
+from hicache_runtime.launch.run import run_single
 
 
 def test_abort_frees_in_flight_writes_late_and_frees_each_page_once(tmp_path: Path) -> None:

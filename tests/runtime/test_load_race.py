@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from faults.spec import parse_fault
-from hicache_runtime.request import Req
+from hicache_runtime.kv.request import Req
 from tests.helpers import CacheRig, fingerprint
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from hicache_runtime.bundle import RunOutcome
-from hicache_runtime.run import run_single
+from hicache_runtime.contracts.bundle import RunOutcome
+from hicache_runtime.launch.run import run_single
 from tests.helpers import small_config
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from faults.spec import parse_fault
-from hicache_runtime.bundle import RunOutcome
-from hicache_runtime.run import run_single
-from hicache_runtime.tracing import Ev, read_jsonl
+from hicache_runtime.contracts.bundle import RunOutcome
+from hicache_runtime.contracts.events import Ev
+from hicache_runtime.contracts.jsonl import read_jsonl
+from hicache_runtime.launch.run import run_single
 from tests.helpers import small_config
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hicache_runtime.errors import StorageUnavailable
-from hicache_runtime.storage.redis_server import LocalRedisServer
+from hicache_runtime.contracts.errors import StorageUnavailable
+from hicache_runtime.l3.backends.redis_server import LocalRedisServer
 
 
 def test_a_picked_port_taken_meanwhile_is_replaced(redis_server: LocalRedisServer,

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from faults.spec import parse_fault
-from hicache_runtime.bundle import RunOutcome
 from hicache_runtime.config import RuntimeConfig
-from hicache_runtime.legacy import LegacySwitch
-from hicache_runtime.run import run_single
+from hicache_runtime.contracts.bundle import RunOutcome
+from hicache_runtime.contracts.legacy import LegacySwitch
+from hicache_runtime.launch.run import run_single
 from tests.helpers import small_config
 from tests.runtime.test_l3 import l3_config
 
@@ -74,7 +74,7 @@ def test_sum_hit_pages_commits_a_page_that_never_loaded(tmp_path: Path,
 
 def test_single_writer_needs_replicated_kv_under_tp() -> None:
     from hicache_runtime.config import load_config
-    from hicache_runtime.errors import ConfigError
+    from hicache_runtime.contracts.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"storage\.single_writer"):
         load_config({"topology.tp": 2, "storage.single_writer": True})

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hicache_runtime.run import run
+from hicache_runtime.launch.run import run
 from tests.helpers import small_config
 
 

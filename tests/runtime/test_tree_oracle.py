@@ -38,8 +38,8 @@ import torch
 from hypothesis import settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from hicache_runtime.radix_tree import TreeNode
-from hicache_runtime.tracing import Ev
+from hicache_runtime.contracts.events import Ev
+from hicache_runtime.kv.radix_tree import TreeNode
 from tests.helpers import CacheRig
 
 SGLANG_VERSION = "0.5.23"

@@ -14,7 +14,7 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from hicache_runtime.request import Req
+from hicache_runtime.kv.request import Req
 from tests.helpers import CacheRig
 
 _BASES = [[(b * 7 + i) % 50 + 1 for i in range(40)] for b in range(3)]

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from faults.spec import parse_fault
-from hicache_runtime.legacy import LegacySwitch
+from hicache_runtime.contracts.legacy import LegacySwitch
 from signatures.facts import Fact
 from signatures.loader import load_catalog
 from signatures.models import Catalog, Signature
@@ -101,7 +101,7 @@ def test_campaign_cell_parses(catalog: Catalog, sig_id: str) -> None:
 def test_campaign_cell_is_a_default_campaign_cell(catalog: Catalog, sig_id: str) -> None:
     """The cell a signature cites exists in the built-in campaign and expects that signature;
     its fixed twin exists too and expects a healthy run."""
-    from faults.campaign import load_campaign
+    from faults.campaign.plan import load_campaign
 
     cells = {c.id: c for c in load_campaign().expand()}
     sig = catalog.get(sig_id)
@@ -144,7 +144,7 @@ def test_every_fact_describes_itself() -> None:
 
 
 def test_broken_catalog_is_reported_with_its_file(tmp_path: Path) -> None:
-    from hicache_runtime.errors import ConfigError
+    from hicache_runtime.contracts.errors import ConfigError
 
     for f in CATALOG_DIR.glob("*.yaml"):
         (tmp_path / f.name).write_text(f.read_text())

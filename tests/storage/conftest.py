@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from hicache_runtime.storage.base import StorageBackend
-from hicache_runtime.storage.file import FileBackend
-from hicache_runtime.storage.redis_server import LocalRedisServer
+from hicache_runtime.l3.backend import StorageBackend
+from hicache_runtime.l3.backends.file import FileBackend
+from hicache_runtime.l3.backends.redis_server import LocalRedisServer
 from tests.storage.support import SCHEME
 
 
@@ -22,7 +22,7 @@ def file_backend(tmp_path: Path) -> Iterator[FileBackend]:
 
 
 def _redis_backend(server: LocalRedisServer) -> StorageBackend:
-    from hicache_runtime.storage.redis_backend import RedisBackend
+    from hicache_runtime.l3.backends.redis import RedisBackend
 
     return RedisBackend(server.url, SCHEME, reconnect_backoff_s=0.02, max_backoff_s=0.2)
 
@@ -42,7 +42,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StorageB
 @pytest.fixture
 def make_redis_backend(redis_server: LocalRedisServer) -> Iterator[Callable[..., StorageBackend]]:
     """A factory of Redis backends on the test server (closed at teardown)."""
-    from hicache_runtime.storage.redis_backend import RedisBackend
+    from hicache_runtime.l3.backends.redis import RedisBackend
 
     made: list[StorageBackend] = []
 

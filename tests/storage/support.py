@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from hicache_runtime.pools import HostKVPool, KVShape
-from hicache_runtime.storage.keys import KeyScheme, chain_hashes
+from hicache_runtime.kv.pools import HostKVPool, KVShape
+from hicache_runtime.l3.keys import KeyScheme, chain_hashes
 
 SCHEME = KeyScheme("_tiny-test_0_1")
 

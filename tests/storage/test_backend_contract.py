@@ -6,10 +6,10 @@ import threading
 
 import torch
 
-from hicache_runtime.storage.base import StorageBackend
-from hicache_runtime.storage.file import FileBackend
-from hicache_runtime.storage.keys import KeyScheme
-from hicache_runtime.storage.pages import PageCodec
+from hicache_runtime.l3.backend import StorageBackend
+from hicache_runtime.l3.backends.file import FileBackend
+from hicache_runtime.l3.keys import KeyScheme
+from hicache_runtime.l3.pages import PageCodec
 from tests.storage.support import hashes, payload_for, small_pool
 
 
@@ -17,7 +17,7 @@ def sibling(backend: StorageBackend, scheme: KeyScheme) -> StorageBackend:
     """Another rank's backend on the same medium."""
     if isinstance(backend, FileBackend):
         return FileBackend(backend.root, scheme)
-    from hicache_runtime.storage.redis_backend import RedisBackend
+    from hicache_runtime.l3.backends.redis import RedisBackend
 
     assert isinstance(backend, RedisBackend)
     return RedisBackend(backend.url, scheme)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from hicache_runtime.config import StorageConfig
-from hicache_runtime.errors import StorageUnavailable
-from hicache_runtime.storage.file import FileBackend, default_dir
+from hicache_runtime.contracts.errors import StorageUnavailable
+from hicache_runtime.l3.backends.file import FileBackend, default_dir
 from tests.storage.support import SCHEME, hashes, payload_for
 
 ROOT = Path(__file__).resolve().parents[2]

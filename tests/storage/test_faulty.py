@@ -8,10 +8,10 @@ import pytest
 
 from faults.injector import FaultInjector
 from faults.spec import parse_faults
-from hicache_runtime.storage.base import StorageCallInfo
-from hicache_runtime.storage.faulty import FaultyBackend, wrap_faults
-from hicache_runtime.storage.file import FileBackend
-from hicache_runtime.topology import RankInfo
+from hicache_runtime.contracts.topology import RankInfo
+from hicache_runtime.l3.backend import StorageCallInfo
+from hicache_runtime.l3.backends.file import FileBackend
+from hicache_runtime.l3.faulty import FaultyBackend, wrap_faults
 from tests.storage.support import hashes, payload_for
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from hicache_runtime.errors import StorageUnavailable
-from hicache_runtime.storage import envelope
-from hicache_runtime.storage.file import FileBackend
-from hicache_runtime.storage.keys import KeyScheme
+from hicache_runtime.contracts.errors import StorageUnavailable
+from hicache_runtime.l3 import envelope
+from hicache_runtime.l3.backends.file import FileBackend
+from hicache_runtime.l3.keys import KeyScheme
 from tests.storage.support import SCHEME, hashes, payload_for
 
 
@@ -88,7 +88,7 @@ def test_corrupt_page_logged_once(file_backend: FileBackend,
     file_backend.batch_set(keys, [payload_for(k) for k in keys])
     for k in keys:
         _damage(file_backend.path_for(k), "flip", donor=Path())
-    with caplog.at_level(logging.WARNING, logger="hicache_runtime.storage"):
+    with caplog.at_level(logging.WARNING, logger="hicache_runtime.l3"):
         assert file_backend.batch_get(keys) == [None, None, None]
     assert len([r for r in caplog.records if "corrupt" in r.getMessage()]) == 1
     assert file_backend.stats().corrupt == 3

@@ -19,17 +19,17 @@ from pathlib import Path
 import pytest
 import redis
 
-from hicache_runtime.pools import KVShape
-from hicache_runtime.storage import envelope
-from hicache_runtime.storage.base import StorageBackend
-from hicache_runtime.storage.file import FileBackend
-from hicache_runtime.storage.pages import (
+from hicache_runtime.kv.pools import KVShape
+from hicache_runtime.l3 import envelope
+from hicache_runtime.l3.backend import StorageBackend
+from hicache_runtime.l3.backends.file import FileBackend
+from hicache_runtime.l3.backends.redis_server import LocalRedisServer
+from hicache_runtime.l3.pages import (
     PageCodec,
     PageLayout,
     SidecarCodec,
     max_payload_bytes,
 )
-from hicache_runtime.storage.redis_server import LocalRedisServer
 from tests.storage.support import SCHEME, hashes, payload_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,8 +43,8 @@ _READER = textwrap.dedent("""
     import json, os, resource, sys
     resource.setrlimit(resource.RLIMIT_AS, ({cap}, {cap}))
     from pathlib import Path
-    from hicache_runtime.storage import envelope
-    from hicache_runtime.storage.file import FileBackend
+    from hicache_runtime.l3 import envelope
+    from hicache_runtime.l3.backends.file import FileBackend
     from tests.storage.support import SCHEME, hashes, payload_for
 
     root, limit = Path(sys.argv[1]), sys.argv[2]

@@ -9,7 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hicache_runtime.config import ModelConfig
-from hicache_runtime.storage.keys import (
+from hicache_runtime.contracts.topology import RankInfo
+from hicache_runtime.l3.keys import (
     KeyScheme,
     chain_hashes,
     extend_chain,
@@ -18,7 +19,6 @@ from hicache_runtime.storage.keys import (
     model_id,
     page_hash,
 )
-from hicache_runtime.topology import RankInfo
 
 tokens_st = st.lists(st.integers(0, 2**32 - 1), max_size=80)
 page_sizes = st.integers(1, 9)

@@ -7,10 +7,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hicache_runtime.errors import CorruptPage
-from hicache_runtime.pools import KVShape
-from hicache_runtime.storage import envelope
-from hicache_runtime.storage.pages import HEADER_SIZE, PageCodec, PageLayout
+from hicache_runtime.contracts.errors import CorruptPage
+from hicache_runtime.kv.pools import KVShape
+from hicache_runtime.l3 import envelope
+from hicache_runtime.l3.pages import HEADER_SIZE, PageCodec, PageLayout
 from tests.storage.support import small_pool
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]

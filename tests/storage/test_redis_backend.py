@@ -11,10 +11,10 @@ import pytest
 import redis
 
 from hicache_runtime.config import StorageConfig
-from hicache_runtime.errors import ConfigError, StorageUnavailable
-from hicache_runtime.storage.base import StorageBackend
-from hicache_runtime.storage.redis_backend import RedisBackend
-from hicache_runtime.storage.redis_server import LocalRedisServer, free_port
+from hicache_runtime.contracts.errors import ConfigError, StorageUnavailable
+from hicache_runtime.l3.backend import StorageBackend
+from hicache_runtime.l3.backends.redis import RedisBackend
+from hicache_runtime.l3.backends.redis_server import LocalRedisServer, free_port
 from tests.storage.support import SCHEME, hashes, payload_for
 
 pytestmark = pytest.mark.redis
@@ -118,7 +118,7 @@ def test_server_killed_mid_use_fails_soft_then_recovers_on_restart(
     assert all(b.batch_set(keys, payloads))
 
     redis_server.kill()
-    with caplog.at_level(logging.INFO, logger="hicache_runtime.storage"):
+    with caplog.at_level(logging.INFO, logger="hicache_runtime.l3"):
         t0 = time.monotonic()
         for _ in range(50):  # a busy runtime keeps calling during the outage
             assert b.batch_exists(keys) == 0

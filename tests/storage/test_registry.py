@@ -9,19 +9,19 @@ import pytest
 from faults.injector import FaultInjector
 from faults.spec import parse_faults
 from hicache_runtime.config import StorageConfig, load_config
-from hicache_runtime.errors import ConfigError, StorageUnavailable
-from hicache_runtime.storage import (
+from hicache_runtime.contracts.errors import ConfigError, StorageUnavailable
+from hicache_runtime.contracts.topology import RankInfo
+from hicache_runtime.l3.backends.file import FileBackend
+from hicache_runtime.l3.backends.redis_server import LocalRedisServer, free_port
+from hicache_runtime.l3.faulty import FaultyBackend
+from hicache_runtime.l3.keys import model_id
+from hicache_runtime.l3.registry import (
+    backend_class,
     is_storage_writer,
     known_backends,
     make_backend,
-    model_id,
     register_backend,
 )
-from hicache_runtime.storage.faulty import FaultyBackend
-from hicache_runtime.storage.file import FileBackend
-from hicache_runtime.storage.redis_server import LocalRedisServer, free_port
-from hicache_runtime.storage.registry import backend_class
-from hicache_runtime.topology import RankInfo
 from tests.storage.support import hashes
 
 

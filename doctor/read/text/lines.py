@@ -1,0 +1,259 @@
+"""The slow path of log scanning: everything that happens to one selected line.
+
+:class:`LineHandler` undoes the page's wrapping (:mod:`doctor.read.text.pages`), strips writer
+prefixes (:mod:`doctor.read.text.prefixes`), keeps one set of block parsers (tracebacks,
+faulthandler, py-spy text, gdb / c10 backtraces, torchrun failures, C++ terminate records) per
+writer stream so interleaved ``[rank3]:`` or ``(VllmWorker pid=7)`` lines never mix, turns call
+chains into stacks, runs the catalog's log patterns on the line (trigger substrings first, then
+the regex), reads the job's topology from server arguments, and files every record into the
+:class:`~doctor.ranks.builder.EvidenceBuilder` slot of the rank that wrote it.
+
+Unprefixed lines continue the record of the last prefixed line (SGLang prints a traceback as
+one multi-line log record); a new prefixed record ends an exception message that ran over
+several lines.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from doctor.evidence import (
+    MAX_EXITS,
+    ExceptionRecord,
+    ExitRecord,
+    HitStats,
+    LogHit,
+    RankHint,
+    SourceRef,
+    ThreadStack,
+)
+from doctor.ranks.builder import EvidenceBuilder
+from doctor.read.text.backtraces import TRIGGERS as BACKTRACE_TRIGGERS
+from doctor.read.text.backtraces import NativeStackParser, chain_stack
+from doctor.read.text.kvstore import classify
+from doctor.read.text.native import TRIGGERS as NATIVE_TRIGGERS
+from doctor.read.text.native import CppTerminateParser
+from doctor.read.text.pages import clean_line
+from doctor.read.text.prefixes import strip_prefixes
+from doctor.read.text.threaddumps import FaulthandlerParser, PySpyTextParser
+from doctor.read.text.torchrun import TorchrunParser
+from doctor.read.text.tracebacks import TRIGGERS as TRACEBACK_TRIGGERS
+from doctor.read.text.tracebacks import TracebackParser
+from signatures.models import Catalog
+
+#: Literal triggers of the block parsers and topology lines (besides the catalog's patterns).
+BLOCK_TRIGGERS = ["Traceback (most recent call last)", "(most recent call first)",
+                  "Fatal Python error", "ChildFailedError", "Root Cause (first observed",
+                  "Python v3.", "tp_size=", "pp_size=", "dp_size=", "world_size=",
+                  "WORLD_SIZE", "--tp-size", "--pp-size", "Failures:", "Timeout (0:",
+                  "Thread ", ".py:", "Error: ", "Exception: ", "EnforceNotMet",
+                  "LMCache ERROR", "LMCache WARN", "[infini] [error]", "cannot store",
+                  "under pressure", "CQ error", "Mooncake store",
+                  *NATIVE_TRIGGERS, *BACKTRACE_TRIGGERS, *TRACEBACK_TRIGGERS]
+_TOPO = re.compile(r"\b(?P<k>tp|pp|dp|world)_size=(?P<v>\d{1,6})\b|--(?P<k2>tp|pp|dp)-size[ =]"
+                   r"(?P<v2>\d{1,6})\b|\bWORLD_SIZE[=:]\s*(?P<v3>\d{1,6})\b")
+_FAILURE_WORDS = re.compile(r"(?i)\b(?:error|failed|failure|exception|timed out|timeout|abort"
+                            r"(?:ed)?|refused|fatal|killed|segmentation fault)\b")
+_UNITS = {"k": 1 / 1024, "m": 1.0, "g": 1024.0, "t": 1024.0 * 1024}
+MAX_LINE_CHARS = 8192
+MAX_BLOCK_LINES = 20000
+
+
+@dataclass
+class _Stream:
+    """The block parsers of one writer stream."""
+
+    tb: TracebackParser
+    fh: FaulthandlerParser
+    ps: PySpyTextParser
+    tr: TorchrunParser
+    cpp: CppTerminateParser
+    nat: NativeStackParser
+    opened_at: int = 0
+
+    @property
+    def parsers(self) -> tuple[TorchrunParser | CppTerminateParser | FaulthandlerParser
+                               | PySpyTextParser | NativeStackParser | TracebackParser, ...]:
+        """In the order they may claim a line that opens a block: the most specific first
+        (a torchrun ``ChildFailedError`` line is the torchrun block's, not a lone exception)."""
+        return (self.tr, self.cpp, self.fh, self.ps, self.nat, self.tb)
+
+    @property
+    def open(self) -> bool:
+        return any(p.open for p in self.parsers)
+
+    def close(self) -> None:
+        for p in self.parsers:
+            p.close()
+
+    def claimed(self, line: str) -> bool:
+        """Whether a parser other than the traceback's starts a block on ``line``."""
+        return any(p.starts(line) for p in self.parsers if p is not self.tb)
+
+
+@dataclass
+class _Compiled:
+    id: str
+    triggers: tuple[str, ...]
+    regex: re.Pattern[str]
+
+
+_COMPILED: dict[int, tuple[Catalog, list[_Compiled]]] = {}
+
+
+def _compiled(catalog: Catalog) -> list[_Compiled]:
+    """The catalog's scanned patterns, compiled once per catalog (catalogs are immutable)."""
+    hit = _COMPILED.get(id(catalog))
+    if hit is None or hit[0] is not catalog:
+        hit = _COMPILED[id(catalog)] = (catalog, [
+            _Compiled(p.id, tuple(p.triggers), re.compile(p.regex))
+            for p in catalog.scanned_patterns()])
+    return hit[1]
+
+
+@dataclass
+class LineHandler:
+    """Processes selected lines of one input. ``default`` is what the file path says."""
+
+    catalog: Catalog
+    sink: EvidenceBuilder
+    name: str
+    default: RankHint = field(default_factory=RankHint)
+    kind: str = "log"
+    _streams: dict[tuple[RankHint, str], _Stream] = field(default_factory=dict)
+    _current: RankHint = field(default_factory=RankHint)
+    _current_key: str = ""
+    _style: str = ""
+    _by_rank: dict[int, RankHint] = field(default_factory=dict)
+    _patterns: list[_Compiled] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._patterns = _compiled(self.catalog)
+
+    @property
+    def triggers(self) -> list[str]:
+        return [t for p in self._patterns for t in p.triggers] + BLOCK_TRIGGERS
+
+    @property
+    def blocks_open(self) -> bool:
+        return any(s.open for s in self._streams.values())
+
+    def line(self, raw: bytes, lineno: int, triggered: bool = True) -> None:
+        """Process one line (``raw`` without its newline). ``triggered``: the prefilter saw a
+        trigger in it; patterns only run then (a line without any trigger cannot match)."""
+        text = clean_line(raw[:MAX_LINE_CHARS].decode("utf-8", errors="replace"))
+        pre = strip_prefixes(text)
+        rest, hint, style, key = pre.rest, pre.hint, pre.style, pre.stream
+        if style == "torch" and hint.rank is not None:
+            # torchrun prefixes every line of a rank; the SGLang tags are only on the record's
+            # first line, so remember them per torch rank
+            if hint.tp is not None or hint.pp is not None:
+                self._by_rank[hint.rank] = hint
+            hint = hint.merged(self._by_rank.get(hint.rank, RankHint()))
+        new_record = style in ("sglang", "generic")
+        if style:
+            self._current, self._current_key = hint, key
+        elif not hint.empty:
+            pass  # no prefix, but the message names its rank ("[Rank 4] Watchdog caught...")
+        elif self._style == "sglang":
+            hint, key = self._current, self._current_key
+        self._style = style or self._style
+        hint = hint.merged(self.default)
+        src = SourceRef(self.name, lineno)
+        stream = self._stream(hint, key, lineno)
+        if new_record:
+            stream.tb.boundary()
+        if pre.site and pre.warning:
+            self.sink.slot(hint).add_site(pre.site, src)
+        if (pre.error or _FAILURE_WORDS.search(rest)) and rest.strip():
+            self.sink.slot(hint).errors.append((rest.strip()[:300], src))
+        kv = classify(text, self.sink.kv)
+        if kv is not None:
+            self.sink.slot(hint).kv_lines.append((kv, rest.strip()[:300], src))
+        self._blocks(stream, rest, src, lineno, hint)
+        if triggered:
+            self._match_patterns(rest, hint, src)
+            if "_size" in rest or "--" in rest or "WORLD_SIZE" in rest:
+                self._topology(rest)
+
+    def finish(self) -> None:
+        for s in self._streams.values():
+            s.close()
+
+    def _stream(self, hint: RankHint, key: str, lineno: int) -> _Stream:
+        s = self._streams.get((hint, key))
+        if s is None:
+            slot = self.sink.slot(hint)
+            slot.kinds.add(self.kind)
+
+            def on_exc(e: ExceptionRecord) -> None:
+                slot.exceptions.append(e)
+                slot.kinds.add("traceback")
+
+            holder: list[PySpyTextParser] = []
+
+            def on_thread(t: ThreadStack) -> None:
+                if t.origin == "pyspy" and holder and holder[0].pid is not None:
+                    t.pid = holder[0].pid  # "Process 6481: ..." names the pid
+                elif t.origin == "pyspy" and t.name == "MainThread" and t.tid.isdigit():
+                    t.pid = int(t.tid)  # on Linux the main thread's id is the pid
+                slot.threads.append(t)
+                slot.kinds.add(t.origin)
+
+            def on_exit(rank: int, rec: ExitRecord) -> None:
+                if self.sink.add_expected_rank(rank):
+                    exits = self.sink.slot(RankHint(rank=rank)).exits
+                    if len(exits) < MAX_EXITS:
+                        exits.append(rec)
+
+            holder.append(PySpyTextParser(on_thread))
+            claimed: list[_Stream] = []
+            s = _Stream(TracebackParser(on_exc, lambda line: claimed[0].claimed(line)),
+                        FaulthandlerParser(on_thread), holder[0], TorchrunParser(on_exit),
+                        CppTerminateParser(on_exc), NativeStackParser(on_thread))
+            claimed.append(s)
+            self._streams[(hint, key)] = s
+        if s.open and lineno - s.opened_at > MAX_BLOCK_LINES:
+            s.close()  # a block that never ends is not a block
+        return s
+
+    def _blocks(self, s: _Stream, rest: str, src: SourceRef, lineno: int,
+                hint: RankHint) -> None:
+        was_open = s.open
+        for parser in s.parsers:
+            if parser.open and parser.feed(rest, src):
+                return
+        for parser in s.parsers:
+            if parser.starts(rest) and parser.feed(rest, src):
+                if not was_open:
+                    s.opened_at = lineno
+                return
+        if "->" in rest or "<-" in rest or "→" in rest or "←" in rest:
+            chain = chain_stack(rest, src)
+            if chain is not None:
+                slot = self.sink.slot(hint)
+                slot.threads.append(chain)
+                slot.kinds.add("chain")
+
+    def _match_patterns(self, rest: str, hint: RankHint, src: SourceRef) -> None:
+        for p in self._patterns:
+            if not any(t in rest for t in p.triggers):
+                continue
+            m = p.regex.search(rest)
+            if m is None:
+                continue
+            groups = {k: v for k, v in m.groupdict().items() if v is not None}
+            slot = self.sink.slot(hint)
+            slot.hits.setdefault(p.id, HitStats()).add(
+                LogHit(p.id, groups, rest.strip()[:300], src))
+            if p.id == "memory-sample":
+                unit = groups.get("unit", "MB")[:1].lower()
+                slot.add_sample("rss_mb", float(groups["value"]) * _UNITS.get(unit, 1.0), src)
+
+    def _topology(self, rest: str) -> None:
+        for m in _TOPO.finditer(rest):
+            key = m["k"] or m["k2"] or "world"
+            value = m["v"] or m["v2"] or m["v3"]
+            self.sink.topology.set(key, int(value), self.name)
+

@@ -1,0 +1,355 @@
+"""Campaign specs: matrices of topology x legacy switches x faults x seeds, each cell with an
+expectation (``healthy``, or the signature id(s) the doctor must name).
+
+A spec is YAML or TOML::
+
+    name: my-campaign
+    defaults: {workload.requests: 48, observability.protocol_timeout_s: 5}
+    cells:
+      - id: tp2/skip-empty-sync/host-alloc-fail:tp=1
+        tp: 2
+        legacy: [skip-empty-sync]
+        faults: [host-alloc-fail:tp=1]
+        expect: collective-order-deadlock
+    matrix:
+      - topologies: [{tp: 2}, {pp: 2}]
+        legacy: [[], [local-ack-drain]]
+        faults: [[dma-lag:pp=1,ms=30]]
+        seeds: [0, 1]
+        expect: {fixed: healthy, local-ack-drain: prefix-length-mismatch|write-ack-pop-empty}
+
+Cell ids read ``<topology>/<legacy switches or fixed>/<faults or none>``, the same ids the
+signature catalog cites as the cell that reproduces each signature.
+
+A *property campaign* names ``properties`` at the top level (Antithesis-style "always"
+properties, see :class:`Property`): every cell runs the fixed protocols (no legacy switch),
+expects healthy, and is judged on each property as well; the report adds a table per property
+(cells checked, violations, the violating cells and their bundles)::
+
+    name: properties
+    properties: [no-crash, no-hang, no-wrong-token, no-leaked-page]
+    matrix:
+      - topologies: [{tp: 2}, {pp: 2}]
+        faults: [["dma-lag:rank=1,ms=30"]]
+        seeds: [0, 1, 2, 3, 4]
+"""
+
+from __future__ import annotations
+
+import difflib
+from enum import Enum
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from faults.spec import FaultKind, check_topology, parse_faults
+from hicache_runtime.config import RuntimeConfig, check_run_limits, load_config
+from hicache_runtime.config_files import load_file, parse_text, short_repr
+from hicache_runtime.contracts.errors import ConfigError, InvalidFaultSpec
+from hicache_runtime.contracts.legacy import LegacySwitch, parse_legacy
+
+HEALTHY = "healthy"
+#: A cell that fails with evidence the doctor names no signature for (a shrunk unknown crash).
+NO_SIGNATURE = "no-signature"
+DEFAULT_CAMPAIGN = "default.yaml"
+MAX_CELLS = 1000
+"""Cells one campaign may hold (seeds included): each is a real run of seconds, so more is a
+mistake, and a matrix is counted before it is expanded, never materialised past this."""
+
+
+class Property(str, Enum):
+    """What must hold in every cell of a property campaign, whatever the fault and seed."""
+
+    NO_CRASH = "no-crash"
+    NO_HANG = "no-hang"
+    NO_WRONG_TOKEN = "no-wrong-token"
+    NO_LEAKED_PAGE = "no-leaked-page"
+
+    @property
+    def meaning(self) -> str:
+        return _PROPERTY_MEANING[self]
+
+
+_PROPERTY_MEANING = {
+    Property.NO_CRASH: "no rank crashed (the warm-up and the reference runs included)",
+    Property.NO_HANG: "no rank hung (watchdog or protocol timeout)",
+    Property.NO_WRONG_TOKEN: "every output identical to the cache-disabled run",
+    Property.NO_LEAKED_PAGE: "at drain no page is held outside the tree, locked, pinned or "
+                             "reserved, on any rank",
+}
+
+#: Faults that *are* the failure (a process killed, raised out of, or stopped for good): no
+#: protocol survives them, so a property campaign cannot hold them to "no crash, no hang".
+#: The default campaign and the doctor's tests cover them.
+FAILURE_FAULTS = frozenset({FaultKind.CRASH, FaultKind.HANG, FaultKind.RANK_KILL})
+
+
+class CellSpec(BaseModel):
+    """One run and what must come of it."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field("", max_length=200)
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    legacy: list[str] = []
+    faults: list[str] = []
+    seed: int = 0
+    config: dict[str, Any] = {}
+    """Dotted config overrides on top of the campaign's defaults."""
+    warm: bool = False
+    """Run the cell once without faults and switches first (fills L3 for later runs)."""
+    compare: bool = True
+    """Judge outputs against a cache-disabled run (needed for a ``healthy`` verdict)."""
+    expect: str = HEALTHY
+    """``healthy``, or signature ids separated by ``|`` (any of them passes)."""
+
+    @model_validator(mode="after")
+    def _named_and_valid(self) -> CellSpec:
+        parse_legacy(self.legacy)
+        problem = check_topology(parse_faults(self.faults), self.tp, self.pp)
+        if problem:
+            raise ValueError(problem)
+        if not self.id:
+            self.id = cell_id(self.tp, self.pp, self.legacy, self.faults)
+        return self
+
+    @property
+    def expected(self) -> set[str]:
+        return {e.strip() for e in self.expect.split("|") if e.strip()}
+
+
+class MatrixSpec(BaseModel):
+    """A cross product of cells; ``expect`` maps a legacy-switch set (``fixed`` for none, or
+    the switch names joined by ``+``) to what its cells must show."""
+
+    model_config = ConfigDict(extra="forbid")
+    topologies: list[dict[str, int]] = [{"tp": 1, "pp": 1}]
+    legacy: list[list[str]] = [[]]
+    faults: list[list[str]] = [[]]
+    seeds: list[int] = [0]
+    config: dict[str, Any] = {}
+    warm: bool = False
+    expect: dict[str, str] = {}
+
+    @model_validator(mode="after")
+    def _well_formed(self) -> MatrixSpec:
+        for topo in self.topologies:
+            unknown = sorted(set(topo) - {"tp", "pp"})
+            if unknown:
+                raise ValueError(f"a topology takes tp and pp, not {', '.join(unknown)[:80]}")
+            if any(v < 1 for v in topo.values()):
+                raise ValueError(f"tp and pp are at least 1, got {topo}")
+        known = {s.value for s in LegacySwitch}
+        for key in self.expect:
+            names = [] if key == "fixed" else key.split("+")
+            bad = [n for n in names if n not in known]
+            if bad:
+                raise ValueError(f"expect key {key[:80]!r} is not 'fixed' or legacy switches "
+                                 "joined by '+'")
+        return self
+
+    @property
+    def size(self) -> int:
+        """How many cells the matrix expands to (counted, not expanded)."""
+        return len(self.topologies) * len(self.legacy) * len(self.faults) * len(self.seeds)
+
+    def cells(self) -> list[CellSpec]:
+        out = []
+        for topo in self.topologies:
+            for switches in self.legacy:
+                key = "+".join(sorted(switches)) or "fixed"
+                for faults in self.faults:
+                    for seed in self.seeds:
+                        out.append(CellSpec(
+                            tp=topo.get("tp", 1), pp=topo.get("pp", 1), legacy=switches,
+                            faults=faults, seed=seed, config=self.config, warm=self.warm,
+                            expect=self.expect.get(key, HEALTHY),
+                            id=cell_id(topo.get("tp", 1), topo.get("pp", 1), switches, faults,
+                                       seed if len(self.seeds) > 1 else None)))
+        return out
+
+
+class CampaignSpec(BaseModel):
+    """A whole campaign: defaults, explicit cells and matrices."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = "campaign"
+    description: str = ""
+    properties: list[Property] = []
+    """Non-empty: a property campaign (fixed protocols only, every cell expects healthy and is
+    judged on each of these properties too)."""
+    defaults: dict[str, Any] = {}
+    cells: list[CellSpec] = []
+    matrix: list[MatrixSpec] = []
+
+    @model_validator(mode="after")
+    def _bounded(self) -> CampaignSpec:
+        total = self.size
+        if total > MAX_CELLS:
+            raise ValueError(f"the campaign expands to {total} cells; at most {MAX_CELLS} "
+                             "(each is a real run)")
+        if len(set(self.properties)) != len(self.properties):
+            raise ValueError("a property is named twice")
+        if self.properties:
+            for i, m in enumerate(self.matrix):
+                problem = _not_fixed(m.legacy, list(m.expect.values()), m.faults)
+                if problem:
+                    raise ValueError(f"matrix {i}: {problem}")
+            for c in self.cells:
+                problem = _not_fixed([c.legacy], [c.expect], [c.faults]) or (
+                    "" if c.compare else "compare: false (no-wrong-token needs the reference)")
+                if problem:
+                    raise ValueError(f"cell {c.id[:80]}: {problem}")
+        return self
+
+    @property
+    def size(self) -> int:
+        """How many cells :meth:`expand` returns (counted, not expanded)."""
+        return len(self.cells) + sum(m.size for m in self.matrix)
+
+    def expand(self) -> list[CellSpec]:
+        """Every cell, explicit ones first; ids are unique."""
+        if self.size > MAX_CELLS:
+            raise ConfigError("campaign", f"expands to {self.size} cells; at most {MAX_CELLS}")
+        out = list(self.cells) + [c for m in self.matrix for c in m.cells()]
+        seen: set[str] = set()
+        for cell in out:
+            if cell.id in seen:
+                raise ConfigError("cells", f"cell id {cell.id!r} appears twice")
+            seen.add(cell.id)
+        return out
+
+
+def _not_fixed(legacy: list[list[str]], expects: list[str], faults: list[list[str]]) -> str:
+    """Why cells cannot belong to a property campaign (which runs the fixed protocols, each
+    cell expecting healthy), or ``""``."""
+    if any(legacy):
+        return "a property campaign runs the fixed protocols: no legacy switch"
+    if any(e.strip() != HEALTHY for e in expects):
+        return "every cell of a property campaign expects healthy"
+    for specs in faults:
+        for spec in parse_faults(specs):
+            if spec.kind in FAILURE_FAULTS:
+                return (f"{spec.kind.value} is the failure itself: no cell survives it "
+                        "(a property campaign holds cells to no crash and no hang)")
+    return ""
+
+
+#: Config fields a cell sets through its own keys, or that belong to the machine it runs on.
+_NOT_CELL_CONFIG = ("topology.", "seed", "faults", "legacy", "observability.bundle_dir",
+                    "observability.trace_path", "storage.path")
+
+
+def cell_from_config(cfg: RuntimeConfig, *, expect: str, warm: bool,
+                     cell: str | None = None) -> CellSpec:
+    """The campaign cell that reruns ``cfg``: every field that differs from the defaults."""
+    ours = _flatten(cfg.model_dump(mode="json"))
+    defaults = _flatten(load_config({}).model_dump(mode="json"))
+    config = {k: v for k, v in ours.items()
+              if v != defaults.get(k) and not k.startswith(_NOT_CELL_CONFIG)}
+    return CellSpec(id=cell or "", tp=cfg.topology.tp, pp=cfg.topology.pp,
+                    legacy=sorted(s.value for s in cfg.legacy),
+                    faults=[f.compact() for f in cfg.faults], seed=cfg.seed, config=config,
+                    warm=warm, expect=expect)
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and key not in ("faults", "legacy"):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def cell_id(tp: int, pp: int, legacy: list[str], faults: list[str],
+            seed: int | None = None) -> str:
+    topo = "".join(p for p in (f"tp{tp}" if tp > 1 else "", f"pp{pp}" if pp > 1 else "")
+                    if p) or "tp1"
+    canonical = [f.compact() for f in parse_faults(faults)]  # ids do not depend on key order
+    text = f"{topo}/{'+'.join(sorted(legacy)) or 'fixed'}/{';'.join(canonical) or 'none'}"
+    return text if seed is None else f"{text}/seed{seed}"
+
+
+def load_campaign(path: Path | None = None) -> CampaignSpec:
+    """Read a campaign spec (YAML, TOML or JSON); ``None`` gives the built-in default."""
+    if path is None:
+        text = resources.files("faults.campaigns").joinpath(DEFAULT_CAMPAIGN).read_text()
+        return _validate(parse_text(text, "yaml", DEFAULT_CAMPAIGN, "campaign"),
+                         DEFAULT_CAMPAIGN)
+    # A spec is untrusted: bounded read, YAML aliases bounded, one-line errors.
+    return _validate(load_file(path, "campaign", default="yaml"), str(path))
+
+
+def _validate(data: Any, where: str) -> CampaignSpec:
+    """The spec, with every cell checked before any runs: the cell count (before expanding),
+    each cell's faults, switches and config, and every expectation against the catalog."""
+    if not isinstance(data, dict):
+        raise ConfigError("campaign", f"{where} must hold a mapping")
+    try:
+        spec = CampaignSpec.model_validate(data)
+    except ValidationError as exc:
+        raise _spec_error(exc, where, "") from None
+    for i, matrix in enumerate(spec.matrix):
+        try:
+            matrix.cells()
+        except ValidationError as exc:
+            raise _spec_error(exc, where, f"matrix.{i}") from None
+        except InvalidFaultSpec as exc:
+            raise ConfigError(f"campaign.matrix.{i}", f"{exc} ({where})") from None
+    cells = spec.expand()
+    known = _known_outcomes()
+    for cell in spec.cells:  # a matrix cell's expectation is one of its matrix's, below
+        check_expectation(cell.expect, known, f"{where}: cell {cell.id}")
+    for i, matrix in enumerate(spec.matrix):
+        for key, expect in matrix.expect.items():
+            check_expectation(expect, known, f"{where}: matrix {i}, expect.{key}")
+    for cell in cells:
+        try:
+            check_run_limits(load_config(cell_settings(spec, cell)))
+        except ConfigError as exc:
+            raise ConfigError(f"campaign cell {cell.id}", f"{exc} ({where})") from None
+    return spec
+
+
+def cell_settings(spec: CampaignSpec, cell: CellSpec) -> dict[str, Any]:
+    """A cell's config values (campaign defaults, then the cell's own), without the paths
+    of the machine it runs on."""
+    data: dict[str, Any] = {**spec.defaults, **cell.config}
+    data.update({"topology.tp": cell.tp, "topology.pp": cell.pp, "seed": cell.seed,
+                 "faults": tuple(parse_faults(cell.faults)),
+                 "legacy": parse_legacy(cell.legacy)})
+    return data
+
+
+def check_expectation(expect: str, known: set[str], where: str) -> None:
+    """Each ``|``-separated id must be ``healthy``, ``no-signature`` or a catalog signature: a
+    typo would only show after the cell ran, as a failure that is the spec's, not the
+    runtime's."""
+    names = [n for n in (e.strip() for e in expect.split("|")) if n]
+    if not names:
+        raise ConfigError("campaign", f"{where}: empty expectation")
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            raise ConfigError("campaign", f"{where}: expects {short_repr(name)}, which is "
+                                          "neither healthy, no-signature nor a known signature"
+                              + (f" (did you mean {close[0]}?)" if close else ""),
+                              hint="hicache signatures list shows the signature ids")
+
+
+def _known_outcomes() -> set[str]:
+    from signatures.loader import load_catalog
+
+    return {HEALTHY, NO_SIGNATURE} | {s.id for s in load_catalog().signatures}
+
+
+def _spec_error(exc: ValidationError, where: str, prefix: str) -> ConfigError:
+    err = exc.errors()[0]
+    field = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "") or "campaign"
+    field = field if len(field) <= 80 else field[:77] + "..."
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    return ConfigError(f"campaign.{field}", f"{msg} ({where})")

@@ -1,0 +1,120 @@
+"""Campaign reports for machines and people: JUnit XML (CI systems) and Markdown.
+
+A property campaign's reports carry its properties too: JUnit gets a second suite with one
+test case per property (a failure lists the violating cells and their bundles), Markdown a
+table per property.
+"""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+from doctor.report.markdown import md_code, md_escape
+from faults.campaign.cells import CampaignResult, PropertyResult
+
+
+def junit_xml(result: CampaignResult) -> str:
+    """One ``testsuite``; one ``testcase`` per cell, a ``failure`` when it did not behave. A
+    property campaign: ``testsuites`` holding that suite and one of its properties."""
+    suite = _cells_suite(result)
+    if result.properties:
+        props = _properties_suite(result)
+        root = ET.Element("testsuites", name=f"hicache-campaign.{result.name}",
+                          tests=str(len(result.cells) + len(result.properties)),
+                          failures=str(result.failed + int(props.attrib["failures"])),
+                          errors="0", time=f"{result.wall_s:.2f}")
+        root.extend([suite, props])
+        suite = root
+    ET.indent(suite)
+    return ET.tostring(suite, encoding="unicode", xml_declaration=True)
+
+
+def _properties_suite(result: CampaignResult) -> ET.Element:
+    bad = sum(not p.holds for p in result.properties)
+    suite = ET.Element("testsuite", name=f"hicache-campaign.{result.name}.properties",
+                       tests=str(len(result.properties)), failures=str(bad), errors="0",
+                       time=f"{result.wall_s:.2f}", timestamp=result.started_at)
+    for p in result.properties:
+        case = ET.SubElement(suite, "testcase", classname=f"campaign.{result.name}.properties",
+                             name=p.property, time="0")
+        if not p.holds:
+            failure = ET.SubElement(case, "failure", type="property-violated",
+                                    message=f"{p.violations} of {p.checked} checked cells "
+                                            f"violate {p.property}")
+            failure.text = "\n".join(
+                f"{v.cell}: {v.detail}" + (f" (bundle: {v.bundle})" if v.bundle else "")
+                for v in p.violating)
+        out = ET.SubElement(case, "system-out")
+        out.text = _property_line(p)
+    return suite
+
+
+def _property_line(p: PropertyResult) -> str:
+    return (f"{p.property}: {p.meaning}; {p.checked} cells checked, {p.violations} "
+            f"violation(s), {len(p.unchecked)} unchecked")
+
+
+def _cells_suite(result: CampaignResult) -> ET.Element:
+    suite = ET.Element("testsuite", name=f"hicache-campaign.{result.name}",
+                       tests=str(len(result.cells)), failures=str(result.failed), errors="0",
+                       time=f"{result.wall_s:.2f}", timestamp=result.started_at)
+    for cell in result.cells:
+        case = ET.SubElement(suite, "testcase", classname=f"campaign.{result.name}",
+                             name=cell.id, time=f"{cell.wall_s:.2f}")
+        if not cell.passed:
+            failure = ET.SubElement(case, "failure", message=cell.detail, type=cell.observed)
+            failure.text = "\n".join(x for x in (
+                f"expected: {cell.expect}", f"observed: {cell.observed}",
+                f"outcome: {cell.outcome}", f"error: {cell.error}" if cell.error else "",
+                f"bundle: {cell.bundle}" if cell.bundle else "") if x)
+        out = ET.SubElement(case, "system-out")
+        out.text = cell.detail + (f"\nbundle: {cell.bundle}" if cell.bundle else "")
+    return suite
+
+
+def markdown(result: CampaignResult) -> str:
+    """The campaign as a Markdown page. Cell ids, expectations, errors and paths come from the
+    spec and the runs, so every one is escaped: ``a|b`` (an expectation of either signature)
+    must not split a table cell, nor a newline end the row."""
+    lines = [f"# Campaign {md_code(result.name)}", "",
+             f"{result.passed} of {len(result.cells)} cells behaved as expected "
+             f"({result.failed} did not), {result.wall_s:.0f} s, started "
+             f"{md_escape(result.started_at)}.",
+             "", "| cell | expected | observed | outcome | wall s | bundle |",
+             "|---|---|---|---|---|---|"]
+    for c in result.cells:
+        mark = "pass" if c.passed else "**FAIL**"
+        obs = c.observed + (f" ({c.confidence:.2f})" if c.confidence is not None else "")
+        bundle = md_code(c.bundle, table=True) if c.bundle else ""
+        lines.append(f"| {md_code(c.id, table=True)} | {md_escape(c.expect)} | "
+                     f"{md_escape(obs)} {mark} | {md_escape(c.outcome)} | {c.wall_s:.1f} | "
+                     f"{bundle} |")
+    failures = [c for c in result.cells if not c.passed]
+    if failures:
+        lines += ["", "## Cells that did not behave", ""]
+        for c in failures:
+            lines.append(f"- {md_code(c.id)}: {md_escape(c.detail)}"
+                         + (f" — {md_escape(c.error)}" if c.error else ""))
+    if result.properties:
+        lines += _markdown_properties(result)
+    return "\n".join(lines) + "\n"
+
+
+def _markdown_properties(result: CampaignResult) -> list[str]:
+    lines = ["", "## Properties", "", "| property | meaning | checked | violations | "
+             "unchecked |", "|---|---|---|---|---|"]
+    for p in result.properties:
+        mark = "" if p.holds else " **VIOLATED**"
+        lines.append(f"| {md_code(p.property, table=True)}{mark} | {md_escape(p.meaning)} | "
+                     f"{p.checked} | {p.violations} | {len(p.unchecked)} |")
+    for p in result.properties:
+        if p.holds:
+            continue
+        lines += ["", f"### {md_code(p.property)}: {p.violations} violation(s)", "",
+                  "| cell | faults | outcome | detail | bundle |", "|---|---|---|---|---|"]
+        for v in p.violating:
+            bundle = md_code(v.bundle, table=True) if v.bundle else ""
+            lines.append(f"| {md_code(v.cell, table=True)} | "
+                         f"{md_escape('; '.join(v.faults))} | {md_escape(v.outcome)} | "
+                         f"{md_escape(v.detail)} | {bundle} |")
+    return lines

@@ -1,0 +1,110 @@
+"""The one error hierarchy of the project.
+
+Every error we raise on purpose derives from :class:`HiCacheError`. The subclasses say whose
+fault it is: the user's (bad configuration, bad input), the environment's (a backend that is
+down, a missing tool), or ours (a broken invariant inside the runtime). User-facing errors also
+derive from the matching builtin (``ValueError``...) so callers that only know the builtins still
+catch them.
+
+``cli.py`` catches :class:`HiCacheError` once, at the top, and prints a one-line message with the
+``hint``; nothing below it formats errors for humans.
+"""
+
+from __future__ import annotations
+
+
+class HiCacheError(Exception):
+    """Root of every error this project raises on purpose.
+
+    ``hint`` is one sentence telling the user what to try next; it is shown under the message.
+    """
+
+    hint: str = ""
+
+    def __init__(self, message: str, *, hint: str = "") -> None:
+        super().__init__(message)
+        if hint:
+            self.hint = hint
+
+
+# --- user errors: fix the input -------------------------------------------------------------
+
+
+class ConfigError(HiCacheError, ValueError):
+    """A configuration value is invalid. ``field`` names it (dotted path)."""
+
+    def __init__(self, field: str, message: str, *, hint: str = "") -> None:
+        super().__init__(f"{field}: {message}", hint=hint)
+        self.field = field
+
+
+class InvalidFaultSpec(HiCacheError, ValueError):
+    """A fault spec (model or compact string) cannot be parsed or names an unknown fault."""
+
+
+class DumpFormatError(HiCacheError, ValueError):
+    """An input artifact (bundle, dump, log) is malformed; the doctor reports it and goes on."""
+
+
+class IncompleteRankSet(HiCacheError):
+    """The inputs cover only some ranks; analysis continues but says what is missing."""
+
+
+# --- environment errors: fix the surroundings ----------------------------------------------
+
+
+class StorageUnavailable(HiCacheError, ConnectionError):
+    """The L3 backend cannot be reached or used (server down, path unwritable)."""
+
+
+class CorruptPage(HiCacheError, ValueError):
+    """An L3 page failed its integrity check (checksum, length, magic) or does not fit the
+    reader's KV layout. Storage code treats it as a miss and counts it; it is never served as KV.
+    """
+
+
+class ToolUnavailable(HiCacheError, RuntimeError):
+    """An external tool we rely on (py-spy, redis-server) is missing or not permitted."""
+
+
+# --- runtime failures: what the runtime itself detects --------------------------------------
+
+
+class InvariantViolation(HiCacheError, RuntimeError):
+    """A bookkeeping invariant of the tree or a pool broke (double free, lock underflow...).
+
+    This is a bug in the runtime or an injected legacy behaviour, never a user error.
+    """
+
+    at_drain: bool = False
+    """Raised by the end-of-run check (:func:`~hicache_runtime.cache.accounting.check_at_drain`):
+    what the rank still holds is what leaked, not what a step in flight held."""
+
+
+class DoubleAllocation(InvariantViolation):
+    """A pool handed out a page that was already in use ("Double-alloc detected")."""
+
+
+class DoubleFree(InvariantViolation):
+    """A pool was asked to free a page that was already free ("Double-free detected")."""
+
+
+class WorkerDied(InvariantViolation):
+    """A background thread (prefetch, backup) raised; its exception is chained."""
+
+
+class ResourceLeak(HiCacheError, MemoryError):
+    """A resource the runtime should bound keeps growing (pending sends, reservations); raised
+    by a guard before the process would be OOM-killed."""
+
+
+class StepStalled(HiCacheError, RuntimeError):
+    """The step watchdog saw no scheduler progress for longer than its timeout (a hang)."""
+
+
+class RankDivergence(HiCacheError, RuntimeError):
+    """The rank consensus check found ranks that took different decisions."""
+
+
+class InjectedFault(HiCacheError, RuntimeError):
+    """Raised at a fault point by an injected ``raise``/``rank-kill``-style fault."""

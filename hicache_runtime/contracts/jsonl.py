@@ -1,0 +1,95 @@
+"""Bounded reading of line-oriented files that come from elsewhere (traces in crash bundles).
+
+A line is only materialised when it is short: the stream is read in fixed chunks, and a line
+longer than ``max_line`` is skipped as it streams past (reported as ``None``), so a 1 GiB line, a
+sparse multi-GB file or an endless stream of NUL bytes costs one chunk of memory, not the line.
+:func:`open_regular` refuses what is not a regular file (a device such as ``/dev/zero``, a
+socket), checked on the open descriptor, so a symlink swapped in between cannot slip past.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from hicache_runtime.contracts.errors import DumpFormatError
+
+MAX_LINE = 1 << 20
+"""The longest line materialised (1 MiB); longer lines are skipped and counted."""
+CHUNK = 1 << 20
+
+
+def iter_lines(stream: BinaryIO, max_line: int = MAX_LINE,
+               chunk: int = CHUNK) -> Iterator[tuple[int, bytes | None]]:
+    """``(line number, line without its newline)``; ``None`` for a line over ``max_line``.
+
+    Memory is at most a chunk plus ``max_line`` whatever the input (a line over the limit is
+    dropped as soon as it passes the limit, and its rest is skipped without being kept)."""
+    carry = b""
+    skipping = False  # inside the rest of an over-long line
+    lineno = 0
+    while True:
+        data = stream.read(chunk)
+        if not data:
+            break
+        if skipping:
+            nl = data.find(b"\n")
+            if nl < 0:
+                continue
+            data, skipping = data[nl + 1:], False
+            lineno += 1
+            yield lineno, None
+        parts = (carry + data if carry else data).split(b"\n")
+        carry = parts.pop()
+        for part in parts:
+            lineno += 1
+            yield lineno, part if len(part) <= max_line else None
+        if len(carry) > max_line:
+            carry, skipping = b"", True
+    if skipping or carry:
+        yield lineno + 1, None if skipping else carry
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """Open ``path`` for reading if it is a regular file (after symlinks), else raise
+    :class:`DumpFormatError` saying what it is."""
+    fh = path.open("rb")
+    try:
+        mode = os.fstat(fh.fileno()).st_mode
+    except OSError:
+        fh.close()
+        raise
+    if not stat.S_ISREG(mode):
+        fh.close()
+        raise DumpFormatError(f"{path}: not a regular file ({describe_mode(mode)}); not read")
+    return fh
+
+
+def describe_mode(mode: int) -> str:
+    """What a non-regular file is, in words."""
+    for test, name in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    """Yield events from a JSONL trace, skipping (not failing on) malformed and over-long
+    lines; only a regular file is read (see :func:`open_regular`). ``hicache trace
+    export`` lives in :mod:`hicache_runtime.telemetry.perfetto`."""
+    with open_regular(path) as fh:
+        for _lineno, line in iter_lines(fh):
+            if not line or not line.strip():
+                continue
+            try:
+                ev = json.loads(line)
+            except (ValueError, RecursionError):
+                continue
+            if isinstance(ev, dict) and "kind" in ev and "t_ns" in ev:
+                yield ev

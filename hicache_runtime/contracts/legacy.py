@@ -1,0 +1,157 @@
+"""Legacy switches: named pre-fix behaviours of SGLang HiCache that the runtime can restore.
+
+With no switch on, every protocol runs in its fixed form. Each switch restores one real
+pre-fix code path, so the bug it caused can be reproduced on demand; switches compose, so a
+combination restores an upstream version's state (``skip-empty-sync`` alone is 0.5.13's ack
+drain, with ``local-ack-drain`` it is 0.5.5's). The names are stable: they appear on the
+command line (``--legacy NAME``), in bundles, campaigns and the signature catalog.
+``docs/legacy-switches.md`` gives, per switch, the upstream code it restores and what it does
+not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from types import MappingProxyType
+from typing import Any
+
+
+class LegacySwitch(str, Enum):
+    """One member per restorable pre-fix behaviour; ``REGISTRY`` holds its upstream fix, the
+    versions it restores and the campaign recipe that exposes it."""
+
+    LOCAL_ACK_DRAIN = "local-ack-drain"
+    """Each stage drains write/load acks by its own ``query()`` count: writes by a per-stage TP
+    MIN, loads by the local count."""
+    SKIP_EMPTY_SYNC = "skip-empty-sync"
+    """The write-ack count exchange is skipped when the local in-flight set is empty, and the
+    write-backup host allocation is rank-local. Without ``local-ack-drain`` the
+    counts are PP0's, chained down the pipeline one message per check (0.5.13)."""
+    LOCAL_PREFETCH_PROGRESS = "local-prefetch-progress"
+    """Prefetch hit length, terminate and settled progress are voted over each stage's TP ranks
+    only; stages never agree."""
+    ABORT_EARLY_EXIT = "abort-early-exit"
+    """The prefetch IO thread stops acking once its op is aborted/terminated."""
+    SUM_HIT_PAGES = "sum-hit-pages"
+    """Sidecar hit pages counted with sum() instead of the leading run."""
+    UNBOUNDED_PP_SENDS = "unbounded-pp-sends"
+    """PP0 keeps every isend of the count chain, reaping only completed ones."""
+    LOCAL_HOST_CAPACITY = "local-host-capacity"
+    """A fixed host-pool size is converted to tokens per stage without a PP MIN."""
+    WALLCLOCK_LRU = "wallclock-lru"
+    """LRU ordered by time.monotonic() instead of a logical clock, one stamp taken when the
+    rank finds its own copy finished."""
+    ABORT_FREES_IN_FLIGHT = "abort-frees-in-flight"
+    """Aborting a request frees its prefetch host pages while the IO thread's batch in flight
+    still lands in them."""
+
+    @property
+    def upstream_fix(self) -> str:
+        """The upstream PR that removed this behaviour (the first, where several did)."""
+        return REGISTRY[self].fixes[0]
+
+
+@dataclass(frozen=True)
+class Exposure:
+    """One row of the default campaign that exposes a switch: the switch under these faults
+    fails as ``expect`` says, and the fixed protocols under the same faults stay healthy."""
+
+    faults: tuple[str, ...]
+    """Fault specs in their compact form (as cell ids write them); empty for none."""
+    expect: tuple[str, ...]
+    """Signature ids any of which passes the cell; the first is the usual one."""
+    tp: int = 1
+    pp: int = 1
+    config: Mapping[str, Any] = field(default_factory=dict)
+    """Dotted config overrides on top of the default campaign's defaults."""
+    warm: bool = False
+    """A fault-free run fills L3 first."""
+
+
+@dataclass(frozen=True)
+class SwitchEntry:
+    """Everything the project states about one switch, in one place. The README table, the
+    default campaign, the catalog's campaign cells, the doctor's runtime fixtures and
+    ``docs/legacy-switches.md`` are checked against it (``tests/test_single_source.py``)."""
+
+    switch: LegacySwitch
+    fixes: tuple[str, ...]
+    """Upstream SGLang PRs that removed the behaviour, e.g. ``#27285``."""
+    broken_in: tuple[str, ...]
+    """Released SGLang versions that run the pre-fix code this switch restores."""
+    exposures: tuple[Exposure, ...]
+
+
+def _entries(*entries: SwitchEntry) -> Mapping[LegacySwitch, SwitchEntry]:
+    out = {e.switch: e for e in entries}
+    missing = set(LegacySwitch) - set(out)
+    if missing or len(out) != len(entries):  # a module-load error, not a late KeyError
+        raise RuntimeError(f"legacy registry: missing or repeated switches {missing}")
+    return MappingProxyType(out)
+
+
+_FILE_L3 = {"storage.backend": "file", "cache.host_tokens": 768}
+
+REGISTRY: Mapping[LegacySwitch, SwitchEntry] = _entries(
+    SwitchEntry(LegacySwitch.LOCAL_ACK_DRAIN, ("#27285",), ("0.5.5",), (
+        Exposure(("dma-lag:pp=1,ms=30",), ("prefix-length-mismatch", "write-ack-pop-empty"),
+                 pp=2, config={"cache.device_tokens": 256}),
+    )),
+    SwitchEntry(LegacySwitch.SKIP_EMPTY_SYNC, ("#26923",), ("0.5.5", "0.5.13"), (
+        Exposure(("host-alloc-fail:tp=1",), ("collective-order-deadlock",), tp=2,
+                 config={"workload.requests": 24}),
+        Exposure(("host-alloc-fail:pp=1",), ("write-ack-pop-empty",), pp=2,
+                 config={"cache.device_tokens": 2048}),
+    )),
+    SwitchEntry(LegacySwitch.LOCAL_PREFETCH_PROGRESS, ("#27010",), ("0.5.13",), (
+        Exposure(("storage-shortfall:pp=1,mode=short,pages=3",), ("prefix-length-mismatch",),
+                 pp=2, config=_FILE_L3, warm=True),
+    )),
+    SwitchEntry(LegacySwitch.ABORT_EARLY_EXIT, ("#27010",), ("0.5.13",), (
+        Exposure(("mid-prefetch-abort:batch=1",), ("prefetch-abort-ack-starvation",), tp=2,
+                 config=_FILE_L3),
+    )),
+    SwitchEntry(LegacySwitch.SUM_HIT_PAGES, ("#31443",), ("0.5.13",), (
+        Exposure(("storage-shortfall:mode=holes,pages=1,at=1,pool=sidecar",),
+                 ("prefetch-gap-overcount",),
+                 config={**_FILE_L3, "model.sidecars": ["all_pages"]}, warm=True),
+    )),
+    SwitchEntry(LegacySwitch.UNBOUNDED_PP_SENDS, ("#28916",), ("0.5.13",), (
+        Exposure(("stage-lag:pp=1,ms=10",), ("pp-sync-send-leak",), pp=2,
+                 config={"workload.requests": 24}),
+    )),
+    SwitchEntry(LegacySwitch.LOCAL_HOST_CAPACITY, ("#29258",), ("0.5.13",), (
+        # No fault: three layers over two stages give the stages different per-token sizes.
+        Exposure((), ("host-capacity-divergence",), pp=2,
+                 config={"model.num_layers": 3, "cache.host_bytes": 1572864,
+                         "cache.host_tokens": None}),
+    )),
+    SwitchEntry(LegacySwitch.WALLCLOCK_LRU, ("#22607",), ("0.5.5", "0.5.13", "0.5.20"), (
+        Exposure(("dma-lag:rank=1,ms=100",), ("lru-clock-divergence",), tp=2,
+                 config={"cache.device_tokens": 1024, "cache.host_tokens": 512,
+                         "observability.consensus_check": True}),
+    )),
+    SwitchEntry(LegacySwitch.ABORT_FREES_IN_FLIGHT, ("#31296", "#31668"), ("0.5.13",), (
+        Exposure(("mid-prefetch-abort:batch=0",), ("prefetch-abort-use-after-free",), tp=2,
+                 config={**_FILE_L3, "workload.requests": 64}),
+    )),
+)
+
+
+def parse_legacy(names: list[str]) -> frozenset[LegacySwitch]:
+    """Turn ``--legacy`` values into switches; unknown names raise ``ConfigError``."""
+    from hicache_runtime.contracts.errors import ConfigError
+
+    out: set[LegacySwitch] = set()
+    for name in names:
+        for part in filter(None, (p.strip() for p in name.split(","))):
+            try:
+                out.add(LegacySwitch(part))
+            except ValueError:
+                known = ", ".join(s.value for s in LegacySwitch)
+                raise ConfigError(
+                    "legacy", f"unknown switch {part!r}", hint=f"known: {known}"
+                ) from None
+    return frozenset(out)

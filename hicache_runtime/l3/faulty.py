@@ -1,0 +1,183 @@
+"""Storage fault injection: a backend wrapper acting at the ``storage.*`` fault points.
+
+What each armed fault does when it fires on a call (``faults/spec.py`` has the specs):
+
+* ``storage-shortfall`` ``mode=short`` (at ``storage.exists``): the existence answer is
+  ``pages`` (default 1) pages shorter, never below 0;
+* ``storage-shortfall`` ``mode=holes`` (at ``storage.get``): entries ``at`` .. ``at+pages-1``
+  (page offsets within the batch, default ``at=0``, ``pages=1``) come back ``None`` while later
+  pages still load;
+* ``storage-latency``: sleeps ``ms`` (default 20) before every exists/get/set;
+* ``storage-error``: get → all ``None``, set → all ``False`` (the medium is not touched);
+  with ``mode=raise`` the call raises :class:`InjectedFault` instead (a client library that
+  throws), which the L3 threads must survive;
+* ``storage-corrupt`` (at ``storage.get``): one byte of one page's stored payload is flipped in
+  memory **before** the envelope check, so the checksum must reject it: that page is a miss,
+  counted as corrupt, and the stored object is left alone.
+
+Zero cost when off: :func:`wrap_faults` returns the backend itself when no storage point is
+armed on this rank, so the runtime never pays for a wrapper it does not need.
+
+Thread-safety: the injector is thread-safe and decides per calling thread (its determinism
+contract); the wrapper's own counters are guarded by the base class lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from faults.points import FaultPoint
+from faults.spec import FaultKind
+from hicache_runtime.contracts.errors import InjectedFault
+from hicache_runtime.l3.backend import RawPage, StorageBackend, StorageCallInfo, StorageStats
+
+if TYPE_CHECKING:
+    from faults.injector import FaultInjector
+    from faults.spec import FaultSpec
+
+_STORAGE_POINTS = (FaultPoint.STORAGE_EXISTS, FaultPoint.STORAGE_GET, FaultPoint.STORAGE_SET)
+
+
+def wrap_faults(backend: StorageBackend, injector: FaultInjector | None,
+                step: Callable[[], int] | None = None) -> StorageBackend:
+    """``backend`` wrapped in a :class:`FaultyBackend` if any storage fault is armed on this
+    rank, else ``backend`` itself. ``step`` reads the current scheduler step (for ``steps=``
+    selectors) when a call carries none."""
+    if injector is None or not any(injector.armed(p) for p in _STORAGE_POINTS):
+        return backend
+    return FaultyBackend(backend, injector, step)
+
+
+class FaultyBackend(StorageBackend):
+    """Wraps another backend; every call goes to it unless a fault replaces the answer.
+
+    ``stats()`` is the inner backend's counters plus the calls this wrapper answered itself
+    (``storage-error``), the pages it blanked (holes count as misses) and ``injected``.
+    """
+
+    def __init__(self, inner: StorageBackend, injector: FaultInjector,
+                 step: Callable[[], int] | None = None) -> None:
+        super().__init__(inner.scheme, tracer=inner.tracer)
+        self.inner = inner
+        self.name = inner.name  # type: ignore[misc]  # report as the backend it wraps
+        self.injector = injector
+        self._step = step or (lambda: 0)
+        self._corrupt_visits = itertools.count()  # atomic under the GIL
+
+    # --- the interface ----------------------------------------------------------------------
+
+    def batch_exists(self, keys: Sequence[str], info: StorageCallInfo | None = None) -> int:
+        fired = self._fire(FaultPoint.STORAGE_EXISTS, info)
+        n = self.inner.batch_exists(keys, info)
+        for spec in fired:
+            if spec.kind is FaultKind.STORAGE_SHORTFALL:
+                n = max(0, n - (spec.pages or 1))
+        return n
+
+    def batch_get(self, keys: Sequence[str],
+                  info: StorageCallInfo | None = None) -> list[bytes | None]:
+        fired = self._fire(FaultPoint.STORAGE_GET, info)
+        kinds = {s.kind for s in fired}
+        _maybe_raise(fired, "get")
+        if FaultKind.STORAGE_ERROR in kinds:
+            self._count(get_calls=1, gets=len(keys), misses=len(keys))
+            return [None] * len(keys)
+        if FaultKind.STORAGE_CORRUPT in kinds:
+            obj = self.inner.scheme.object_keys(keys)
+            t0 = time.perf_counter()
+            raws = self.inner.read_raw(obj) if self.inner.healthy else [None] * len(obj)
+            raws = self._corrupt_one(raws)
+            # discard=False: the stored object is fine, only our in-memory copy is bad.
+            out = self.inner.verify(obj, raws, t0=t0, discard=False)
+        else:
+            out = self.inner.batch_get(keys, info)
+        for spec in fired:
+            if spec.kind is FaultKind.STORAGE_SHORTFALL:
+                start = spec.at or 0
+                stop = min(len(out), start + (spec.pages or 1))
+                blanked = [p for p in out[start:stop] if p is not None]
+                out[start:stop] = [None] * (stop - start)
+                # The inner backend counted these as hits; the caller sees misses.
+                self._count(hits=-len(blanked), misses=len(blanked),
+                            bytes_read=-sum(len(p) for p in blanked))
+        return out
+
+    def batch_set(self, keys: Sequence[str], values: Sequence[bytes],
+                  info: StorageCallInfo | None = None) -> list[bool]:
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        fired = self._fire(FaultPoint.STORAGE_SET, info)
+        _maybe_raise(fired, "set")
+        if any(s.kind is FaultKind.STORAGE_ERROR for s in fired):
+            self._count(set_calls=1, sets=len(keys), set_failures=len(keys))
+            return [False] * len(keys)
+        return self.inner.batch_set(keys, values, info)
+
+    def clear(self) -> None:
+        self.inner.clear()
+
+    def stats(self) -> StorageStats:
+        return self.inner.stats() + super().stats()
+
+    @property
+    def healthy(self) -> bool:
+        return self.inner.healthy
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def describe(self) -> str:
+        return self.inner.describe() + " with injected faults"
+
+    # --- hooks: delegate (used only if someone calls them on the wrapper) ------------------
+
+    def _exists_leading(self, object_keys: list[str]) -> int:
+        return self.inner._exists_leading(object_keys)
+
+    def read_raw(self, object_keys: list[str]) -> list[RawPage | None]:
+        return self.inner.read_raw(object_keys)
+
+    def write_sealed(self, object_keys: list[str], pages: list[RawPage]) -> list[bool]:
+        return self.inner.write_sealed(object_keys, pages)
+
+    def _clear(self) -> None:
+        self.inner.clear()
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _fire(self, point: FaultPoint, info: StorageCallInfo | None) -> list[FaultSpec]:
+        step = info.step if info is not None and info.step is not None else self._step()
+        rid = info.rid if info is not None else None
+        pool = info.pool if info is not None else "kv"
+        fired = self.injector.fire(point, step=step, rid=rid, pool=pool)
+        if fired:
+            self._count(injected=len(fired))
+        for spec in fired:
+            if spec.kind is FaultKind.STORAGE_LATENCY:
+                time.sleep(spec.lag_s)
+        return fired
+
+    def _corrupt_one(self, raws: list[RawPage | None]) -> list[RawPage | None]:
+        """Flip one payload byte of one present page, chosen by seeded draws."""
+        present = [i for i, r in enumerate(raws) if r is not None and len(r[1]) > 0]
+        if not present:
+            return raws
+        visit = next(self._corrupt_visits)
+        page = present[int(self.injector.draw("storage-corrupt/page", visit) * len(present))]
+        header, payload = raws[page]  # type: ignore[misc]  # present: not None
+        pos = int(self.injector.draw("storage-corrupt/byte", visit) * len(payload))
+        flipped = bytearray(payload)
+        flipped[pos] ^= 0xFF
+        out = list(raws)
+        out[page] = (header, bytes(flipped))
+        return out
+
+
+def _maybe_raise(fired: list[FaultSpec], op: str) -> None:
+    """``storage-error:mode=raise``: the call raises instead of failing soft."""
+    for spec in fired:
+        if spec.kind is FaultKind.STORAGE_ERROR and spec.mode == "raise":
+            raise InjectedFault(f"injected storage error: batch_{op} raised ({spec.compact()})")

@@ -1,0 +1,101 @@
+"""Backends by name, and the factory the runtime calls to build one rank's L3 backend.
+
+Backend modules are imported lazily, on first use, so a run without L3 (or with the file
+backend) never imports redis-py. Tests and plug-ins may add names with :func:`register_backend`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+from hicache_runtime.contracts.errors import ConfigError
+from hicache_runtime.l3.faulty import wrap_faults
+from hicache_runtime.l3.keys import KeyScheme
+
+if TYPE_CHECKING:
+    from faults.injector import FaultInjector
+    from hicache_runtime.config import StorageConfig
+    from hicache_runtime.contracts.topology import RankInfo
+    from hicache_runtime.l3.backend import StorageBackend
+    from hicache_runtime.telemetry.tracer import Tracer
+
+
+class BackendFactory(Protocol):
+    """What a registered backend class provides (``FileBackend``, ``RedisBackend``)."""
+
+    def from_config(self, cfg: StorageConfig, scheme: KeyScheme, *, required: bool = True,
+                    tracer: Tracer | None = None,
+                    max_payload_bytes: int = ...) -> StorageBackend: ...
+
+
+_REGISTRY: dict[str, str] = {
+    "file": "hicache_runtime.l3.backends.file:FileBackend",
+    "redis": "hicache_runtime.l3.backends.redis:RedisBackend",
+}
+_LOCK = threading.Lock()
+
+
+def known_backends() -> list[str]:
+    """Registered backend names, sorted."""
+    with _LOCK:
+        return sorted(_REGISTRY)
+
+
+def register_backend(name: str, target: str) -> None:
+    """Register ``"package.module:ClassName"`` under ``name`` (replaces an existing entry)."""
+    if ":" not in target:
+        raise ValueError(f"backend target must look like 'module:Class', got {target!r}")
+    with _LOCK:
+        _REGISTRY[name] = target
+
+
+def backend_class(name: str) -> BackendFactory:
+    """The backend class registered as ``name``, imported now.
+
+    Raises :class:`ConfigError` (field ``storage.backend``) for an unknown name, listing the
+    known ones.
+    """
+    with _LOCK:
+        target = _REGISTRY.get(name)
+    if target is None:
+        known = ", ".join(known_backends())
+        raise ConfigError("storage.backend", f"unknown L3 backend {name!r} (known: {known})",
+                          hint=f"use one of: {known}")
+    module, _, attr = target.partition(":")
+    cls: BackendFactory = getattr(importlib.import_module(module), attr)
+    return cls
+
+
+def make_backend(cfg: StorageConfig, rank: RankInfo, *, model: str, required: bool = True,
+                 faults: FaultInjector | None = None, tracer: Tracer | None = None,
+                 step: Callable[[], int] | None = None,
+                 max_payload_bytes: int | None = None) -> StorageBackend | None:
+    """Build this rank's L3 backend, or ``None`` when ``cfg.backend == "none"``.
+
+    ``model`` is the ``<model>`` part of key suffixes (``keys.model_id(cfg.model)``). Keys are
+    shared across TP ranks when ``cfg.single_writer`` (MLA-style), per TP rank otherwise.
+    ``required=False`` lets a Redis backend start while the server is down (it fails soft and
+    reconnects); with ``required=True`` an unreachable server raises
+    :class:`~hicache_runtime.contracts.errors.StorageUnavailable`. The result is wrapped for fault
+    injection only when ``faults`` arms a storage point on this rank; ``step`` reads the
+    scheduler step for ``steps=`` selectors. ``max_payload_bytes`` is the largest page payload
+    this rank reads or writes (its biggest codec's payload size): store contents are untrusted,
+    and the backend rejects any bigger object from its size, unread; ``None`` keeps the
+    backend's default bound (:data:`~hicache_runtime.l3.envelope.DEFAULT_MAX_PAYLOAD_BYTES`).
+    """
+    if cfg.backend == "none":
+        return None
+    scheme = KeyScheme.for_rank(model, rank, shared_across_tp=cfg.single_writer)
+    bound = {} if max_payload_bytes is None else {"max_payload_bytes": max_payload_bytes}
+    backend = backend_class(cfg.backend).from_config(cfg, scheme, required=required,
+                                                     tracer=tracer, **bound)
+    return wrap_faults(backend, faults, step)
+
+
+def is_storage_writer(cfg: StorageConfig, rank: RankInfo) -> bool:
+    """Whether this rank writes L3 (SGLang's ``is_storage_writer``): every rank, or only TP
+    rank 0 of each stage with ``single_writer``. Non-writers skip the write but still ack."""
+    return not cfg.single_writer or rank.tp_rank == 0

@@ -1,0 +1,476 @@
+"""Entry point of one rank process: ``python -m hicache_runtime.launch.rank_process``.
+
+Started by the built-in launcher (``hicache run --tp 2 --pp 2``) or by ``torchrun``; either way
+the rendezvous is ``env://`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
+
+Run directory protocol (shared with ``launcher.py``)::
+
+    <run>/config.json          the RuntimeConfig (written by the launcher)
+    <run>/caps.json            optional: reference-run caps (see Workload.caps)
+    <run>/DUMP                 side channel: created once (O_EXCL) by whoever sees a failure
+                               first; every rank's listener thread then dumps its evidence,
+                               without touching any process group (they may be stuck)
+    <run>/PYSPY_DONE           the launcher took its py-spy dumps; ranks may unwind now
+    <run>/bundle/rank<N>/      each rank's bundle files, plus entry.json (its RankEntry)
+    <run>/rank<N>.result.json  each rank's outcome, outputs and stats
+    <run>/rank<N>.exit.json    a healthy rank's teardown: native threads left at exit
+    <run>/progress.json        rank 0's progress (step, finished, total)
+
+Teardown of a healthy rank, in this order (see :func:`run_rank` and :func:`main`): the side
+threads that run collectives stop (the consensus thread by agreement, so no rank is left
+inside a round), the L3 workers and copy engine are joined, a world barrier, the result, then
+every process group is destroyed *and freed*, which joins gloo's worker threads while the
+interpreter is still whole. A gloo worker that outlives the interpreter aborts the process
+when it drops the last reference to a Python-owned tensor (it cannot take the GIL once
+finalization began: ``terminate called without an active exception``, exit -6, after a
+healthy result). A failed rank never destroys its groups (a peer may be stuck inside one) and
+leaves with ``os._exit``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import faulthandler
+import gc
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hicache_runtime.cache.accounting import drain_account, reached_drain
+from hicache_runtime.config import RuntimeConfig, load_config
+from hicache_runtime.contracts.bundle import RankEntry, RunOutcome, rank_dir, write_text
+from hicache_runtime.contracts.errors import RankDivergence, StepStalled
+from hicache_runtime.contracts.topology import RankInfo
+from hicache_runtime.dist.consensus_check import ConsensusChecker
+from hicache_runtime.dist.groups import RankGroups, TPComm, create_groups
+from hicache_runtime.dist.protocols import DistributedSync
+from hicache_runtime.engine.pipeline import PipelineEngine
+from hicache_runtime.engine.rank import RankRuntime, build_rank, make_tracer
+from hicache_runtime.engine.samples import RankSampler, samples_path
+from hicache_runtime.engine.step import EngineResult, dump_rank
+from hicache_runtime.engine.workload import Workload
+from hicache_runtime.launch.threads import torch_threads
+from hicache_runtime.launch.watchdog import (
+    StepWatchdog,
+    install_interrupt_handler,
+    interrupt_main_thread,
+)
+
+EXIT_OK, EXIT_CRASH, EXIT_HANG = 0, 1, 3
+_POLL_S = 0.05
+_PYSPY_WAIT_S = 20.0
+_STARTUP_TIMEOUT_S = 120.0
+_JOIN_S = 5.0
+_GLOO_WORKER = "pt_gloo_runloop"
+"""Thread name of gloo's worker threads (they run every collective and hold its tensors)."""
+_HANG_MARKERS = ("Timed out waiting", "timed out", "StepStalled")
+
+
+def classify(exc: BaseException) -> RunOutcome:
+    """A rank that was stopped by a timeout was hung; anything else crashed."""
+    if isinstance(exc, StepStalled):
+        return RunOutcome.HANG
+    text = f"{type(exc).__name__}: {exc}"
+    return RunOutcome.HANG if any(m in text for m in _HANG_MARKERS) else RunOutcome.CRASH
+
+
+def request_dump(run_dir: Path, rank: int, outcome: RunOutcome, reason: str) -> bool:
+    """Create the DUMP side-channel file; True if this call created it (first writer wins)."""
+    try:
+        fd = os.open(run_dir / "DUMP", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as fh:
+        json.dump({"by": rank, "outcome": outcome.value, "reason": reason,
+                   "t": time.time()}, fh)
+    return True
+
+
+def read_dump(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((run_dir / "DUMP").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass
+class RankDumper:
+    """Writes this rank's bundle files exactly once, whichever thread gets there first; a
+    later exception on the main thread adds its traceback."""
+
+    run_dir: Path
+    rt: RankRuntime
+    engine: PipelineEngine | None = None
+    dumped: bool = False
+    manifest_written: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def bundle(self) -> Path:
+        return self.run_dir / "bundle"
+
+    def dump(self, outcome: RunOutcome, exc: BaseException | None = None) -> None:
+        step = self.engine.step if self.engine is not None else 0
+        with self.lock:
+            d = rank_dir(self.bundle, self.rt.rank.rank)
+            if self.dumped:
+                if exc is not None:  # the evidence is there; add how this rank ended
+                    write_text(d / "traceback.txt", "".join(traceback.format_exception(exc)))
+                    self._update_entry(d, exc)
+                return
+            self.dumped = True
+            entry = dump_rank(self.bundle, self.rt, outcome, step, exc)
+            entry.files.torch_fr = _torch_fr(d, stacks=outcome is not RunOutcome.HEALTHY)
+            if os.environ.get("HICACHE_SELF_PYSPY") == "1":
+                entry.files.pyspy = _self_pyspy(d)
+            write_text(d / "entry.json", entry.model_dump_json(indent=1))
+
+    def _update_entry(self, d: Path, exc: BaseException) -> None:
+        try:
+            entry = RankEntry.model_validate_json((d / "entry.json").read_text())
+        except (OSError, ValueError):
+            return
+        entry.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        entry.files.traceback = f"{d.name}/traceback.txt"
+        write_text(d / "entry.json", entry.model_dump_json(indent=1))
+
+    def listen(self) -> None:
+        """Side channel: another rank (or the launcher) asked for a dump."""
+        while not self.stop.wait(_POLL_S):
+            info = read_dump(self.run_dir)
+            if info is None:
+                continue
+            self.dump(RunOutcome(info.get("outcome", "crash")))
+            self.finish_without_launcher(info)
+            _wait_for(self.run_dir / "PYSPY_DONE", _PYSPY_WAIT_S, self.stop)
+            if not self.stop.is_set():
+                interrupt_main_thread()
+            return
+
+    def finish_without_launcher(self, info: dict[str, Any]) -> None:
+        """Under ``torchrun`` nobody else writes the manifest: rank 0 does, once the other
+        ranks' dumps are in (or a timeout passed)."""
+        if os.environ.get("HICACHE_LAUNCHER") or self.rt.rank.rank != 0:
+            return
+        with self.lock:
+            if self.manifest_written:
+                return
+            self.manifest_written = True
+        from hicache_runtime.launch.launcher import write_manifest_in_place
+
+        cfg = self.rt.cfg
+        deadline = time.monotonic() + cfg.observability.protocol_timeout_s + 5.0
+        want = [self.bundle / f"rank{r}" / "entry.json" for r in range(cfg.topology.world_size)]
+        while time.monotonic() < deadline and not all(p.exists() for p in want):
+            time.sleep(_POLL_S)
+        write_manifest_in_place(self.run_dir, cfg, RunOutcome(info.get("outcome", "crash")),
+                                str(info.get("reason", "")))
+
+
+def run_rank(run_dir: Path, rank: RankInfo, cfg: RuntimeConfig) -> int:
+    """Run one rank to completion; returns the process exit code."""
+    tracer = make_tracer(cfg, rank)
+    groups = create_groups(rank, tracer, cfg.observability.protocol_timeout_s)
+    sync = DistributedSync(rank, tracer, groups, cfg.legacy,
+                           cfg.observability.pending_send_limit)
+    rt = build_rank(cfg, rank, sync=sync, tp=TPComm(groups.tp_compute), tracer=tracer)
+    dumper = RankDumper(run_dir, rt)
+    consensus = None
+    if cfg.observability.consensus_check:
+        consensus = ConsensusChecker(groups.consensus, tracer).start()
+        tracer.observer = consensus.observe
+    caps = _read_json(run_dir / "caps.json") or {}
+    workload = Workload(cfg.workload, cfg.model.vocab_size, cfg.seed,
+                        client_aborts=not caps, caps=caps)
+    engine = PipelineEngine(rt, workload, groups=groups, consensus=consensus,
+                            on_step=_progress_writer(run_dir) if rank.rank == 0 else None)
+    if cfg.observability.sample_every:
+        engine.sampler = RankSampler(rt, groups, samples_path(run_dir, rank.rank),
+                                     cfg.observability.sample_every)
+    dumper.engine = engine
+    install_interrupt_handler()
+
+    def on_stall(idle_s: float) -> None:
+        reason = f"rank {rank.rank} ({rank.label}): no scheduler progress for {idle_s:.1f}s " \
+                 f"(step {engine.step})"
+        request_dump(run_dir, rank.rank, RunOutcome.HANG, reason)
+
+    watchdog = StepWatchdog(cfg.observability.watchdog_timeout_s, on_stall).start()
+    engine.heartbeat = watchdog.beat
+    listener = threading.Thread(target=dumper.listen, name="hicache-dump-listener",
+                                daemon=True)
+    listener.start()
+    # A peer may still be writing its own evidence when this rank stops (seconds on a loaded
+    # machine): the consensus thread's last round waits for it, as long as a collective may.
+    side = _SideThreads(dumper, listener, watchdog, consensus,
+                        consensus_join_s=cfg.observability.protocol_timeout_s + _JOIN_S)
+    outcome, error, result = RunOutcome.HEALTHY, None, None
+    try:
+        result = engine.run()
+        # Keep the evidence of a clean run too: outputs may still turn out wrong when the
+        # launcher compares them with the reference.
+        dumper.dump(RunOutcome.HEALTHY)
+        side.stop(agreed=True)
+        if consensus is not None:
+            if consensus.running:  # destroying its group under it would crash the process
+                raise RuntimeError("the consensus thread did not finish its last round "
+                                   f"within {side.consensus_join_s:.0f}s of the agreed stop")
+            consensus.check()  # the last round ran at the agreed stop
+        _final_barrier(groups)
+    except BaseException as exc:
+        outcome, error = classify(exc), f"{type(exc).__name__}: {exc}".splitlines()[0]
+        if isinstance(exc, RankDivergence):
+            outcome = RunOutcome.CRASH
+        request_dump(run_dir, rank.rank, outcome, f"rank {rank.rank} ({rank.label}): {error}")
+        # the result first: the launcher stops ranks soon after their dump is complete
+        _write_result(run_dir, rt, outcome, error, result, engine.step,
+                      drained=result is not None or reached_drain(exc))
+        dumper.dump(outcome, exc)
+        dumper.finish_without_launcher(read_dump(run_dir) or {})
+        _linger_without_launcher(run_dir, cfg)
+    finally:
+        side.stop(agreed=False)  # no-op after a clean stop; a failed rank does not wait
+    if outcome is RunOutcome.HEALTHY:
+        _write_result(run_dir, rt, outcome, error, result, engine.step, drained=True)
+        rt.close()  # L3 workers and copy engine joined: nothing runs a collective any more
+        dist.destroy_process_group()
+    else:
+        rt.tracer.close()
+    # The groups are freed (and gloo's workers joined) by main() once this frame is gone.
+    return {RunOutcome.HEALTHY: EXIT_OK, RunOutcome.HANG: EXIT_HANG}.get(outcome, EXIT_CRASH)
+
+
+@dataclass
+class _SideThreads:
+    """The rank's threads besides the scheduler and the L3 workers, stopped before teardown."""
+
+    dumper: RankDumper
+    listener: threading.Thread
+    watchdog: StepWatchdog
+    consensus: ConsensusChecker | None
+    consensus_join_s: float = _JOIN_S
+
+    def stop(self, agreed: bool) -> None:
+        """Stop and join. ``agreed``: every rank is stopping too, so the consensus thread
+        finishes its rounds with its peers instead of walking out of one."""
+        self.dumper.stop.set()
+        self.watchdog.stop()
+        if self.consensus is not None:
+            # A failed rank exits without destroying its groups: no need to wait out a round.
+            self.consensus.stop(agreed=agreed,
+                                timeout_s=self.consensus_join_s if agreed else _JOIN_S)
+        if self.listener.is_alive() and self.listener is not threading.current_thread():
+            self.listener.join(timeout=_JOIN_S)
+
+
+def _linger_without_launcher(run_dir: Path, cfg: RuntimeConfig) -> None:
+    """Under ``torchrun`` a failed rank's exit makes the agent kill every other rank at once:
+    stay until rank 0 has written the manifest (or a timeout), so the bundle is complete."""
+    if os.environ.get("HICACHE_LAUNCHER"):
+        return
+    deadline = time.monotonic() + cfg.observability.protocol_timeout_s + 10.0
+    while time.monotonic() < deadline and not (run_dir / "bundle" / "manifest.json").exists():
+        time.sleep(_POLL_S)
+
+
+def _final_barrier(groups: RankGroups) -> None:
+    """No rank leaves while a peer may still talk to it."""
+    groups.world.all_reduce(torch.zeros(1))
+
+
+def _write_result(run_dir: Path, rt: RankRuntime, outcome: RunOutcome, error: str | None,
+                  result: EngineResult | None, step: int, *, drained: bool = False) -> None:
+    """``drained``: the rank got through its drain (or failed the drain's own check), so its
+    page accounting (``drain``) is what the run left behind."""
+    reqs = result.reqs if result is not None else {}
+    stats: dict[str, Any] = dict(getattr(rt.cache, "stats", {}))
+    l3 = getattr(rt.cache, "l3", None)
+    if l3 is not None:
+        stats["l3"] = {**l3.stats, "backend": l3.workers.backend.stats().as_dict()}
+    data = {
+        "rank": rt.rank.rank, "tp_rank": rt.rank.tp_rank, "pp_rank": rt.rank.pp_rank,
+        "outcome": outcome.value, "error": error, "steps": step,
+        "wall_s": result.wall_s if result else None,
+        "requests": {rid: {"input_ids": r.input_ids, "output_ids": r.output_ids,
+                           "status": r.status.value, "abort_reason": r.abort_reason,
+                           "cached": r.cached} for rid, r in reqs.items()},
+        "stats": stats,
+        "faults_fired": [f.as_dict() for f in rt.faults.fired] if rt.faults else [],
+        "drain": drain_account(rt.cache).as_dict() if drained else None,
+    }
+    path = run_dir / f"rank{rt.rank.rank}.result.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _progress_writer(run_dir: Path) -> Callable[[int, int, int], None]:
+    last = [0.0]
+
+    def write(step: int, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - last[0] > 0.2:
+            last[0] = now
+            tmp = run_dir / "progress.tmp"
+            tmp.write_text(json.dumps({"step": step, "finished": done, "total": total}))
+            os.replace(tmp, run_dir / "progress.json")
+
+    return write
+
+
+def _torch_fr(d: Path, stacks: bool = True) -> str | None:
+    """PyTorch's own Flight Recorder dump (gloo entries too), when it was enabled.
+
+    A clean rank's dump leaves out the entries' stack traces: dumping them keeps a process
+    group alive after ``destroy_process_group`` (torch 2.13), and its gloo workers would then
+    outlive the interpreter (see the module notes on teardown)."""
+    if not os.environ.get("TORCH_FR_BUFFER_SIZE"):
+        return None
+    try:
+        raw = torch._C._distributed_c10d._dump_fr_trace(includeStackTraces=stacks)
+    except Exception:  # not built in, or nothing recorded: the bundle says so by omission
+        return None
+    (d / "torch_fr.pkl").write_bytes(raw)
+    return f"{d.name}/torch_fr.pkl"
+
+
+def _self_pyspy(d: Path) -> str | None:
+    """Under torchrun there is no launcher to take py-spy dumps: take our own."""
+    try:
+        out = subprocess.run(["py-spy", "dump", "--json", "--pid", str(os.getpid())],
+                             capture_output=True, text=True, timeout=15, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        write_text(d / "pyspy.err.txt", out.stderr)
+        return None
+    (d / "pyspy.json").write_text(out.stdout, encoding="utf-8")
+    return f"{d.name}/pyspy.json"
+
+
+def _wait_for(path: Path, timeout_s: float, stop: threading.Event) -> None:
+    if not os.environ.get("HICACHE_LAUNCHER"):
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not path.exists() and not stop.is_set():
+        time.sleep(_POLL_S)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", type=Path, help="RuntimeConfig JSON (default <run>/config.json)")
+    ap.add_argument("--run-dir", type=Path, required=True)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(torch_threads())
+    # A C++ abort (gloo's EnforceNotMet, a segfault) kills the process before any Python
+    # handler runs: faulthandler still prints every thread's stack into the rank's log.
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = load_config(_read_json(args.config or args.run_dir / "config.json"))
+    world = int(os.environ["WORLD_SIZE"])
+    if world != cfg.topology.world_size:
+        sys.stderr.write(f"error: WORLD_SIZE={world} but the config wants "
+                         f"tp*pp={cfg.topology.world_size}\n")
+        return 2
+    rank = RankInfo.of(int(os.environ["RANK"]), cfg.topology.tp, cfg.topology.pp)
+    if torch.cuda.is_available():  # one GPU per local rank, shared round-robin if fewer
+        local = int(os.environ.get("LOCAL_RANK", rank.rank))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+    if "HICACHE_LAUNCHER" not in os.environ:
+        os.environ.setdefault("HICACHE_SELF_PYSPY", "1")
+    _init_process_group(rank.rank, world)
+    code = run_rank(args.run_dir, rank, cfg)
+    if code == EXIT_OK:
+        left = _free_groups(args.run_dir, rank.rank)
+        if not left:
+            return code
+    # A failed rank's groups may have a peer stuck inside a collective: destroying them would
+    # block on gloo workers that are still waiting, and letting the interpreter finalize with
+    # those workers alive aborts the process whenever one of them finishes (it drops tensors
+    # it cannot free without the GIL). The evidence and the result are on disk already.
+    _hard_exit(code)
+    return code  # not reached
+
+
+def _init_process_group(rank: int, world: int) -> None:
+    """Join the rendezvous. Under the built-in launcher, the launcher hosts the store on a
+    port it has held since before the ranks started (so two runs at once never race for it)
+    and every rank is a client; under ``torchrun``, ``env://`` as usual."""
+    timeout = timedelta(seconds=_STARTUP_TIMEOUT_S)
+    if os.environ.get("HICACHE_LAUNCHER") and os.environ.get("HICACHE_STORE") == "launcher":
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=timeout)
+        return
+    dist.init_process_group("gloo", timeout=timeout)
+
+
+def _free_groups(run_dir: Path, rank: int) -> list[str]:
+    """Free the destroyed process groups now, while the interpreter is whole: they sit in
+    reference cycles (tracer, engine, sync), so without this only the collection during
+    interpreter shutdown would free them, and their gloo workers would race it. Freeing a
+    group joins its workers with the GIL released. Records what is left in
+    ``rank<N>.exit.json``; returns the names of native worker threads still alive."""
+    gc.collect()
+    native = _native_threads()
+    left = [n for n in native if n == _GLOO_WORKER]
+    py = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    data = {"rank": rank, "gloo_workers": len(left), "python_threads": py,
+            "native_threads": native}
+    with contextlib.suppress(OSError):
+        (run_dir / f"rank{rank}.exit.json").write_text(json.dumps(data), encoding="utf-8")
+    return left + py
+
+
+def _native_threads() -> list[str]:
+    """Names of this process's other threads (Linux ``/proc``; empty elsewhere)."""
+    me = threading.get_native_id()
+    out = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    for tid in tasks:
+        if int(tid) == me:
+            continue
+        with contextlib.suppress(OSError):
+            out.append(Path(f"/proc/self/task/{tid}/comm").read_text().strip())
+    return sorted(out)
+
+
+def _hard_exit(code: int) -> None:
+    """Leave without interpreter finalization, after flushing what a reader needs."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,518 @@
+"""One run, end to end: the cached run, its cache-disabled reference, the verdict, the bundle.
+
+``run_single`` executes a single-rank run in this process. The outcome is:
+
+* ``crash`` — the rank raised (the bundle holds the traceback and all-thread stacks);
+* ``hang`` — the step watchdog saw no progress for ``watchdog_timeout_s`` (stacks are taken while
+  the scheduler is still stuck, then it is interrupted);
+* ``wrong-output`` — the run finished but some request's tokens differ from the reference;
+* ``healthy`` — otherwise.
+
+Every non-healthy outcome leaves a bundle whose manifest validates against ``bundle.Manifest``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from hicache_runtime.cache.accounting import DrainAccount, drain_account, reached_drain
+from hicache_runtime.config import RuntimeConfig
+from hicache_runtime.contracts.bundle import (
+    FiredFaultRecord,
+    Manifest,
+    RankEntry,
+    RunOutcome,
+    new_bundle_dir,
+    now_iso,
+    versions,
+    write_manifest,
+)
+from hicache_runtime.contracts.errors import StepStalled
+from hicache_runtime.engine.rank import RankRuntime, build_rank
+from hicache_runtime.engine.step import Engine, EngineResult, dump_rank
+from hicache_runtime.engine.workload import Workload
+from hicache_runtime.kv.request import Req, ReqStatus
+from hicache_runtime.l3.backend import StorageStats
+from hicache_runtime.launch.threads import pinned_threads
+from hicache_runtime.launch.watchdog import (
+    StepWatchdog,
+    install_interrupt_handler,
+    interrupt_main_thread,
+)
+
+DEFAULT_BUNDLE_ROOT = Path("hicache-bundles")
+ProgressFn = Callable[[int, int, int], None]
+
+
+class CachedTokens(BaseModel):
+    """Prompt tokens served from each tier instead of being recomputed."""
+
+    device: int = 0
+    host: int = 0
+    storage: int = 0
+
+
+class Mismatch(BaseModel):
+    """A request whose output differs from the cache-disabled reference."""
+
+    rid: str
+    index: int
+    """First differing token position (or -1 when the request is missing on one side)."""
+    expected: list[int]
+    got: list[int]
+    note: str = ""
+
+
+TIME_DECIMALS = 3
+"""Every duration in a run result is in seconds, rounded to the millisecond."""
+
+
+def seconds(value: float | None) -> float | None:
+    return None if value is None else round(float(value), TIME_DECIMALS)
+
+
+class L3Stats(BaseModel):
+    """One rank's L3 pipeline counters and its backend's (``StorageStats``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    prefetch_issued: int = 0
+    prefetch_revoked: int = 0
+    prefetch_rate_limited: int = 0
+    prefetched_tokens: int = 0
+    backup_pages: int = 0
+    backup_failed_pages: int = 0
+    query_errors: int = 0
+    """Storage calls that raised in the prefetch query thread (caught: the op hit nothing)."""
+    io_errors: int = 0
+    """Storage calls that raised in the prefetch IO thread (caught: the batch loaded nothing,
+    the op still acked every batch)."""
+    backup_errors: int = 0
+    """Storage calls that raised in the backup thread (caught: the backup failed, still acked)."""
+    query_shed: int = 0
+    """Prefetch queries given up: queued longer than the IO budget (a slow backend)."""
+    backup_shed_pages: int = 0
+    """Backup pages given up when the IO budget ran out (a slow backend)."""
+    backend: StorageStats = Field(default_factory=StorageStats)
+
+    @field_validator("backend", mode="after")
+    @classmethod
+    def _round_times(cls, b: StorageStats) -> StorageStats:
+        return StorageStats(**{k: seconds(v) if isinstance(v, float) else v
+                               for k, v in b.as_dict().items()})
+
+
+class RankCacheStats(BaseModel):
+    """One rank's cache counters (tokens, L1/L2); ``l3`` when the run has an L3 store."""
+
+    model_config = ConfigDict(extra="forbid")
+    backup_tokens: int = 0
+    backup_skipped: int = 0
+    load_tokens: int = 0
+    load_skipped: int = 0
+    evicted_device: int = 0
+    evicted_host: int = 0
+    l3: L3Stats | None = None
+
+
+class CacheStats(BaseModel):
+    """Cache counters of every rank, keyed by global rank, and their sum over the ranks: the
+    same shape for one rank and for many (a single-rank run has rank 0)."""
+
+    model_config = ConfigDict(extra="forbid")
+    ranks: dict[int, RankCacheStats] = {}
+    total: RankCacheStats = RankCacheStats()
+
+    @classmethod
+    def of(cls, ranks: dict[int, dict[str, Any]]) -> CacheStats:
+        """From each rank's raw counters (as the rank reports them)."""
+        per = {r: RankCacheStats.model_validate(raw) for r, raw in sorted(ranks.items())}
+        return cls(ranks=per, total=_total(list(per.values())))
+
+
+def _total(ranks: list[RankCacheStats]) -> RankCacheStats:
+    def summed(model: type[BaseModel], items: list[Any]) -> dict[str, int]:
+        return {name: sum(getattr(x, name) for x in items)
+                for name, f in model.model_fields.items() if f.annotation is int}
+
+    l3s = [r.l3 for r in ranks if r.l3 is not None]
+    l3 = None
+    if l3s:
+        backend = StorageStats()
+        for x in l3s:
+            backend = backend + x.backend
+        l3 = L3Stats(**summed(L3Stats, l3s), backend=backend)
+    return RankCacheStats(**summed(RankCacheStats, ranks), l3=l3)
+
+
+class RankDrain(BaseModel):
+    """One rank's holdings at drain (:class:`~hicache_runtime.cache.accounting.DrainAccount`), in
+    pages; every leak counter is 0 on a rank that leaked nothing."""
+
+    model_config = ConfigDict(extra="forbid")
+    device_capacity: int
+    device_free: int
+    device_tree: int
+    device_unowned: int = 0
+    device_locked: int = 0
+    host_capacity: int = 0
+    host_free: int = 0
+    host_tree: int = 0
+    host_unowned: int = 0
+    host_pinned: int = 0
+    l3_reserved: int = 0
+    l3_open: int = 0
+    leaked_pages: int = 0
+
+
+class LeakCheck(BaseModel):
+    """The end-of-run page accounting of every rank that got to its drain (a rank that
+    crashed or hung before it has none: ``complete`` is then false)."""
+
+    model_config = ConfigDict(extra="forbid")
+    complete: bool
+    leaked_pages: int
+    ranks: dict[int, RankDrain] = {}
+
+    @classmethod
+    def of(cls, ranks: dict[int, dict[str, Any] | None], world: int) -> LeakCheck | None:
+        """From each rank's raw account (``None`` where it did not drain); ``None`` when no
+        rank drained."""
+        per = {r: RankDrain.model_validate(a) for r, a in sorted(ranks.items()) if a}
+        if not per:
+            return None
+        return cls(complete=len(per) == world, ranks=per,
+                   leaked_pages=sum(d.leaked_pages for d in per.values()))
+
+    def describe(self) -> str:
+        """The leaks in one line, e.g. ``rank 1: host_pinned=2, l3_open=1``."""
+        parts = []
+        for r, d in self.ranks.items():
+            bad = {k: v for k, v in d.model_dump().items()
+                   if v and k not in ("leaked_pages",) and not k.endswith(
+                       ("_capacity", "_free", "_tree"))}
+            if bad:
+                parts.append(f"rank {r}: " + ", ".join(f"{k}={v}" for k, v in bad.items()))
+        return "; ".join(parts) or "no page leaked"
+
+
+class RunSummary(BaseModel):
+    """What ``hicache run --json`` prints: one schema for every topology (``cache_stats`` is
+    always per rank plus the total; durations in seconds, rounded to the millisecond)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    outcome: RunOutcome
+    requests: int
+    completed: int
+    aborted: int
+    output_match: bool | None
+    cached_tokens: CachedTokens
+    steps: int
+    wall_s: float
+    reference_wall_s: float | None = None
+    topology: dict[str, int]
+    legacy: list[str] = []
+    faults: list[str] = []
+    faults_fired: int = 0
+    bundle: str | None = None
+    error: str | None = None
+    mismatches: list[Mismatch] = []
+    cache_stats: CacheStats = CacheStats()
+    leaks: LeakCheck | None = None
+    """End-of-run page accounting (what each rank still held once drained); ``None`` when no
+    rank got to its drain."""
+
+    @field_validator("wall_s", "reference_wall_s", mode="after")
+    @classmethod
+    def _round(cls, v: float | None) -> float | None:
+        return seconds(v)
+
+
+class ReferenceMemo:
+    """Cache-disabled reference runs kept for reuse. A reference has no cache, no faults and
+    no switches, so cells that differ only in those (a campaign's cells of one topology and
+    seed) share one: the reference is keyed by its own config, less the machine's paths, and
+    by the client-abort caps it replays. Only healthy references are kept."""
+
+    def __init__(self) -> None:
+        self._runs: dict[str, tuple[dict[str, Req], float]] = {}
+        self.reused = 0
+
+    @staticmethod
+    def key(cfg: RuntimeConfig, caps: dict[str, int] | None) -> str:
+        data = cfg.reference().model_dump(mode="json")
+        data.pop("storage", None)  # the reference has no store: its path is the cell's
+        data["observability"] = {k: v for k, v in data["observability"].items()
+                                 if k not in ("bundle_dir", "trace_path")}
+        return json.dumps([data, sorted((caps or {}).items())], sort_keys=True)
+
+    def get(self, key: str) -> tuple[dict[str, Req], float] | None:
+        hit = self._runs.get(key)
+        self.reused += hit is not None
+        return hit
+
+    def put(self, key: str, reqs: dict[str, Req], wall_s: float) -> None:
+        self._runs[key] = (reqs, wall_s)
+
+
+def run(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn | None = None,
+        bundle_root: Path | None = None, references: ReferenceMemo | None = None) -> RunSummary:
+    """Run ``cfg``: in this process for one rank, as ``tp * pp`` processes otherwise.
+    ``references``: reuse (and keep) cache-disabled reference runs across calls."""
+    if cfg.topology.world_size == 1:
+        return run_single(cfg, compare=compare, progress=progress, bundle_root=bundle_root,
+                          references=references)
+    return run_multi(cfg, compare=compare, progress=progress, bundle_root=bundle_root,
+                     references=references)
+
+
+def run_multi(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn | None = None,
+              bundle_root: Path | None = None,
+              references: ReferenceMemo | None = None) -> RunSummary:
+    """Launch the ranks, then (if healthy) the cache-disabled reference of the same topology;
+    judge outputs (every rank must also agree with rank 0) and summarise."""
+    from hicache_runtime.launch.launcher import launch
+
+    bundle_root = bundle_root or cfg.observability.bundle_dir or DEFAULT_BUNDLE_ROOT
+    res = launch(cfg, bundle_root=bundle_root, progress=progress)
+    try:
+        reqs = _reqs_of(res.results.get(0, {}))
+        summary = _multi_summary(cfg, res, reqs)
+        if res.outcome is not RunOutcome.HEALTHY or not compare:
+            return summary
+        caps = {rid: len(r.output_ids) for rid, r in reqs.items()
+                if r.status is ReqStatus.ABORTED and r.abort_reason == "client abort"}
+        key = ReferenceMemo.key(cfg, caps)
+        kept = references.get(key) if references is not None else None
+        if kept is None:
+            ref = launch(cfg.reference(), bundle_root=bundle_root, caps=caps)
+            try:
+                if ref.outcome is not RunOutcome.HEALTHY:
+                    summary.reference_wall_s = round(ref.wall_s, 3)
+                    _reference_failed(summary, ref)
+                    return summary
+                kept = (_reqs_of(ref.results.get(0, {})), ref.wall_s)
+                if references is not None:
+                    references.put(key, *kept)
+            finally:
+                ref.cleanup()
+        summary.reference_wall_s = round(kept[1], 3)
+        summary.mismatches = compare_outputs(reqs, kept[0])
+        for r, result in sorted(res.results.items()):
+            if r and _outputs(result) != _outputs(res.results.get(0, {})):
+                summary.mismatches.append(Mismatch(
+                    rid="*", index=-1, expected=[], got=[],
+                    note=f"rank {r} produced different outputs than rank 0"))
+        summary.output_match = not summary.mismatches
+        if summary.mismatches:
+            summary.outcome = RunOutcome.WRONG_OUTPUT
+            summary.error = f"{len(summary.mismatches)} request(s) differ from the reference"
+            summary.bundle = str(res.bundle_as(
+                RunOutcome.WRONG_OUTPUT, summary.error, bundle_root,
+                [m.model_dump() for m in summary.mismatches]))
+        return summary
+    finally:
+        res.cleanup()
+
+
+def _reference_failed(summary: RunSummary, ref: Any) -> None:
+    """The cache-disabled reference run failed: the judged run cannot be judged. The summary
+    says so and names the bundle the reference's ranks left (its manifest's config is the
+    reference's: cache disabled, no faults)."""
+    summary.error = f"reference run failed: {ref.error}"
+    summary.outcome = ref.outcome if ref.outcome in (RunOutcome.CRASH, RunOutcome.HANG) \
+        else RunOutcome.CRASH
+    if ref.bundle is not None:
+        summary.bundle = str(ref.bundle)
+
+
+def _reqs_of(result: dict[str, Any]) -> dict[str, Req]:
+    out = {}
+    for rid, r in result.get("requests", {}).items():
+        req = Req(rid=rid, input_ids=r["input_ids"], max_new_tokens=len(r["output_ids"]),
+                  output_ids=r["output_ids"], status=ReqStatus(r["status"]),
+                  abort_reason=r["abort_reason"])
+        req.cached = dict(r["cached"])
+        out[rid] = req
+    return out
+
+
+def _outputs(result: dict[str, Any]) -> dict[str, list[int]]:
+    return {rid: r["output_ids"] for rid, r in result.get("requests", {}).items()}
+
+
+def _multi_summary(cfg: RuntimeConfig, res: Any, reqs: dict[str, Req]) -> RunSummary:
+    r0 = res.results.get(0, {})
+    cached = {"device": 0, "host": 0, "storage": 0}
+    for r in reqs.values():
+        for k in cached:
+            cached[k] += r.cached.get(k, 0)
+    errors = [f"rank {r}: {x['error']}" for r, x in sorted(res.results.items())
+              if x.get("error")]
+    return RunSummary(
+        outcome=res.outcome, requests=cfg.workload.requests,
+        completed=sum(1 for r in reqs.values() if r.status is ReqStatus.FINISHED),
+        aborted=sum(1 for r in reqs.values() if r.status is ReqStatus.ABORTED),
+        output_match=None, cached_tokens=CachedTokens(**cached),
+        steps=int(r0.get("steps") or 0), wall_s=round(res.wall_s, 3),
+        topology={"tp": cfg.topology.tp, "pp": cfg.topology.pp},
+        legacy=sorted(s.value for s in cfg.legacy), faults=[f.compact() for f in cfg.faults],
+        faults_fired=sum(len(x.get("faults_fired", [])) for x in res.results.values()),
+        bundle=str(res.bundle) if res.bundle else None,
+        error=res.error or (errors[0] if errors else None),
+        cache_stats=CacheStats.of({r: x.get("stats") or {} for r, x in res.results.items()}),
+        leaks=LeakCheck.of({r: x.get("drain") for r, x in res.results.items()},
+                           cfg.topology.world_size))
+
+
+@pinned_threads
+def run_single(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn | None = None,
+               bundle_root: Path | None = None,
+               references: ReferenceMemo | None = None) -> RunSummary:
+    """Run one rank in this process, then (if healthy) its reference; judge and summarise."""
+    bundle_root = bundle_root or cfg.observability.bundle_dir or DEFAULT_BUNDLE_ROOT
+    rt = build_rank(cfg)
+    workload = Workload(cfg.workload, cfg.model.vocab_size, cfg.seed)
+    engine = Engine(rt, workload, on_step=progress)
+    hang: dict[str, Any] = {}
+    can_interrupt = install_interrupt_handler()
+
+    def on_stall(idle_s: float) -> None:
+        reason = f"no scheduler progress for {idle_s:.1f}s (step {engine.step})"
+        hang["bundle"] = _write_bundle(bundle_root, cfg, rt, RunOutcome.HANG, reason,
+                                       engine.step, None)
+        hang["reason"] = reason
+        if can_interrupt:
+            interrupt_main_thread()
+
+    watchdog = StepWatchdog(cfg.observability.watchdog_timeout_s, on_stall).start()
+    engine.heartbeat = watchdog.beat
+    start = time.monotonic()
+    result: EngineResult | None = None
+    outcome, error, bundle = RunOutcome.HEALTHY, None, None
+    drained: DrainAccount | None = None
+    try:
+        result = engine.run()
+        drained = drain_account(rt.cache)
+    except StepStalled as exc:
+        outcome, error, bundle = RunOutcome.HANG, hang.get("reason", str(exc)), hang.get("bundle")
+    except Exception as exc:
+        outcome, error = RunOutcome.CRASH, f"{type(exc).__name__}: {exc}".splitlines()[0]
+        if reached_drain(exc):  # the drain's check failed: what is left is what leaked
+            drained = drain_account(rt.cache)
+        bundle = _write_bundle(bundle_root, cfg, rt, outcome, error, engine.step, exc)
+    finally:
+        watchdog.stop()
+    wall = time.monotonic() - start
+    summary = _summary(cfg, rt, result, outcome, error, bundle, engine.step, wall)
+    summary.leaks = LeakCheck.of({rt.rank.rank: drained.as_dict() if drained else None}, 1)
+    if outcome is RunOutcome.HEALTHY and compare and result is not None:
+        aborted = {rid: len(r.output_ids) for rid, r in result.reqs.items()
+                   if r.status is ReqStatus.ABORTED and r.abort_reason == "client abort"}
+        key = ReferenceMemo.key(cfg, aborted)
+        kept = references.get(key) if references is not None else None
+        if kept is None:
+            ref = run_reference(cfg, aborted=aborted)
+            kept = (ref.reqs, ref.wall_s)
+            if references is not None:
+                references.put(key, *kept)
+        summary.reference_wall_s = kept[1]
+        summary.mismatches = compare_outputs(result.reqs, kept[0])
+        summary.output_match = not summary.mismatches
+        if summary.mismatches:
+            summary.outcome = RunOutcome.WRONG_OUTPUT
+            summary.error = f"{len(summary.mismatches)} request(s) differ from the reference"
+            summary.bundle = str(_write_bundle(
+                bundle_root, cfg, rt, RunOutcome.WRONG_OUTPUT, summary.error, engine.step, None,
+                mismatches=[m.model_dump() for m in summary.mismatches]))
+    rt.close()
+    return summary
+
+
+def run_reference(cfg: RuntimeConfig, aborted: dict[str, int] | None = None) -> EngineResult:
+    """The cache-disabled twin of ``cfg`` (no faults, no legacy switches). ``aborted`` maps
+    request ids the judged run's clients aborted to how many tokens they had by then; the
+    reference aborts them at the same point, so prompts built on them stay identical."""
+    ref_cfg = cfg.reference()
+    rt = build_rank(ref_cfg)
+    try:
+        workload = Workload(ref_cfg.workload, ref_cfg.model.vocab_size, ref_cfg.seed,
+                            client_aborts=aborted is None, caps=dict(aborted or {}))
+        return Engine(rt, workload).run()
+    finally:
+        rt.close()
+
+
+def compare_outputs(got: dict[str, Req], ref: dict[str, Req]) -> list[Mismatch]:
+    """Requests whose tokens differ. An aborted request is compared on the tokens it has."""
+    out: list[Mismatch] = []
+    for rid in sorted(set(got) | set(ref)):
+        a, b = got.get(rid), ref.get(rid)
+        if a is None or b is None:
+            out.append(Mismatch(rid=rid, index=-1, expected=[] if b is None else b.output_ids,
+                                got=[] if a is None else a.output_ids, note="missing"))
+            continue
+        if a.input_ids != b.input_ids:
+            out.append(Mismatch(rid=rid, index=-1, expected=b.output_ids, got=a.output_ids,
+                                note="prompt differs (an earlier turn diverged)"))
+            continue
+        n = min(len(a.output_ids), len(b.output_ids))
+        partial = ReqStatus.ABORTED in (a.status, b.status)
+        if not partial:
+            n = max(len(a.output_ids), len(b.output_ids))
+        for i in range(n):
+            x = a.output_ids[i] if i < len(a.output_ids) else None
+            y = b.output_ids[i] if i < len(b.output_ids) else None
+            if x != y:
+                out.append(Mismatch(rid=rid, index=i, expected=b.output_ids, got=a.output_ids))
+                break
+    return out
+
+
+def _summary(cfg: RuntimeConfig, rt: RankRuntime, result: EngineResult | None,
+             outcome: RunOutcome, error: str | None, bundle: Path | None, steps: int,
+             wall: float) -> RunSummary:
+    stats = rank_stats(rt)
+    fired = len(rt.faults.fired) if rt.faults is not None else 0
+    return RunSummary(
+        outcome=outcome, requests=cfg.workload.requests,
+        completed=result.completed if result else 0,
+        aborted=result.aborted if result else 0,
+        output_match=None,
+        cached_tokens=CachedTokens(**result.cached_tokens()) if result else CachedTokens(),
+        steps=steps, wall_s=round(wall, 3),
+        topology={"tp": cfg.topology.tp, "pp": cfg.topology.pp},
+        legacy=sorted(s.value for s in cfg.legacy), faults=[f.compact() for f in cfg.faults],
+        faults_fired=fired, bundle=str(bundle) if bundle else None, error=error,
+        cache_stats=CacheStats.of({rt.rank.rank: stats}))
+
+
+def rank_stats(rt: RankRuntime) -> dict[str, Any]:
+    """A rank's raw cache counters (what :class:`RankCacheStats` reads)."""
+    stats: dict[str, Any] = dict(getattr(rt.cache, "stats", {}))
+    l3 = getattr(rt.cache, "l3", None)
+    if l3 is not None:
+        stats["l3"] = {**l3.stats, "backend": l3.workers.backend.stats().as_dict()}
+    return stats
+
+
+def _write_bundle(root: Path, cfg: RuntimeConfig, rt: RankRuntime, outcome: RunOutcome,
+                  reason: str, step: int, exc: BaseException | None,
+                  mismatches: list[dict[str, Any]] | None = None) -> Path:
+    bundle = new_bundle_dir(root, outcome)
+    entry: RankEntry = dump_rank(bundle, rt, outcome, step, exc)
+    fired = [FiredFaultRecord(**f.as_dict()) for f in rt.faults.fired] if rt.faults else []
+    write_manifest(bundle, Manifest(
+        created_at=now_iso(), outcome=outcome, reason=reason,
+        topology={"tp": cfg.topology.tp, "pp": cfg.topology.pp,
+                  "world_size": cfg.topology.world_size},
+        seed=cfg.seed, config=cfg.model_dump(mode="json"),
+        faults=[f.compact() for f in cfg.faults], faults_fired=fired,
+        legacy=sorted(s.value for s in cfg.legacy), versions=versions(), ranks=[entry],
+        mismatches=mismatches or []))
+    return bundle
