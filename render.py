@@ -20,6 +20,9 @@ from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from doctor.evidence import InputStatus
+from doctor.report.model import RankCondition
+
 if TYPE_CHECKING:
     from hicache_runtime.launch.run import RunSummary
 
@@ -198,9 +201,10 @@ SEVERITY_STYLE = {"critical": STYLE_BAD, "high": STYLE_BAD, "medium": STYLE_WARN
 #: Console width from which the campaign summary shows every column side by side.
 WIDE = 150
 
-STATE_STYLE = {"crashed": STYLE_BAD, "blocked": STYLE_WARN, "missing": STYLE_BAD,
-               "exited": STYLE_BAD, "failed": STYLE_WARN, "idle": STYLE_DIM,
-               "finished": STYLE_DIM}
+STATE_STYLE = {RankCondition.CRASHED: STYLE_BAD, RankCondition.BLOCKED: STYLE_WARN,
+               RankCondition.MISSING: STYLE_BAD, RankCondition.EXITED: STYLE_BAD,
+               RankCondition.FAILED: STYLE_WARN, RankCondition.IDLE: STYLE_DIM,
+               RankCondition.FINISHED: STYLE_DIM}
 
 
 def doctor_report(d: Any, verbose: bool = False) -> None:
@@ -238,7 +242,7 @@ def doctor_report(d: Any, verbose: bool = False) -> None:
     for p in d.problems[:20]:
         con.print(f"[{STYLE_WARN}]input problem:[/] {esc(p)}", soft_wrap=True)
     for i in d.inputs:
-        if i.status != "read":
+        if i.status != InputStatus.READ:
             con.print(f"[{STYLE_WARN}]unreadable:[/] {esc(i.path)}: {esc(i.message)}",
                       soft_wrap=True)
     if verbose:
@@ -268,8 +272,8 @@ def _doctor_head(d: Any) -> Table:
     if d.missing_ranks:
         ranges = getattr(d, "missing_rank_ranges", "") or str(d.missing_ranks)
         table.add_row("missing ranks", f"[{STYLE_BAD}]{esc(ranges)}[/]")
-    table.add_row("inputs", f"{sum(i.status == 'read' for i in d.inputs)} read, "
-                            f"{sum(i.status != 'read' for i in d.inputs)} unreadable")
+    read = sum(i.status == InputStatus.READ for i in d.inputs)
+    table.add_row("inputs", f"{read} read, {len(d.inputs) - read} unreadable")
     fp = getattr(d, "fingerprint", None)
     if fp is not None:
         table.add_row("fingerprint", f"{fp.id}" + (f" ({esc(fp.exception)})"

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import BinaryIO, TypeVar
 
+from doctor.evidence import InputStatus
 from doctor.facts.derive import derive_facts
 from doctor.facts.factset import FactSet
 from doctor.facts.observation import observe
@@ -28,6 +29,7 @@ from doctor.report.model import (
     EXIT_NO_SIGNATURE,
     EXIT_UNREADABLE,
     Diagnosis,
+    DiagnosisStatus,
     Divergence,
     EvidenceItem,
     InputSummary,
@@ -37,6 +39,7 @@ from doctor.report.model import (
     Verdict,
 )
 from doctor.report.narrative import observations
+from hicache_runtime.contracts.bundle import RunOutcome
 from signatures.facts import Fact
 from signatures.loader import load_catalog
 from signatures.matching import NEAR_MISS, LookalikeMatch, Score, match_lookalikes, score_all
@@ -105,7 +108,7 @@ def _report(ev: Evidence, catalog: Catalog, scores: list[Score], facts: FactSet,
     near = [NearMiss(signature=s.signature.id, score=round(s.score, 2), because=s.because())
             for s in scores if not s.named and s.score >= NEAR_MISS][:5]
     lookalikes = [_lookalike(m) for m in looks]
-    status, code = _status(any(i.status == "read" for i in ev.inputs), verdicts)
+    status, code = _status(any(i.status == InputStatus.READ for i in ev.inputs), verdicts)
     missing = sorted(ev.expected_ranks - set(ev.ranks))
     return Diagnosis(
         catalog_version=catalog.version, status=status, exit_code=code,
@@ -131,12 +134,12 @@ def _causal(first: Divergence | None, facts: FactSet) -> frozenset[Fact]:
     return frozenset(out)
 
 
-def _status(readable: bool, verdicts: list[Verdict]) -> tuple[str, int]:
+def _status(readable: bool, verdicts: list[Verdict]) -> tuple[DiagnosisStatus, int]:
     if not readable:
-        return "unreadable", EXIT_UNREADABLE
+        return DiagnosisStatus.UNREADABLE, EXIT_UNREADABLE
     if verdicts:
-        return "diagnosed", EXIT_DIAGNOSED
-    return "no-known-signature", EXIT_NO_SIGNATURE
+        return DiagnosisStatus.DIAGNOSED, EXIT_DIAGNOSED
+    return DiagnosisStatus.NO_KNOWN_SIGNATURE, EXIT_NO_SIGNATURE
 
 
 def _verdict(s: Score) -> Verdict:
@@ -174,13 +177,13 @@ def _lookalike(m: LookalikeMatch) -> LookalikeFinding:
                   for w in m.witnesses])
 
 
-def _summary(status: str, verdicts: list[Verdict], near: list[NearMiss], ev: Evidence,
+def _summary(status: DiagnosisStatus, verdicts: list[Verdict], near: list[NearMiss], ev: Evidence,
              looks: list[LookalikeFinding]) -> str:
-    if status == "unreadable":
-        errors = [f"{i.path}: {i.message}" for i in ev.inputs if i.status == "error"]
+    if status == DiagnosisStatus.UNREADABLE:
+        errors = [f"{i.path}: {i.message}" for i in ev.inputs if i.status == InputStatus.ERROR]
         more = f"; and {len(errors) - 3} more" if len(errors) > 3 else ""
         return "no input could be read" + (f" ({'; '.join(errors[:3])}{more})" if errors else "")
-    if not verdicts and all(i.kind == EMPTY for i in ev.inputs if i.status == "read"):
+    if not verdicts and all(i.kind == EMPTY for i in ev.inputs if i.status == InputStatus.READ):
         return "no failure evidence: the inputs are empty"
     if not verdicts and not near and _running(ev):
         return ("no failure evidence: a live job, every captured rank moved between the "
@@ -205,9 +208,9 @@ def _running(ev: Evidence) -> bool:
 
 def _seen(ev: Evidence) -> str:
     """The run's recorded outcome, said in the summary when nothing is named."""
-    if ev.outcome == "wrong-output" or ev.mismatches:
+    if ev.outcome == RunOutcome.WRONG_OUTPUT or ev.mismatches:
         return f" (wrong output: {ev.mismatches} request(s) differ from the reference)"
-    if ev.outcome == "healthy":
+    if ev.outcome == RunOutcome.HEALTHY:
         return " (the bundle records a healthy run)"
     if any(e.short_type == "InjectedFault" for r in ev.all_ranks() for e in r.exceptions):
         return " (an injected fault)"

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -35,6 +36,48 @@ MAX_NAME = 1024
 """Characters kept of a frame's function or file name (a hostile dump may hold 16 MB ones)."""
 MAX_MESSAGE = 4096
 """Characters kept of an exception message."""
+
+
+# The doctor's closed vocabularies are StrEnums: a member is its value as a string, so it
+# compares equal to the string, serialises to it in JSON, and prints as it in every text report
+# (a plain ``(str, Enum)`` would print ``ThreadState.IDLE`` in an f-string).
+
+
+class InputStatus(StrEnum):
+    """What became of one input."""
+
+    READ = "read"
+    """Read (an empty input, and a doctor report passed over as output, count as read)."""
+    ERROR = "error"
+    """Not read: missing, not a file, malformed, over a size cap; its message says why."""
+
+
+class ThreadState(StrEnum):
+    """What a dumped thread was doing (:meth:`doctor.ranks.frames.FrameClassifier.state`)."""
+
+    CRASHED = "crashed"
+    """It died of a fatal signal."""
+    BLOCKED = "blocked"
+    """It is inside a collective (and was not seen elsewhere a moment later)."""
+    IDLE = "idle"
+    """It waits for work."""
+    ACTIVE = "active"
+    """Anything else: it runs."""
+
+
+class KvLineKind(StrEnum):
+    """What a line of a KV storage or transfer layer reports
+    (:func:`doctor.read.text.kvstore.classify`)."""
+
+    STORE_FAILURE = "store-failure"
+    """A storage component failed to store, retrieve, connect, read or write."""
+    POOL_PRESSURE = "pool-pressure"
+    """A KV cache's host (CPU) pool had no room."""
+    PD_FAILURE = "pd-failure"
+    """The prefill/decode disaggregation transfer failed."""
+    TRANSFER_FAILURE = "transfer-failure"
+    """A transfer engine that stores and disaggregation both use failed (whose failure it is
+    depends on what else the inputs show)."""
 
 
 def clip(text: str, limit: int) -> str:
@@ -272,10 +315,10 @@ class RankEvidence:
     errors: Bounded[tuple[str, SourceRef]] = field(
         default_factory=lambda: Bounded(MAX_ERROR_LINES, MAX_ERROR_LINES))
     """Lines the logger marked as errors (first and last few), for the fingerprint."""
-    kv_lines: Bounded[tuple[str, str, SourceRef]] = field(
+    kv_lines: Bounded[tuple[KvLineKind, str, SourceRef]] = field(
         default_factory=lambda: Bounded(MAX_ERROR_LINES, MAX_ERROR_LINES))
     """Lines of KV storage or transfer layers that report a failure or memory pressure:
-    ``(kind, text, source)``, kinds from :func:`doctor.read.text.kvstore.classify`."""
+    ``(kind, text, source)``."""
     sites: dict[str, SourceRef] = field(default_factory=dict)
     """Source files that log lines name (``[engine.py:135]``, ``client.cpp:406]``), first
     line of each; at most ``MAX_SITES``."""
@@ -354,8 +397,7 @@ class InputRecord:
 
     path: str
     kind: str
-    status: str
-    """``read`` | ``skipped`` | ``error``"""
+    status: InputStatus
     message: str = ""
     rank: int | None = None
     bytes: int = 0

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from signatures.facts import Fact
 from signatures.models import Catalog, FactRecogniser, Lookalike, Marker, MarkerKind, Signature
@@ -50,6 +51,32 @@ class Witness:
     rank: int = -1
 
 
+class StackKind(StrEnum):
+    """Why a stack is in the observation."""
+
+    EXCEPTION = "exception"
+    """A failing stack: an exception's, or a thread's that died of a fatal signal."""
+    BLOCKED = "blocked"
+    """A thread stuck in a collective."""
+
+
+class EvidenceKind(StrEnum):
+    """What sort of evidence a rule rests on (a StrEnum: the rule log prints the value)."""
+
+    MESSAGE = "message"
+    """An exception or generic log text."""
+    CODE = "code"
+    """Frames, upstream functions and files."""
+    TEXT = "text"
+    """Texts only the component prints."""
+    STRUCTURE = "structure"
+    """Facts across ranks and traces."""
+    LEGACY = "legacy"
+    """A legacy switch the run had on."""
+    CONTEST = "contest"
+    """Evidence against: a look-alike, or an upstream marker that points elsewhere."""
+
+
 @dataclass
 class ObservedException:
     type: str
@@ -58,15 +85,14 @@ class ObservedException:
     """In-app function names of its stack, innermost first."""
     witness: Witness
     secondary: bool = False
+    """It reports a peer's failure (a timeout, a lost connection), not this rank's own."""
     files: list[str] = field(default_factory=list)
     """The files of those frames, aligned with ``in_app``."""
-    """It reports a peer's failure (a timeout, a lost connection), not this rank's own."""
 
 
 @dataclass
 class ObservedStack:
-    kind: str
-    """``exception`` (a failing stack) or ``blocked`` (a thread stuck in a collective)."""
+    kind: StackKind
     in_app: list[str]
     witness: Witness
     files: list[str] = field(default_factory=list)
@@ -95,10 +121,7 @@ class RuleResult:
     structural: bool
     why: str
     witnesses: list[Witness] = field(default_factory=list)
-    kind: str = "message"
-    """What sort of evidence it is: ``message`` (an exception or generic log text), ``code``
-    (frames, upstream functions and files), ``text`` (texts only the component prints),
-    ``structure`` (facts across ranks and traces), ``legacy``, or ``contest`` (a look-alike)."""
+    kind: EvidenceKind = EvidenceKind.MESSAGE
 
     def line(self) -> str:
         sign = f"{self.weight:+.2f}" if self.matched else "  -  "
@@ -119,7 +142,7 @@ class Score:
         return self.structural and self.score >= self.signature.threshold - 1e-9
 
     @property
-    def kinds(self) -> set[str]:
+    def kinds(self) -> set[EvidenceKind]:
         """The kinds of evidence that speak for it."""
         return {r.kind for r in self.rules if r.matched and r.weight > 0}
 
@@ -128,12 +151,12 @@ class Score:
         """Independent lines of evidence: its kinds, with two or more structural facts
         counting twice (two cross-rank findings are separate observations)."""
         structure = sum(1 for r in self.rules
-                        if r.matched and r.weight > 0 and r.kind == "structure")
+                        if r.matched and r.weight > 0 and r.kind == EvidenceKind.STRUCTURE)
         return len(self.kinds) + (1 if structure >= 2 else 0)
 
     @property
     def contested(self) -> bool:
-        return any(r.matched and r.kind == "contest" for r in self.rules)
+        return any(r.matched and r.kind == EvidenceKind.CONTEST for r in self.rules)
 
     @property
     def confidence(self) -> float:
@@ -257,21 +280,23 @@ def score_one(sig: Signature, catalog: Catalog, obs: Observation,
         why = f"{count} hit(s)" + (f" (needs {lr.min_count})" if lr.min_count > 1 else "")
         rules.append(RuleResult(sig.id, f"log '{lr.pattern}'", ok, lr.weight,
                                 pattern.specific and lr.weight > 0, why, wits[:3] if ok else [],
-                                kind="text" if pattern.specific else "message"))
+                                kind=EvidenceKind.TEXT if pattern.specific
+                                else EvidenceKind.MESSAGE))
     for fr in rec.facts:
         rules.append(_fact_rule(sig.id, fr, obs))
     for leg in rec.legacy:
         w = obs.legacy.get(leg.switch)
         rules.append(RuleResult(sig.id, f"legacy '{leg.switch}'", w is not None, leg.weight,
                                 True, "the run had this legacy switch on" if w else "not on",
-                                [w] if w else [], kind="legacy"))
+                                [w] if w else [], kind=EvidenceKind.LEGACY))
     if sig.upstream is not None:
         rules += _upstream_rules(sig, obs)
     for m in looks or []:
         if m.lookalike.excludes_signature(sig.id) and m.lookalike.penalty > 0:
             rules.append(RuleResult(
                 sig.id, f"look-alike '{m.lookalike.id}'", True, -m.lookalike.penalty, False,
-                f"{m.lookalike.title} fits ({m.score:.2f})", m.witnesses[:2], kind="contest"))
+                f"{m.lookalike.title} fits ({m.score:.2f})", m.witnesses[:2],
+                kind=EvidenceKind.CONTEST))
     total = sum(r.weight for r in rules if r.matched)
     structural = any(r.matched and r.structural and r.weight > 0 for r in rules)
     return Score(sig, max(0.0, min(1.0, total)), structural, rules)
@@ -282,7 +307,7 @@ def _fact_rule(sig_id: str, fr: FactRecogniser, obs: Observation) -> RuleResult:
     structural = fr.fact not in _NOT_STRUCTURAL and fr.weight > 0
     return RuleResult(sig_id, f"fact '{fr.fact.value}'", bool(wits), fr.weight, structural,
                       fr.fact.describe() if wits else "not observed", wits[:3],
-                      kind="structure" if structural else "message")
+                      kind=EvidenceKind.STRUCTURE if structural else EvidenceKind.MESSAGE)
 
 
 _CODE_KINDS = (MarkerKind.FUNCTION, MarkerKind.FILE)
@@ -322,7 +347,7 @@ def _upstream_rules(sig: Signature, obs: Observation) -> list[RuleResult]:
         rules.append(RuleResult(sig.id, label, weight > 0, weight, True,
                                 f"{len(wits)} marker(s) from {source}" if wits
                                 else f"none of its {label} seen ({source})", wits[:3],
-                                kind="code" if code else "text"))
+                                kind=EvidenceKind.CODE if code else EvidenceKind.TEXT))
     against: tuple[float, list[Witness]] = (0.0, [])
     for i, m in enumerate(up.evidence_against):
         hits = marker_hits(f"{sig.id}-{i}", m, obs)
@@ -331,7 +356,7 @@ def _upstream_rules(sig: Signature, obs: Observation) -> list[RuleResult]:
                                          h.file, h.line, h.rank) for h in hits[:1]])
     if against[1]:
         rules.append(RuleResult(sig.id, "upstream: points elsewhere", True, -against[0], False,
-                                against[1][0].text, against[1], kind="contest"))
+                                against[1][0].text, against[1], kind=EvidenceKind.CONTEST))
     return rules
 
 
@@ -345,7 +370,7 @@ def _exception_rule(sig_id: str, type_rx: str, msg_rx: str, weight: float, obs: 
     label = f"exception {type_rx} /{msg_rx}/"
     why = f"{len(hits)} exception(s) match" if hits else "no such exception"
     return RuleResult(sig_id, label, bool(hits), weight, False, why,
-                      [e.witness for e in hits[:3]], kind="message")
+                      [e.witness for e in hits[:3]], kind=EvidenceKind.MESSAGE)
 
 
 def _frames_rule(sig: Signature, obs: Observation,
@@ -358,10 +383,11 @@ def _frames_rule(sig: Signature, obs: Observation,
         excs = matched_exc or [e for e in obs.exceptions if not e.secondary]
         candidates += [(e.in_app, e.files, e.witness) for e in excs]
     if fr.where in ("blocked", "any"):
-        candidates += [(s.in_app, s.files, s.witness) for s in obs.stacks if s.kind == "blocked"]
+        candidates += [(s.in_app, s.files, s.witness) for s in obs.stacks
+                       if s.kind == StackKind.BLOCKED]
     if fr.where == "any":
         candidates += [(s.in_app, s.files, s.witness) for s in obs.stacks
-                       if s.kind == "exception"]
+                       if s.kind == StackKind.EXCEPTION]
     for funcs, files, wit in candidates:
         files = files + [""] * (len(funcs) - len(files))
         pairs = list(zip(funcs, files))
@@ -372,7 +398,8 @@ def _frames_rule(sig: Signature, obs: Observation,
                 w = Witness(f"{name} on the {fr.where if fr.where != 'any' else 'failing'} "
                             f"stack: {wit.text}", wit.file, wit.line, wit.rank)
                 return RuleResult(sig.id, f"in-app frame ({fr.where})", True, fr.weight, True,
-                                  f"{name} is on the stack", [w], kind="code")
+                                  f"{name} is on the stack", [w], kind=EvidenceKind.CODE)
     return RuleResult(sig.id, f"in-app frame ({fr.where})", False, fr.weight, True,
                       "none of " + ", ".join(x.strip("^$()|.\\") for x in fr.any[:4])
-                      + (" ..." if len(fr.any) > 4 else "") + " on a relevant stack", kind="code")
+                      + (" ..." if len(fr.any) > 4 else "") + " on a relevant stack",
+                      kind=EvidenceKind.CODE)

@@ -12,14 +12,22 @@ import functools
 import re
 from collections.abc import Callable
 
-from doctor.evidence import ExceptionRecord, RankEvidence
+from doctor.evidence import ExceptionRecord, InputStatus, KvLineKind, RankEvidence, ThreadState
 from doctor.facts.exits import fact_exits, fact_size_abort
 from doctor.facts.factset import FactSet, witness
 from doctor.facts.trace import TRACE_FACTS
 from doctor.ranks.builder import Evidence
 from doctor.ranks.frames import FrameClassifier
 from doctor.ranks.table import failing_exception, is_comm_error, site_label
-from doctor.report.model import BlockedSite, CollectiveFinding, Divergence, RankRow
+from doctor.report.model import (
+    BlockedSite,
+    CollectiveFinding,
+    Divergence,
+    FindingKind,
+    RankCondition,
+    RankRow,
+)
+from hicache_runtime.contracts.bundle import RunOutcome
 from signatures.facts import Fact
 from signatures.matching import Witness
 
@@ -112,7 +120,7 @@ def _fact_unranked_stacks(ev: Evidence, frames: FrameClassifier, facts: FactSet)
     operations differ too, they can never pair up)."""
     sites: dict[str, tuple[str, Witness]] = {}
     for t in ev.unranked.threads:
-        if frames.state(t) != "blocked" or frames.role(t) != "main":
+        if frames.state(t) != ThreadState.BLOCKED or frames.role(t) != "main":
             continue
         idx = frames.collective_index(t.frames)
         site = frames.call_site(t.frames)
@@ -141,13 +149,14 @@ def _fact_kv_layers(ev: Evidence, facts: FactSet) -> None:
     kv = ev.kv
     for r in ev.all_ranks():
         for kind, text, src in r.kv_lines:
-            if kind == "store-failure" or (kind == "transfer-failure" and kv.store
-                                           and not kv.pd):
+            if kind == KvLineKind.STORE_FAILURE or (kind == KvLineKind.TRANSFER_FAILURE
+                                                    and kv.store and not kv.pd):
                 facts.add(Fact.STORAGE_ERRORS, witness(text, src, r.rank))
-            elif kind == "pool-pressure":
+            elif kind == KvLineKind.POOL_PRESSURE:
                 facts.add(Fact.HOST_ALLOC_FAILING, witness(
                     f"a KV cache's host pool had no room: {text}", src, r.rank))
-            elif kind == "pd-failure" or (kind == "transfer-failure" and kv.pd):
+            elif kind == KvLineKind.PD_FAILURE or (kind == KvLineKind.TRANSFER_FAILURE
+                                                   and kv.pd):
                 facts.add(Fact.PD_TRANSFER_ERRORS, witness(text, src, r.rank))
 
 
@@ -168,7 +177,8 @@ def _fact_same_collective(ev: Evidence, sites: list[BlockedSite], rows: list[Ran
             f"ranks {sorted(seen)} all time out in SeqNum {seq} ({op})", w.file, w.line, w.rank))
         return
     main = [s for s in sites if s.role == "main"]
-    others = [r for r in rows if r.state in ("idle", "active", "crashed")]
+    others = [r for r in rows
+              if r.state in (RankCondition.IDLE, RankCondition.ACTIVE, RankCondition.CRASHED)]
     if len(main) == 1 and len(main[0].ranks) >= 2 and not others:
         s = main[0]
         e = s.evidence[0] if s.evidence else None
@@ -185,7 +195,7 @@ _QUIET = {"memory-sample", "host-capacity", "host-capacity-synced", "prefetch-st
 
 def _fact_no_failure(ev: Evidence, facts: FactSet) -> None:
     """Nothing in the inputs records a failure (a benchmark printout, warnings)."""
-    if facts or ev.outcome not in (None, "healthy") or ev.mismatches:
+    if facts or ev.outcome not in (None, RunOutcome.HEALTHY) or ev.mismatches:
         return
     for r in ev.all_ranks():
         if len(r.exceptions) or len(r.threads) or r.exits or r.collectives or r.decisions \
@@ -196,7 +206,7 @@ def _fact_no_failure(ev: Evidence, facts: FactSet) -> None:
         if any(pid not in _QUIET and not pid.startswith(("nccl-", "gloo-"))
                and not _MARKER_KEY.search(pid) for pid in r.hits):
             return
-    if any(i.status == "read" for i in ev.inputs):
+    if any(i.status == InputStatus.READ for i in ev.inputs):
         facts.add(Fact.NO_FAILURE, Witness("no exception, stack, hang, crash or error line in "
                                            "the inputs"))
 
@@ -204,11 +214,11 @@ def _fact_no_failure(ev: Evidence, facts: FactSet) -> None:
 def _fact_outcome(ev: Evidence, frames: FrameClassifier, rows: list[RankRow],
                   facts: FactSet) -> None:
     src = ev.outcome_source
-    if ev.outcome == "hang":
+    if ev.outcome == RunOutcome.HANG:
         facts.add(Fact.HANG, witness("the bundle records a hang", src, -1))
-    if ev.outcome == "crash":
+    if ev.outcome == RunOutcome.CRASH:
         facts.add(Fact.CRASH, witness("the bundle records a crash", src, -1))
-    if ev.outcome == "wrong-output" or ev.mismatches:
+    if ev.outcome == RunOutcome.WRONG_OUTPUT or ev.mismatches:
         facts.add(Fact.WRONG_OUTPUT, witness(
             f"outputs differ from the cache-disabled run ({ev.mismatches} request(s))", src, -1))
     for r in ev.all_ranks():
@@ -216,11 +226,12 @@ def _fact_outcome(ev: Evidence, frames: FrameClassifier, rows: list[RankRow],
                     "hicache-watchdog", "nccl-watchdog-stuck"):
             for h in r.hits.get(pid, _EMPTY).kept:
                 facts.add(Fact.HANG, witness(h.text, h.source, r.rank))
-    crashed = [row for row in rows if row.state == "crashed"]
+    crashed = [row for row in rows if row.state == RankCondition.CRASHED]
     for row in crashed:
         facts.add(Fact.CRASH, Witness(f"rank {row.rank}: {row.error}", rank=row.rank))
-    blocked = [row for row in rows if row.state == "blocked"]
-    if blocked and not crashed and len(blocked) == len([r for r in rows if r.state != "missing"]):
+    blocked = [row for row in rows if row.state == RankCondition.BLOCKED]
+    if blocked and not crashed and len(blocked) == len(
+            [r for r in rows if r.state != RankCondition.MISSING]):
         facts.add(Fact.HANG, Witness(f"every rank with stacks is blocked in a collective "
                                      f"({[r.rank for r in blocked]})"))
 
@@ -238,7 +249,8 @@ def _fact_stacks(ev: Evidence, sites: list[BlockedSite], rows: list[RankRow],
                 text, e.file if e else None, e.line if e else None, s.ranks[0]))
     elif main:
         blocked = set(main[0].ranks)
-        absent = [r.rank for r in rows if r.rank not in blocked and r.state in ("idle", "active")]
+        absent = [r.rank for r in rows if r.rank not in blocked
+                  and r.state in (RankCondition.IDLE, RankCondition.ACTIVE)]
         if absent:
             facts.add(Fact.BLOCKED_SITES_DIVERGE, Witness(
                 f"ranks {sorted(blocked)} wait in {main[0].op} from {main[0].site}; "
@@ -249,24 +261,26 @@ def _fact_stacks(ev: Evidence, sites: list[BlockedSite], rows: list[RankRow],
             facts.add(Fact.BLOCKED_IN_PREFETCH_VOTE, Witness(
                 f"ranks {s.ranks}: a prefetch thread is blocked in {s.op} from {s.site}",
                 e.file if e else None, e.line if e else None, s.ranks[0]))
-    with_stacks = [r for r in rows if r.state in ("idle", "active", "blocked", "crashed")]
-    finished = ev.outcome in ("healthy", "wrong-output")  # idle after the end is no hang
-    if with_stacks and not finished and all(r.state == "idle" for r in with_stacks):
+    with_stacks = [r for r in rows if r.state in (RankCondition.IDLE, RankCondition.ACTIVE,
+                                                  RankCondition.BLOCKED, RankCondition.CRASHED)]
+    # idle after the end is no hang
+    finished = ev.outcome in (RunOutcome.HEALTHY, RunOutcome.WRONG_OUTPUT)
+    if with_stacks and not finished and all(r.state == RankCondition.IDLE for r in with_stacks):
         facts.add(Fact.ALL_RANKS_IDLE, Witness(
             f"ranks {[r.rank for r in with_stacks]}: every thread waits for work; none is "
             "inside a collective"))
 
 
 def _fact_collectives(findings: list[CollectiveFinding], facts: FactSet) -> None:
-    kinds = {"missing-ranks": Fact.RANK_MISSING_FROM_COLLECTIVE,
-             "seq-behind": Fact.RANK_MISSING_FROM_COLLECTIVE,
-             "op-mismatch": Fact.COLLECTIVE_OP_MISMATCH,
-             "site-mismatch": Fact.COLLECTIVE_OP_MISMATCH,
-             "size-mismatch": Fact.COLLECTIVE_SIZE_MISMATCH,
-             "crossed": Fact.BLOCKED_SITES_DIVERGE,
+    kinds = {FindingKind.MISSING_RANKS: Fact.RANK_MISSING_FROM_COLLECTIVE,
+             FindingKind.SEQ_BEHIND: Fact.RANK_MISSING_FROM_COLLECTIVE,
+             FindingKind.OP_MISMATCH: Fact.COLLECTIVE_OP_MISMATCH,
+             FindingKind.SITE_MISMATCH: Fact.COLLECTIVE_OP_MISMATCH,
+             FindingKind.SIZE_MISMATCH: Fact.COLLECTIVE_SIZE_MISMATCH,
+             FindingKind.CROSSED: Fact.BLOCKED_SITES_DIVERGE,
              # a receive that waits for a send that never came is p2p's missing rank; a send
              # nobody received is what any rank leaves behind when its peer fails: no fact
-             "unmatched-recv": Fact.RANK_MISSING_FROM_COLLECTIVE}
+             FindingKind.UNMATCHED_RECV: Fact.RANK_MISSING_FROM_COLLECTIVE}
     for f in findings:
         if f.kind not in kinds:
             continue

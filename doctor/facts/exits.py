@@ -13,7 +13,7 @@ from doctor.ranks.builder import Evidence
 from doctor.ranks.exits import describe, killed_without_dump, stopped_after_dump
 from doctor.ranks.frames import FrameClassifier
 from doctor.ranks.table import failing_exception, is_comm_error, site_label
-from doctor.report.model import RankRow
+from doctor.report.model import RankCondition, RankRow
 from signatures.facts import Fact
 from signatures.matching import Witness
 
@@ -64,7 +64,7 @@ def _peer_exited(ev: Evidence, died: set[int], rows: list[RankRow], facts: FactS
             facts.add(Fact.PEER_EXITED_FIRST, witness(
                 f"rank {r.rank} lost its peer ({h.groups.get('what', 'connection closed')}) "
                 f"after ranks {first} died", h.source, r.rank))
-        elif row is not None and row.state == "blocked":
+        elif row is not None and row.state == RankCondition.BLOCKED:
             facts.add(Fact.PEER_EXITED_FIRST, Witness(
                 f"rank {r.rank} waited in a collective at {row.site or row.frame} after ranks "
                 f"{first} failed on their own" + (f" ({row.error})" if row.error else "")[:160],

@@ -10,12 +10,18 @@ names) is kept too, for the catalog's upstream markers: a storage thread idle in
 
 from __future__ import annotations
 
-from doctor.evidence import ExceptionRecord, RankEvidence
+from doctor.evidence import ExceptionRecord, RankEvidence, ThreadState
 from doctor.facts.factset import FactSet
 from doctor.ranks.builder import Evidence
 from doctor.ranks.frames import FrameClassifier
 from doctor.ranks.table import blocked_threads, is_comm_error, site_label
-from signatures.matching import Observation, ObservedException, ObservedStack, Witness
+from signatures.matching import (
+    Observation,
+    ObservedException,
+    ObservedStack,
+    StackKind,
+    Witness,
+)
 
 
 def observe(ev: Evidence, frames: FrameClassifier, facts: FactSet) -> Observation:
@@ -36,7 +42,7 @@ def _names(r: RankEvidence, frames: FrameClassifier, obs: Observation) -> None:
     stacks = [(e.frames, e.source, f"rank {r.rank} exception {e.text}"[:200])
               for e in r.exceptions]
     stacks += [(t.frames, t.source, f"rank {r.rank} thread {t.name or t.tid}")
-               for t in r.threads if frames.state(t) != "idle"]
+               for t in r.threads if frames.state(t) != ThreadState.IDLE]
     for stack, src, what in stacks:
         for f in stack:
             if len(obs.functions) < MAX_NAMES and f.func not in obs.functions:
@@ -60,18 +66,18 @@ def _rank(r: RankEvidence, frames: FrameClassifier, obs: Observation) -> None:
         secondary = is_comm_error(e)
         obs.exceptions.append(ObservedException(e.type, e.message, funcs, wit, secondary, files))
         if funcs and not secondary:
-            obs.stacks.append(ObservedStack("exception", funcs, wit, files))
+            obs.stacks.append(ObservedStack(StackKind.EXCEPTION, funcs, wit, files))
     for t in r.threads:
         if t.fatal:
             app = [f for f in t.frames if frames.in_app(f)]
-            obs.stacks.append(ObservedStack("exception", [f.func for f in app], Witness(
+            obs.stacks.append(ObservedStack(StackKind.EXCEPTION, [f.func for f in app], Witness(
                 f"rank {r.rank} thread {t.name or t.tid}: Fatal Python error: {t.fatal}",
                 t.source.file, t.source.line, r.rank), [f.file for f in app]))
     for t in blocked_threads(r, frames):
         app = frames.in_app_frames(t.frames)
         funcs = [f.func for f in app]
         site = site_label(frames.call_site(t.frames))
-        obs.stacks.append(ObservedStack("blocked", funcs, Witness(
+        obs.stacks.append(ObservedStack(StackKind.BLOCKED, funcs, Witness(
             f"rank {r.rank} thread {t.name or t.tid} blocked in a collective from {site}",
             t.source.file, t.source.line, r.rank), [f.file for f in app]))
     for pid, stats in r.hits.items():

@@ -15,6 +15,7 @@ from doctor.evidence import SourceRef
 from doctor.facts.factset import FactSet, witness
 from doctor.ranks.builder import Evidence
 from doctor.report.model import Divergence
+from hicache_runtime.contracts.events import Ev
 from signatures.facts import Fact
 
 
@@ -24,7 +25,7 @@ def stage_batches(ev: Evidence, divs: list[Divergence], facts: FactSet) -> None:
     batch's prefix lengths. The first such step per rank is the witness."""
     for r in ev.ranks.values():
         for kind, attrs, src, step in r.events:
-            if kind != "pp.recv":
+            if kind != Ev.PP_RECV:
                 continue
             sent = (attrs.get("sender_rids"), attrs.get("sender_extend"))
             built = (attrs.get("local_rids"), attrs.get("local_extend"))
@@ -50,7 +51,7 @@ def host_capacity_events(ev: Evidence, divs: list[Divergence], facts: FactSet) -
     agreed: dict[int, tuple[Any, Any, SourceRef]] = {}
     for r in ev.ranks.values():
         for kind, attrs, src, _step in r.events:
-            if kind == "sync.host_capacity" and isinstance(attrs.get("agreed"), int):
+            if kind == Ev.HOST_CAPACITY and isinstance(attrs.get("agreed"), int):
                 agreed.setdefault(r.rank, (attrs["agreed"], attrs.get("bytes_per_token"), src))
     if len({a for a, _, _ in agreed.values()}) > 1:
         text = ", ".join(f"rank {k}: {a} tokens ({b} bytes/token)"

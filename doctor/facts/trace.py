@@ -29,6 +29,7 @@ from doctor.facts.stages import host_capacity_events, stage_batches
 from doctor.ranks.builder import Evidence
 from doctor.ranks.divergence import DRAIN_KINDS, EVICT_KINDS, PREFIX_KINDS
 from doctor.report.model import Divergence
+from hicache_runtime.contracts.events import Ev
 from signatures.facts import Fact
 from signatures.matching import Witness
 
@@ -44,7 +45,7 @@ _DRAIN_VOTES = ("drain_counts", "writing_check", "loading_check")
 
 def divergence_fact(d: Divergence) -> Fact | None:
     """The fact a divergence of this kind supports (None for kinds no signature reads)."""
-    if d.kind == "sync.vote" and (d.key in _DRAIN_VOTES
+    if d.kind == Ev.VOTE and (d.key in _DRAIN_VOTES
                                   or (d.key.startswith("drain_") and d.key != "drain_idle")):
         return Fact.DRAIN_COUNT_DIVERGENCE
     return _DIVERGENCE_FACT.get(d.kind)
@@ -75,23 +76,23 @@ def _prefetch_lifecycle(ev: Evidence, divs: list[Divergence], facts: FactSet) ->
         in_flight: dict[str, SourceRef] = {}
         for kind, attrs, src, _step in r.events:
             rid = str(attrs.get("rid", ""))
-            if kind == "l3.prefetch.submit":
+            if kind == Ev.PREFETCH_SUBMIT:
                 in_flight[rid] = src
-            elif kind in ("l3.prefetch.settle", "l3.prefetch.revoke"):
+            elif kind in (Ev.PREFETCH_SETTLE, Ev.PREFETCH_REVOKE):
                 in_flight.pop(rid, None)
-            elif kind == "req.abort" and rid in in_flight:
+            elif kind == Ev.REQ_ABORT and rid in in_flight:
                 facts.add(Fact.ABORT_DURING_PREFETCH, witness(
                     f"rank {r.rank}: {rid} aborted while its prefetch was in flight", src, r.rank))
-            elif kind == "l3.prefetch.late_write" and attrs.get("reused"):
+            elif kind == Ev.PREFETCH_LATE_WRITE and attrs.get("reused"):
                 facts.add(Fact.HOST_POOL_DOUBLE_USE, witness(
                     f"rank {r.rank}: the prefetch IO of {rid} wrote host pages "
                     f"{attrs.get('reused')} after its abort had freed them and they were "
                     "handed out again", src, r.rank))
-            elif kind == "l3.prefetch.ack":
+            elif kind == Ev.PREFETCH_ACK:
                 acks.setdefault(rid, {}).setdefault(r.rank, 0)
                 acks[rid][r.rank] += 1
                 last_ack[(rid, r.rank)] = src
-            elif kind == "fault.fired" and "mid-prefetch-abort" in str(attrs.get("kind", "")) + \
+            elif kind == Ev.FAULT and "mid-prefetch-abort" in str(attrs.get("kind", "")) + \
                     str(attrs.get("spec", "")):
                 facts.add(Fact.ABORT_DURING_PREFETCH, witness(
                     f"rank {r.rank}: fault {attrs.get('spec', 'mid-prefetch-abort')} fired "
@@ -109,7 +110,7 @@ def _holes(ev: Evidence, divs: list[Divergence], facts: FactSet) -> None:
     holes_fault = None
     for r in ev.ranks.values():
         for kind, attrs, src, _step in r.events:
-            if kind == "l3.prefetch.settle" and isinstance(attrs.get("pages_ok"), list):
+            if kind == Ev.PREFETCH_SETTLE and isinstance(attrs.get("pages_ok"), list):
                 ok = [bool(x) for x in attrs["pages_ok"]]
                 lead = next((i for i, x in enumerate(ok) if not x), len(ok))
                 committed = attrs.get("committed", attrs.get("pages"))
@@ -117,7 +118,7 @@ def _holes(ev: Evidence, divs: list[Divergence], facts: FactSet) -> None:
                     facts.add(Fact.PREFETCH_HOLE_COMMITTED, witness(
                         f"rank {r.rank}: {attrs.get('rid')} committed {committed} pages but only "
                         f"the first {lead} loaded (pages_ok={ok})", src, r.rank))
-            if kind == "fault.fired" and "holes" in str(attrs.get("spec", "")):
+            if kind == Ev.FAULT and "holes" in str(attrs.get("spec", "")):
                 holes_fault = holes_fault or witness(
                     f"rank {r.rank}: fault {attrs.get('spec')} fired", src, r.rank)
     if holes_fault is not None and (ev.outcome == "wrong-output" or ev.mismatches):
@@ -129,7 +130,7 @@ def _holes(ev: Evidence, divs: list[Divergence], facts: FactSet) -> None:
 def _allocation_and_checks(ev: Evidence, divs: list[Divergence], facts: FactSet) -> None:
     for r in ev.ranks.values():
         skips = [(a, s) for k, a, s, _ in r.events
-                 if k == "l2.write.skip" and a.get("parent_backed_up", True)]
+                 if k == Ev.WRITE_SKIP and a.get("parent_backed_up", True)]
         if len(skips) >= 3:
             facts.add(Fact.HOST_ALLOC_FAILING, witness(
                 f"rank {r.rank}: {len(skips)} backups refused by the host pool", skips[0][1],
@@ -137,12 +138,12 @@ def _allocation_and_checks(ev: Evidence, divs: list[Divergence], facts: FactSet)
         for kind, attrs, src, _step in r.events:
             fact = None
             if attrs.get("ok") is False:
-                fact = {"check.integrity": Fact.INVARIANT_BROKEN,
-                        "consensus.check": Fact.CONSENSUS_FIRED,
-                        "l3.storage": Fact.STORAGE_ERRORS}.get(kind)
-            elif kind == "consensus.check" and "divergent" in attrs:
+                fact = {Ev.INTEGRITY: Fact.INVARIANT_BROKEN,
+                        Ev.CONSENSUS: Fact.CONSENSUS_FIRED,
+                        Ev.STORAGE: Fact.STORAGE_ERRORS}.get(kind)
+            elif kind == Ev.CONSENSUS and "divergent" in attrs:
                 fact = Fact.CONSENSUS_FIRED
-            elif kind == "thread.died":
+            elif kind == Ev.WORKER_DIED:
                 fact = Fact.HOST_POOL_DOUBLE_USE if "Double" in str(attrs.get("error")) \
                     else Fact.CRASH
             if fact is not None:

@@ -69,9 +69,9 @@ class Evidence:
     expected_ranks: set[int]
     pid_ranks: dict[int, int] = field(default_factory=dict)
     mismatch_examples: list[dict[str, object]] = field(default_factory=list)
+    """The first few output mismatches a manifest lists (rid, index, expected, got, note)."""
     kv: KvContext = field(default_factory=KvContext)
     """Which KV storage and transfer layers the inputs show in use."""
-    """The first few output mismatches a manifest lists (rid, index, expected, got, note)."""
 
     def all_ranks(self) -> list[RankEvidence]:
         """Every rank record, the unranked one last."""

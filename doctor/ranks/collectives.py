@@ -31,7 +31,7 @@ from doctor.evidence import Collective, RankEvidence
 from doctor.ranks.builder import Evidence
 from doctor.ranks.p2p import P2P_OPS, p2p_findings
 from doctor.ranks.table import site_label
-from doctor.report.model import CollectiveFinding, EvidenceItem
+from doctor.report.model import CollectiveFinding, EvidenceItem, FindingKind
 
 _SIZE_FREE = {"all_to_all", "alltoall", "all_to_all_single", "gather", "scatter", "send", "recv",
               "coalesced", "batch_isend_irecv", "barrier", "broadcast_object_list"}
@@ -87,7 +87,7 @@ def _crossed_findings(evidence: Evidence) -> list[CollectiveFinding]:
              f"{', '.join(map(str, absent))} never entered" for rank, group, c, absent in waits]
     return [CollectiveFinding(
         group=",".join(sorted({g for _, g, _, _ in waits})), seq=waits[0][2].seq,
-        kind="crossed", ranks=sorted(r for r, _, _, _ in waits),
+        kind=FindingKind.CROSSED, ranks=sorted(r for r, _, _, _ in waits),
         detail="ranks stopped in different collectives: " + "; ".join(parts),
         evidence=[_item(c, rank) for rank, _, c, _ in waits][:4])]
 
@@ -130,13 +130,13 @@ def _group_findings(group: str, per_rank: Rings) -> list[CollectiveFinding]:
         ahead = sorted(r for r, last in lasts.items() if last >= seq)
         example = per_rank[ahead[0]].get(seq)
         out.append(CollectiveFinding(
-            group=group, seq=seq, kind="missing-ranks", ranks=behind,
+            group=group, seq=seq, kind=FindingKind.MISSING_RANKS, ranks=behind,
             detail=f"ranks {ahead} entered #{seq}"
                    + (f" ({example.op} from {site_label(example.site)})" if example else "")
                    + f"; ranks {behind} never did (their last is "
                    + ", ".join(f"{r}: #{lasts[r]}" for r in behind) + ")",
             evidence=[_item(per_rank[r][lasts[r]], r) for r in behind][:4]))
-    seen: set[str] = set()
+    seen: set[FindingKind] = set()
     for seq in range(window_start, min(lasts.values()) + 1):
         entries = {r: seqs[seq] for r, seqs in per_rank.items() if seq in seqs}
         if len(entries) < 2:
@@ -152,22 +152,22 @@ def _mismatches(group: str, seq: int, entries: dict[int, Collective]) -> list[Co
     out: list[CollectiveFinding] = []
     ops = {r: c.op for r, c in entries.items()}
     if len(set(ops.values())) > 1:
-        out.append(_finding(group, seq, "op-mismatch", entries,
+        out.append(_finding(group, seq, FindingKind.OP_MISMATCH, entries,
                             lambda r, c: f"rank {r}: {c.op} from {site_label(c.site)}"))
         return out
     sites = {r: site_label(c.site) for r, c in entries.items()}
     if len(set(sites.values())) > 1 and all(sites.values()):
-        out.append(_finding(group, seq, "site-mismatch", entries,
+        out.append(_finding(group, seq, FindingKind.SITE_MISMATCH, entries,
                             lambda r, c: f"rank {r}: {c.op} from {site_label(c.site)}"))
     op = next(iter(ops.values()))
     sizes = {r: c.sizes for r, c in entries.items()}
     if op not in _SIZE_FREE and len(set(sizes.values())) > 1:
-        out.append(_finding(group, seq, "size-mismatch", entries,
+        out.append(_finding(group, seq, FindingKind.SIZE_MISMATCH, entries,
                             lambda r, c: f"rank {r}: {c.op} sizes {c.sizes}"))
     return out
 
 
-def _finding(group: str, seq: int, kind: str, entries: dict[int, Collective],
+def _finding(group: str, seq: int, kind: FindingKind, entries: dict[int, Collective],
              describe: object) -> CollectiveFinding:
     parts = [describe(r, c) for r, c in sorted(entries.items())]  # type: ignore[operator]
     return CollectiveFinding(group=group, seq=seq, kind=kind, ranks=sorted(entries),
@@ -198,11 +198,12 @@ def _watchdog_findings(evidence: Evidence) -> list[CollectiveFinding]:
         return []
     low = min(s for s, _, _ in seen.values())
     ops = {op for s, op, _ in seen.values() if s == low}
-    kind = "op-mismatch" if len({s for s, _, _ in seen.values()}) == 1 else "seq-behind"
+    kind = FindingKind.OP_MISMATCH if len({s for s, _, _ in seen.values()}) == 1 \
+        else FindingKind.SEQ_BEHIND
     ranks = sorted(r for r, (s, _, _) in seen.items() if s == low)
     detail = "watchdog timeouts: " + "; ".join(
         f"rank {r}: SeqNum {s} {op}" for r, (s, op, _) in sorted(seen.items()))
-    if kind == "seq-behind":
+    if kind == FindingKind.SEQ_BEHIND:
         detail += f" (ranks {ranks} are behind at SeqNum {low} {'/'.join(sorted(ops))})"
     return [CollectiveFinding(group="nccl", seq=low, kind=kind, ranks=ranks, detail=detail,
                               evidence=[it for _, _, it in seen.values()][:4])]

@@ -17,12 +17,12 @@ from doctor.evidence import Decision
 from doctor.ranks.builder import Evidence
 from doctor.read.trace import REQUEST_KEYED
 from doctor.report.model import Divergence, EvidenceItem
+from hicache_runtime.contracts.events import Ev
 
 #: Which fact a divergence of each kind supports (read by :mod:`doctor.facts.derive`).
-DRAIN_KINDS = ("l2.write.drain", "l2.load.drain")
-PREFIX_KINDS = ("req.admit", "tree.match", "l3.prefetch.hit", "l3.prefetch.settle",
-                "sched.batch")
-EVICT_KINDS = ("tree.evict", "tree.evict_host")
+DRAIN_KINDS = (Ev.WRITE_DRAIN, Ev.LOAD_DRAIN)
+PREFIX_KINDS = (Ev.REQ_ADMIT, Ev.MATCH, Ev.PREFETCH_HIT, Ev.PREFETCH_SETTLE, Ev.BATCH)
+EVICT_KINDS = (Ev.EVICT, Ev.EVICT_HOST)
 
 
 def all_divergences(evidence: Evidence) -> list[Divergence]:

@@ -19,7 +19,7 @@ import functools
 import re
 from dataclasses import dataclass
 
-from doctor.evidence import Frame, ThreadStack
+from doctor.evidence import Frame, ThreadStack, ThreadState
 from signatures.models import FrameRules
 
 #: Thread roles told apart by what their stack runs (names differ between SGLang and us).
@@ -100,19 +100,19 @@ class FrameClassifier:
                 return f
         return self.innermost_in_app(frames)
 
-    def state(self, t: ThreadStack) -> str:
-        """``crashed`` | ``blocked`` | ``idle`` | ``active`` (see the module docstring)."""
+    def state(self, t: ThreadStack) -> ThreadState:
+        """What the thread was doing (see the module docstring)."""
         if t.fatal:
-            return "crashed"
+            return ThreadState.CRASHED
         if self.collective_index(t.frames) is not None:
             # caught inside a collective, but seen elsewhere a moment later: running
-            return "active" if t.moved else "blocked"
+            return ThreadState.ACTIVE if t.moved else ThreadState.BLOCKED
         py = [f for f in t.frames if f.line is not None]
         if py and any(r.match(py[0]) for r in self._idle):
-            return "idle"
+            return ThreadState.IDLE
         if t.idle:
-            return "idle"
-        return "active"
+            return ThreadState.IDLE
+        return ThreadState.ACTIVE
 
     def role(self, t: ThreadStack) -> str:
         """``prefetch`` for storage/prefetch threads, ``main`` for the scheduler, else the name."""

@@ -25,7 +25,7 @@ from collections import defaultdict
 
 from doctor.evidence import Collective
 from doctor.ranks.table import site_label
-from doctor.report.model import CollectiveFinding, EvidenceItem
+from doctor.report.model import CollectiveFinding, EvidenceItem, FindingKind
 
 SEND_OPS = frozenset({"isend", "send"})
 RECV_OPS = frozenset({"irecv", "recv"})
@@ -52,7 +52,7 @@ def p2p_findings(group: str, per_rank: Rings) -> list[CollectiveFinding]:
             else:
                 recvs[(peer, rank)] = channel
     out: list[CollectiveFinding] = []
-    seen: set[str] = set()
+    seen: set[FindingKind] = set()
     for (src, dst) in sorted(set(sends) | set(recvs)):
         if src not in per_rank or dst not in per_rank or {src, dst} & unknown:
             continue  # one end has no recorder, or its ordinals are unknown: no claim
@@ -91,7 +91,7 @@ def _channel_findings(group: str, src: int, dst: int, sent: Channel, got: Channe
         if k in sent:
             c = sent[k]
             out.append(_finding(
-                group, "unreceived-send", c, src, [src, dst],
+                group, FindingKind.UNRECEIVED_SEND, c, src, [src, dst],
                 f"rank {src}'s {c.op} #{c.seq} to rank {dst} from {site_label(c.site)} "
                 f"({_nth(k)} on this channel) was never received: rank {dst} received "
                 f"{last_got + 1} from rank {src}" + _last(got, last_got)))
@@ -100,7 +100,7 @@ def _channel_findings(group: str, src: int, dst: int, sent: Channel, got: Channe
         if k in got:
             c = got[k]
             out.append(_finding(
-                group, "unmatched-recv", c, dst, [dst],
+                group, FindingKind.UNMATCHED_RECV, c, dst, [dst],
                 f"rank {dst}'s {c.op} #{c.seq} from rank {src} at {site_label(c.site)} "
                 f"({c.state}) waits for a send that never came: rank {src} sent "
                 f"{last_sent + 1} to rank {dst}" + _last(sent, last_sent)))
@@ -108,7 +108,7 @@ def _channel_findings(group: str, src: int, dst: int, sent: Channel, got: Channe
         if sent[k].sizes != got[k].sizes and sent[k].sizes and got[k].sizes:
             s, g = sent[k], got[k]
             out.append(_finding(
-                group, "size-mismatch", g, dst, [src, dst],
+                group, FindingKind.SIZE_MISMATCH, g, dst, [src, dst],
                 f"{_nth(k)} message rank {src} -> rank {dst}: {s.op} #{s.seq} sizes {s.sizes} "
                 f"from {site_label(s.site)}; {g.op} #{g.seq} sizes {g.sizes} at "
                 f"{site_label(g.site)}", extra=(s, src)))
@@ -129,7 +129,7 @@ def _nth(k: int) -> str:
     return f"{n}{suffix}"
 
 
-def _finding(group: str, kind: str, c: Collective, rank: int, ranks: list[int], detail: str,
+def _finding(group: str, kind: FindingKind, c: Collective, rank: int, ranks: list[int], detail: str,
              extra: tuple[Collective, int] | None = None) -> CollectiveFinding:
     items = [_item(c, rank)] + ([_item(*extra)] if extra else [])
     return CollectiveFinding(group=group, seq=c.seq, kind=kind, ranks=sorted(ranks),

@@ -12,11 +12,11 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from doctor.evidence import ExceptionRecord, Frame, RankEvidence, ThreadStack
+from doctor.evidence import ExceptionRecord, Frame, RankEvidence, ThreadStack, ThreadState
 from doctor.ranks.builder import Evidence
 from doctor.ranks.exits import describe, stopped_after_dump
 from doctor.ranks.frames import FrameClassifier
-from doctor.report.model import BlockedSite, EvidenceItem, RankRow
+from doctor.report.model import BlockedSite, EvidenceItem, RankCondition, RankRow
 
 MAX_MISSING_ROWS = 32
 _COMM_ERROR = re.compile(r"Timed out waiting|Connection (closed|reset) by peer|NCCL|"
@@ -59,7 +59,7 @@ def blocked_threads(ev: RankEvidence, frames: FrameClassifier) -> list[ThreadSta
     """Threads inside a collective. When no dumped thread is inside one (no dumps, or dumps
     taken after the timeout unwound the stack), the traceback of a collective that timed out
     or lost its peer stands in: it shows where the rank waited."""
-    dumped = [t for t in ev.threads if frames.state(t) == "blocked"]
+    dumped = [t for t in ev.threads if frames.state(t) == ThreadState.BLOCKED]
     # py-spy is taken by the launcher at about the same moment on every rank; a rank's own
     # faulthandler dump may come seconds later, after the rank moved on
     pyspy = [t for t in dumped if t.origin == "pyspy"]
@@ -107,12 +107,12 @@ def rank_rows(evidence: Evidence, frames: FrameClassifier) -> list[RankRow]:
     present = set(evidence.ranks)
     # one row per missing rank up to a few; the report lists all of them as ranges
     for r in sorted(evidence.expected_ranks - present)[:MAX_MISSING_ROWS]:
-        rows.append(RankRow(rank=r, role=_role_for(r, evidence), state="missing"))
+        rows.append(RankRow(rank=r, role=_role_for(r, evidence), state=RankCondition.MISSING))
     return sorted(rows, key=lambda row: row.rank)
 
 
 def _row(ev: RankEvidence, frames: FrameClassifier) -> RankRow:
-    row = RankRow(rank=ev.rank, role=ev.role, state="unknown", sources=sorted(ev.kinds),
+    row = RankRow(rank=ev.rank, role=ev.role, state=RankCondition.UNKNOWN, sources=sorted(ev.kinds),
                   last_seq=_last_seq(ev))
     crashed = [t for t in ev.threads if t.fatal]
     exc = failing_exception(ev, frames)
@@ -120,24 +120,24 @@ def _row(ev: RankEvidence, frames: FrameClassifier) -> RankRow:
     if crashed:
         _crashed_row(row, crashed[0], exc, blocked, frames)
     elif exc is not None and not is_comm_error(exc):
-        row.state, row.error = "crashed", f"{exc.text}"[:200]
+        row.state, row.error = RankCondition.CRASHED, f"{exc.text}"[:200]
         row.frame = site_label(frames.innermost_caller(exc.frames))
         if not exc.frames and blocked:  # a C++ exception: where its Python thread waited
             row.site = site_label(frames.call_site(blocked[0].frames))
     elif blocked:
         t = sorted(blocked, key=lambda t: frames.role(t) != "main")[0]
-        row.state, row.thread = "blocked", t.name or t.tid
+        row.state, row.thread = RankCondition.BLOCKED, t.name or t.tid
         row.frame = site_label(frames.innermost_caller(t.frames))
         row.site = site_label(frames.call_site(t.frames))
         if t.origin == "traceback" and exc is not None:
             row.error = f"{exc.text}"[:200]
     elif exc is not None:
-        row.state, row.error = "failed", f"{exc.text}"[:200]
+        row.state, row.error = RankCondition.FAILED, f"{exc.text}"[:200]
         row.frame = site_label(frames.innermost_caller(exc.frames))
     elif ev.threads:
         main = [t for t in ev.threads if frames.role(t) == "main"] or list(ev.threads)
         row.thread = main[0].name or main[0].tid
-        row.state = frames.state(main[0])
+        row.state = RankCondition(frames.state(main[0]))
         row.frame = site_label(frames.innermost_caller(main[0].frames))
     _exit_state(ev, row)
     return row
@@ -148,7 +148,7 @@ def _crashed_row(row: RankRow, t: ThreadStack, exc: ExceptionRecord | None,
     """A thread died of a fatal signal. When it has no Python frames (a C++ abort on a gloo
     thread), the Python thread that was inside a collective says where the rank was, and a
     frameless C++ exception (``terminate called ... what():``) says why."""
-    row.state, row.thread, row.error = "crashed", t.name or t.tid, f"Fatal: {t.fatal}"
+    row.state, row.thread, row.error = RankCondition.CRASHED, t.name or t.tid, f"Fatal: {t.fatal}"
     row.frame = site_label(frames.innermost_caller(t.frames) or (t.frames or [None])[0])
     if t.frames:
         return
@@ -161,18 +161,21 @@ def _crashed_row(row: RankRow, t: ThreadStack, exc: ExceptionRecord | None,
         row.error = f"Fatal: {t.fatal} after {exc.text}"[:200]
 
 
+#: States in which nothing on the rank's stacks says it failed: its exit code has the last word.
+_NO_FAILURE_SEEN = (RankCondition.UNKNOWN, RankCondition.IDLE, RankCondition.ACTIVE)
+
+
 def _exit_state(ev: RankEvidence, row: RankRow) -> None:
     codes = [x for x in ev.exits if x.exit_code not in (None, 0)]
     if not codes:
-        if any(x.exit_code == 0 for x in ev.exits) and row.state in ("unknown", "idle",
-                                                                      "active"):
+        if any(x.exit_code == 0 for x in ev.exits) and row.state in _NO_FAILURE_SEEN:
             # a rank that returned normally: its dump threads say nothing about a failure
-            row.state, row.frame, row.thread = "finished", None, None
+            row.state, row.frame, row.thread = RankCondition.FINISHED, None, None
         return
     x = sorted(codes, key=lambda x: not x.root_cause)[0]
     what = describe(x)
-    if row.state in ("unknown", "idle", "active") and not stopped_after_dump(x):
-        row.state = "exited"
+    if row.state in _NO_FAILURE_SEEN and not stopped_after_dump(x):
+        row.state = RankCondition.EXITED
     row.error = f"{row.error}; {what}" if row.error else what
 
 

@@ -22,6 +22,7 @@ from doctor.evidence import ExceptionRecord, ExitRecord, RankHint, SourceRef
 from doctor.ranks.builder import MAX_SLOTS, MAX_WORLD, EvidenceBuilder
 from hicache_runtime.contracts.bundle import Manifest
 from hicache_runtime.contracts.errors import DumpFormatError
+from hicache_runtime.contracts.events import Ev
 
 CAPTURE_KIND = "hicache-capture"
 CAPTURE_SCHEMA_VERSION = "1.1"
@@ -97,7 +98,7 @@ def read_manifest(raw: bytes, name: str, sink: EvidenceBuilder) -> None:
     for f in m.faults_fired:
         if _valid_rank(f.rank):
             sink.slot(RankHint(rank=f.rank)).events.append(
-                ("fault.fired", f.model_dump(), src, f.step))
+                (Ev.FAULT, f.model_dump(), src, f.step))
     for i, r in enumerate(m.ranks):
         _rank_entry(r.model_dump(), SourceRef(name, None), sink, i)
 

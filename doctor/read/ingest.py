@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from doctor.evidence import MAX_NAME, InputRecord, RankHint, clip
+from doctor.evidence import MAX_NAME, InputRecord, InputStatus, RankHint, clip
 from doctor.ranks.builder import EvidenceBuilder
 from doctor.ranks.frames import classifier_for
 from doctor.read.bundle import MAX_MANIFEST_BYTES, read_capture, read_manifest
@@ -95,19 +95,20 @@ class Ingester:
         except OSError as exc:
             why = "not found" if isinstance(exc, FileNotFoundError) else \
                 f"cannot read: {exc.strerror or exc}"
-            self.sink.inputs.append(InputRecord(arg, "?", "error", why))
+            self.sink.inputs.append(InputRecord(arg, "?", InputStatus.ERROR, why))
             return
         if stat.S_ISDIR(mode):
             count = len(self.sink.inputs)
             for f in _walk(path, self.sink):
                 self._read_file(f, display=str(f))
             if len(self.sink.inputs) == count:  # like an empty file: read, nothing in it
-                self.sink.inputs.append(InputRecord(arg, EMPTY, "read", "empty directory"))
+                self.sink.inputs.append(InputRecord(arg, EMPTY, InputStatus.READ,
+                                                    "empty directory"))
         elif stat.S_ISREG(mode) or stat.S_ISFIFO(mode):
             self._read_file(path, display=arg)
         else:
-            self.sink.inputs.append(InputRecord(
-                arg, "?", "error", f"not a regular file ({describe_mode(mode)}); not read"))
+            self.sink.inputs.append(InputRecord(arg, "?", InputStatus.ERROR, f"not a regular file "
+                                                f"({describe_mode(mode)}); not read"))
 
     def add_stream(self, name: str, stream: BinaryIO) -> None:
         """An already open stream (tests, stdin)."""
@@ -118,32 +119,33 @@ class Ingester:
             with path.open("rb") as fh:
                 self._read_one(display, fh, depth=0)
         except OSError as exc:
-            self.sink.inputs.append(InputRecord(display, "?", "error",
+            self.sink.inputs.append(InputRecord(display, "?", InputStatus.ERROR,
                                                 f"cannot open: {exc.strerror or exc}"))
 
     def _read_one(self, name: str, stream: BinaryIO, depth: int) -> None:
         try:
             head = stream.read(HEAD_BYTES)
         except (OSError, EOFError, tarfile.TarError, gzip.BadGzipFile) as exc:
-            self.sink.inputs.append(InputRecord(name, "?", "error", f"cannot read: {exc}"))
+            self.sink.inputs.append(InputRecord(name, "?", InputStatus.ERROR,
+                                                f"cannot read: {exc}"))
             return
         if not head:
-            self.sink.inputs.append(InputRecord(name, EMPTY, "read", "empty",
+            self.sink.inputs.append(InputRecord(name, EMPTY, InputStatus.READ, "empty",
                                                 rank=path_hint(name).rank))
             return
         kind = sniff(name, head)
-        record = InputRecord(name, kind.value, "read", rank=path_hint(name).rank)
+        record = InputRecord(name, kind.value, InputStatus.READ, rank=path_hint(name).rank)
         self.sink.inputs.append(record)
         body = _rewound(stream, head)
         try:
             record.message = self._dispatch(kind, name, head, body, depth) or ""
         except DumpFormatError as exc:
-            record.status, record.message = "error", str(exc)
+            record.status, record.message = InputStatus.ERROR, str(exc)
         except (OSError, EOFError, tarfile.TarError, gzip.BadGzipFile, UnicodeError,
                 ValueError, RecursionError, MemoryError) as exc:
-            record.status, record.message = "error", f"{type(exc).__name__}: {exc}"
+            record.status, record.message = InputStatus.ERROR, f"{type(exc).__name__}: {exc}"
         except Exception as exc:  # a reader bug must not hide the other inputs' evidence
-            record.status = "error"
+            record.status = InputStatus.ERROR
             record.message = f"internal error reading this input ({type(exc).__name__}: {exc})"
 
     def _dispatch(self, kind: Kind, name: str, head: bytes, body: BinaryIO,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import re
 
+from doctor.evidence import ThreadState
 from doctor.facts.factset import FactSet
 from doctor.ranks.builder import Evidence
 from doctor.ranks.frames import FrameClassifier
@@ -68,7 +69,7 @@ def fingerprint(ev: Evidence, frames: FrameClassifier, sites: list[BlockedSite],
                 break
     if not funcs and not sites:  # a hang or a stall: where the busy threads are
         busy = [t for r in ev.all_ranks() for t in r.threads
-                if frames.state(t) in ("active", "crashed")]
+                if frames.state(t) in (ThreadState.ACTIVE, ThreadState.CRASHED)]
         funcs = _innermost(busy[0].frames, frames) if busy else []
     errors = sorted({normalise(text, 100) for r in ev.all_ranks()
                      for text, _ in list(r.errors)[:MAX_ERRORS]})[:MAX_ERRORS]

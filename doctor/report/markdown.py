@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 
+from doctor.evidence import InputStatus
 from doctor.report.model import Diagnosis, EvidenceItem, Verdict
 
 #: Characters with a meaning in (GitHub-flavoured) Markdown inline text or tables.
@@ -90,7 +91,7 @@ def diagnosis_markdown(d: Diagnosis) -> str:
         out += [f"- {e_(m.what)}: {md_code(m.command)}" for m in d.missing] + [""]
     if d.problems:
         out += ["## Input problems", ""] + [f"- {e_(p)}" for p in d.problems] + [""]
-    bad = [i for i in d.inputs if i.status != "read"]
+    bad = [i for i in d.inputs if i.status != InputStatus.READ]
     out += ["## Inputs", "", f"{len(d.inputs)} input(s), {len(bad)} not readable.", ""]
     out += [f"- {md_code(i.path)} ({e_(i.kind)}): {e_(i.status)} {e_(i.message)}"
             for i in bad[:50]]

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from doctor.ranks.builder import Evidence
 from doctor.report.bounds import rank_ranges
-from doctor.report.model import MissingItem, RankRow
+from doctor.report.model import MissingItem, RankCondition, RankRow
 
 MAX_ITEMS = 32
+#: Rows whose stacks a hang does not need asked for: the rank is missing altogether (its own
+#: items say so), or its stacks are already in the inputs.
+_HAVE_STACKS_OR_NONE = (RankCondition.MISSING, RankCondition.BLOCKED, RankCondition.CRASHED)
 _PGREP = "pgrep -af 'sglang::scheduler'"
 
 
@@ -36,7 +39,7 @@ def missing_items(ev: Evidence, rows: list[RankRow], hang: bool) -> list[Missing
     if hang:
         for row in rows:
             e = ev.ranks.get(row.rank)
-            if row.state not in ("missing", "blocked", "crashed") and e and not e.threads:
+            if row.state not in _HAVE_STACKS_OR_NONE and e and not e.threads:
                 items.append(MissingItem(
                     rank=row.rank, what=f"stacks of rank {row.rank} during the hang",
                     command=_pyspy(row.rank, pids.get(row.rank), ev)))

@@ -15,13 +15,68 @@ bounded (:mod:`doctor.report.bounds`): the report is drawn from untrusted inputs
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, Field
 
+from doctor.evidence import InputStatus
+
 DIAGNOSIS_SCHEMA_VERSION = "1.2"
 DIAGNOSIS_KIND = "hicache-diagnosis"
 EXIT_DIAGNOSED, EXIT_NO_SIGNATURE, EXIT_UNREADABLE = 0, 1, 2
+
+
+# StrEnums, as in doctor.evidence: the JSON and every text report carry the plain value.
+
+
+class DiagnosisStatus(StrEnum):
+    """The diagnosis as a whole; each goes with its exit code."""
+
+    DIAGNOSED = "diagnosed"
+    """A known signature was named (exit 0)."""
+    NO_KNOWN_SIGNATURE = "no-known-signature"
+    """The inputs were read, but no known signature fits (exit 1)."""
+    UNREADABLE = "unreadable"
+    """No input could be read (exit 2)."""
+
+
+class RankCondition(StrEnum):
+    """How a rank stands in the rank table: the state of the thread that matters, or what
+    its exit, its absence or an exception without a stack says."""
+
+    CRASHED = "crashed"
+    """A thread died of a fatal signal, or the rank raised an exception of its own."""
+    BLOCKED = "blocked"
+    """A thread is inside a collective."""
+    IDLE = "idle"
+    """Its main thread waits for work."""
+    ACTIVE = "active"
+    """Its main thread runs."""
+    FAILED = "failed"
+    """It raised a communication error (a peer's failure, as this rank saw it)."""
+    EXITED = "exited"
+    """Its process ended with a non-zero code and no stack says more."""
+    FINISHED = "finished"
+    """Its process returned normally."""
+    MISSING = "missing"
+    """The job has it, but no input covers it."""
+    UNKNOWN = "unknown"
+    """Inputs name it, but none says what it was doing."""
+
+
+class FindingKind(StrEnum):
+    """A cross-rank disagreement of collectives (:mod:`doctor.ranks.collectives`) or of
+    point-to-point pairs (:mod:`doctor.ranks.p2p`); those modules say what each means."""
+
+    MISSING_RANKS = "missing-ranks"
+    OP_MISMATCH = "op-mismatch"
+    SITE_MISMATCH = "site-mismatch"
+    SIZE_MISMATCH = "size-mismatch"
+    SEQ_BEHIND = "seq-behind"
+    CROSSED = "crossed"
+    UNRECEIVED_SEND = "unreceived-send"
+    UNMATCHED_RECV = "unmatched-recv"
 
 
 class EvidenceItem(BaseModel):
@@ -91,8 +146,7 @@ class RankRow(BaseModel):
 
     rank: int
     role: str
-    state: str
-    """crashed | blocked | idle | active | exited | finished | missing | unknown"""
+    state: RankCondition
     thread: str | None = None
     frame: str | None = None
     """Innermost in-app frame of the failing or blocked thread (``func (file:line)``)."""
@@ -118,10 +172,7 @@ class CollectiveFinding(BaseModel):
 
     group: str
     seq: int
-    kind: str
-    """missing-ranks | op-mismatch | site-mismatch | size-mismatch | seq-behind | crossed
-    (collectives);
-    unreceived-send | unmatched-recv | size-mismatch (point-to-point pairs)"""
+    kind: FindingKind
     detail: str
     ranks: list[int]
     evidence: list[EvidenceItem] = []
@@ -153,7 +204,7 @@ class MissingItem(BaseModel):
 class InputSummary(BaseModel):
     path: str
     kind: str
-    status: str
+    status: InputStatus
     message: str = ""
     rank: int | None = None
 
@@ -164,8 +215,7 @@ class Diagnosis(BaseModel):
     schema_version: str = DIAGNOSIS_SCHEMA_VERSION
     kind: str = DIAGNOSIS_KIND
     catalog_version: str
-    status: str
-    """diagnosed | no-known-signature | unreadable"""
+    status: DiagnosisStatus
     exit_code: int
     summary: str
     verdicts: list[Verdict] = []

@@ -7,16 +7,18 @@ instead of forcing the nearest signature.
 
 from __future__ import annotations
 
+from doctor.evidence import InputStatus
 from doctor.facts.factset import FactSet
 from doctor.ranks.builder import Evidence
-from doctor.report.model import BlockedSite, CollectiveFinding, Divergence, RankRow
+from doctor.report.model import BlockedSite, CollectiveFinding, Divergence, RankCondition, RankRow
+from hicache_runtime.contracts.bundle import RunOutcome
 from signatures.facts import Fact
 
 
 def observations(ev: Evidence, facts: FactSet, rows: list[RankRow], sites: list[BlockedSite],
                  findings: list[CollectiveFinding], first: Divergence | None) -> list[str]:
     out = _outcome(ev, first) + _outside_the_catalog(ev, facts)
-    for r in [r for r in rows if r.state == "crashed"][:4]:
+    for r in [r for r in rows if r.state == RankCondition.CRASHED][:4]:
         out.append(f"Rank {r.rank} ({r.role}) crashed: {r.error}"
                    + (f" at {r.frame}" if r.frame else "") + ".")
     if Fact.PEER_EXITED_FIRST in facts:
@@ -40,7 +42,7 @@ def observations(ev: Evidence, facts: FactSet, rows: list[RankRow], sites: list[
     if not out:
         out += _unranked_stacks(ev) or _error_lines(ev)
     if not out and not ev.ranks and not ev.unranked.exceptions and not ev.unranked.hits \
-            and any(i.status == "read" for i in ev.inputs):
+            and any(i.status == InputStatus.READ for i in ev.inputs):
         out.append("The inputs hold no failure evidence the doctor recognises.")
     return out
 
@@ -97,10 +99,10 @@ _NONE = _None()
 
 def _outcome(ev: Evidence, first: Divergence | None) -> list[str]:
     """What the run's own record says happened: a wrong output, or no failure at all."""
-    if ev.outcome == "healthy" and not ev.mismatches:
+    if ev.outcome == RunOutcome.HEALTHY and not ev.mismatches:
         return ["The bundle records a healthy run: every rank finished and the outputs matched "
                 "the cache-disabled reference. There is nothing to diagnose."]
-    if ev.outcome != "wrong-output" and not ev.mismatches:
+    if ev.outcome != RunOutcome.WRONG_OUTPUT and not ev.mismatches:
         return []
     text = (f"Wrong output: the run finished, but {ev.mismatches} request(s) differ from the "
             "cache-disabled reference")

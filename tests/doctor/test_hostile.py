@@ -69,7 +69,8 @@ def test_ranges_and_clipping() -> None:
     assert rank_ranges([2]) == "2"
     assert rank_ranges(list(range(0, 100, 2)), max_ranges=3) == \
         "0, 2, 4, and 47 more rank(s) (50 ranks)"
-    d = Diagnosis(catalog_version="x", status="s", exit_code=1, summary="s" * 10_000,
+    d = Diagnosis(catalog_version="x", status="no-known-signature", exit_code=1,
+                  summary="s" * 10_000,
                   near_misses=[NearMiss(signature="n", score=0.5, because="b" * 9000)],
                   topology={"k" * 5000: "v" * 5000},
                   observations=["o" * 5000], problems=["ok"])

@@ -23,6 +23,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from doctor.evidence import KvLineKind
+
 #: Components that are a KV storage tier (on the raw line: prefixes, tags, source sites).
 _STORE = re.compile(
     r"LMCache (?:WARNING|WARN|ERROR|CRITICAL)\b|\[infini\] \[(?:warning|error|critical)\]"
@@ -83,7 +85,8 @@ class KvContext:
     pd: bool = False
     """Prefill/decode disaggregation is in the picture."""
 
-    def observe(self, raw: str) -> None:
+    def note(self, raw: str) -> None:
+        """Remember the store components and the disaggregation ``raw`` names."""
         m = _STORE.search(raw)
         if m and len(self.store) < 16:
             self.store.add(m[0][:40])
@@ -91,22 +94,21 @@ class KvContext:
             self.pd = True
 
 
-def classify(raw: str, ctx: KvContext) -> str | None:
-    """What one raw line (prefixes included) says: ``store-failure``, ``pool-pressure``,
-    ``pd-failure`` (the disaggregation transfer failed), ``transfer-failure`` (a transfer
-    engine both use failed: :class:`KvContext` decides whose) or None."""
+def classify(raw: str, ctx: KvContext) -> KvLineKind | None:
+    """What one raw line (prefixes included) reports, or None. The components it names are
+    noted in ``ctx``: the whole input's context decides whose a ``TRANSFER_FAILURE`` is."""
     if not _gated(raw):
         return None
-    ctx.observe(raw)
+    ctx.note(raw)
     pd = _PD.search(raw) is not None
     store = not pd and _STORE.search(raw) is not None
     transfer = not store and _TRANSFER.search(raw) is not None
     if not (store or transfer or pd):
         return None
     if store and _PRESSURE.search(raw):
-        return "pool-pressure"
+        return KvLineKind.POOL_PRESSURE
     if not _FAILURE.search(_ZERO_FAILED.sub("", raw)) or _NOT_FAILURE.search(raw):
         return None
     if pd:
-        return "pd-failure"
-    return "store-failure" if store else "transfer-failure"
+        return KvLineKind.PD_FAILURE
+    return KvLineKind.STORE_FAILURE if store else KvLineKind.TRANSFER_FAILURE
