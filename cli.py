@@ -466,7 +466,7 @@ def _inject_faults(faults: list[str], tp: int | None, pp: int | None,
                    config: Path | None, bundle_dir: Path | None, warm: bool | None,
                    json_out: bool) -> None:
     import render
-    from faults.campaign.cells import observe
+    from faults.campaign.cells import run_and_diagnose
     from faults.spec import parse_faults
     from hicache_runtime.config import load_config
     from hicache_runtime.contracts.legacy import parse_legacy
@@ -480,13 +480,14 @@ def _inject_faults(faults: list[str], tp: int | None, pp: int | None,
         data["legacy"] = parse_legacy(legacy)
     cfg = load_config(data)
     _check_machine(cfg)
-    obs = observe(cfg, warm=bool(warm), compare=True,
-                  bundle_root=bundle_dir or cfg.observability.bundle_dir or DEFAULT_BUNDLE_ROOT)
+    done = run_and_diagnose(cfg, warm=bool(warm), compare=True,
+                            bundle_root=bundle_dir or cfg.observability.bundle_dir
+                            or DEFAULT_BUNDLE_ROOT)
     if json_out:
-        print(obs.model_dump_json(indent=2))
+        print(done.model_dump_json(indent=2))
     else:
-        render.inject_summary(obs)
-    raise typer.Exit(EXIT_OK if obs.observed == "healthy" else EXIT_UNHEALTHY)
+        render.inject_summary(done)
+    raise typer.Exit(EXIT_OK if done.observed == "healthy" else EXIT_UNHEALTHY)
 
 
 # --- trace ----------------------------------------------------------------------------------
@@ -497,8 +498,6 @@ def _inject_faults(faults: list[str], tp: int | None, pp: int | None,
 def trace_export(
     traces: Annotated[list[Path], typer.Argument(help="JSONL traces or bundle directories.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Output file.")] = Path("trace.json"),
-    perfetto: Annotated[bool, typer.Option(
-        "--perfetto", help="Chrome/Perfetto trace JSON (the only format so far).")] = True,
     json_out: Annotated[bool, typer.Option(
         "--json", help="Print what was written and skipped as JSON.")] = False,
 ) -> None:

@@ -558,23 +558,24 @@ def shrink_summary(r: Any) -> None:
         con.print(f"rerun: hicache campaign {esc(r.cell_spec)}", soft_wrap=True)
 
 
-def inject_summary(obs: Any) -> None:
+def inject_summary(done: Any) -> None:
+    """``hicache inject``: how the run ended and what the doctor names (a ``DiagnosedRun``)."""
     con = console()
-    style = OUTCOME_STYLE.get(obs.outcome, STYLE_WARN)
-    con.print(f"outcome [{style}]{obs.outcome}[/]"
-              + ("" if obs.output_match is None else
-                 f", outputs {'identical to' if obs.output_match else 'differ from'} the "
-                 "cache-disabled run") + f"; {obs.faults_fired} fault firing(s)")
-    if obs.error:
-        con.print(f"[{STYLE_BAD}]{esc(obs.error)}[/]", soft_wrap=True)
-    if obs.signature:
-        con.print(f"the doctor names [{STYLE_BAD}]{esc(obs.signature)}[/] "
-                  f"({obs.confidence:.2f}); hicache doctor {esc(obs.bundle or '')}",
+    style = OUTCOME_STYLE.get(done.outcome, STYLE_WARN)
+    con.print(f"outcome [{style}]{done.outcome}[/]"
+              + ("" if done.output_match is None else
+                 f", outputs {'identical to' if done.output_match else 'differ from'} the "
+                 "cache-disabled run") + f"; {done.faults_fired} fault firing(s)")
+    if done.error:
+        con.print(f"[{STYLE_BAD}]{esc(done.error)}[/]", soft_wrap=True)
+    if done.signature:
+        con.print(f"the doctor names [{STYLE_BAD}]{esc(done.signature)}[/] "
+                  f"({done.confidence:.2f}); hicache doctor {esc(done.bundle or '')}",
                   soft_wrap=True)
-    elif obs.bundle:
-        con.print(f"no known signature fits; bundle {esc(obs.bundle)}", soft_wrap=True)
-    if obs.bundle:
-        con.print(f"replay: hicache inject --replay {esc(obs.bundle)} [--shrink]",
+    elif done.bundle:
+        con.print(f"no known signature fits; bundle {esc(done.bundle)}", soft_wrap=True)
+    if done.bundle:
+        con.print(f"replay: hicache inject --replay {esc(done.bundle)} [--shrink]",
                   soft_wrap=True)
 
 

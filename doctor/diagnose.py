@@ -13,7 +13,7 @@ from typing import BinaryIO, TypeVar
 from doctor.evidence import InputStatus
 from doctor.facts.derive import derive_facts
 from doctor.facts.factset import FactSet
-from doctor.facts.observation import observe
+from doctor.facts.observation import build_observation
 from doctor.facts.trace import divergence_fact
 from doctor.ranks.builder import Evidence, EvidenceBuilder
 from doctor.ranks.collectives import align
@@ -40,7 +40,7 @@ from doctor.report.model import (
 )
 from doctor.report.narrative import observations
 from hicache_runtime.contracts.bundle import RunOutcome
-from signatures.facts import Fact
+from signatures.fact_names import Fact
 from signatures.loader import load_catalog
 from signatures.matching import NEAR_MISS, LookalikeMatch, Score, match_lookalikes, score_all
 from signatures.models import Catalog
@@ -82,7 +82,7 @@ def analyse(ev: Evidence, catalog: Catalog) -> Diagnosis:
     facts = guard("facts", lambda: derive_facts(ev, frames, rows, sites, findings, divs,
                                                 problems.append), FactSet())
     first = divs[0] if divs else None
-    obs = guard("observation", lambda: observe(ev, frames, facts), None)
+    obs = guard("observation", lambda: build_observation(ev, frames, facts), None)
     scores = guard("scoring", lambda: score_all(catalog, obs, _causal(first, facts)),
                    []) if obs is not None else []
     looks = guard("look-alikes", lambda: match_lookalikes(catalog, obs),

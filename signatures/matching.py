@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from signatures.facts import Fact
+from signatures.fact_names import Fact
 from signatures.models import Catalog, FactRecogniser, Lookalike, Marker, MarkerKind, Signature
 
 NEAR_MISS = 0.25

@@ -16,7 +16,7 @@ from enum import Enum
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from signatures.facts import Fact
+from signatures.fact_names import Fact
 
 CELL_RE = re.compile(r"^(?P<topology>tp\d+(?:pp\d+)?|pp\d+)/(?P<legacy>[a-z-]+)/"
                      r"(?P<fault>[a-z-]+(?::\S+)?)$")

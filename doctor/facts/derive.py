@@ -1,4 +1,4 @@
-"""Deriving structural facts (:class:`signatures.facts.Fact`) from the evidence.
+"""Deriving structural facts (:class:`signatures.fact_names.Fact`) from the evidence.
 
 Each ``_fact_*`` function reads one part of the evidence and adds facts with witnesses. This
 module covers outcomes, stacks, collectives, exits and exceptions; :mod:`doctor.facts.trace`
@@ -28,7 +28,7 @@ from doctor.report.model import (
     RankRow,
 )
 from hicache_runtime.contracts.bundle import RunOutcome
-from signatures.facts import Fact
+from signatures.fact_names import Fact
 from signatures.matching import Witness
 
 _CONFIG_FRAMES = re.compile(r"server_args|__post_init__|check_server_args|load_config|"

@@ -14,7 +14,7 @@ from doctor.ranks.exits import describe, killed_without_dump, stopped_after_dump
 from doctor.ranks.frames import FrameClassifier
 from doctor.ranks.table import failing_exception, is_comm_error, site_label
 from doctor.report.model import RankCondition, RankRow
-from signatures.facts import Fact
+from signatures.fact_names import Fact
 from signatures.matching import Witness
 
 

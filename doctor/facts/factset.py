@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from doctor.evidence import SourceRef
-from signatures.facts import Fact
+from signatures.fact_names import Fact
 from signatures.matching import Witness
 
 MAX_WITNESSES = 6

@@ -24,7 +24,8 @@ from signatures.matching import (
 )
 
 
-def observe(ev: Evidence, frames: FrameClassifier, facts: FactSet) -> Observation:
+def build_observation(ev: Evidence, frames: FrameClassifier, facts: FactSet) -> Observation:
+    """The observation the catalog scores, from the resolved evidence and its facts."""
     obs = Observation(facts=dict(facts))
     for r in ev.all_ranks():
         _rank(r, frames, obs)

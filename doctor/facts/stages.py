@@ -16,7 +16,7 @@ from doctor.facts.factset import FactSet, witness
 from doctor.ranks.builder import Evidence
 from doctor.report.model import Divergence
 from hicache_runtime.contracts.events import Ev
-from signatures.facts import Fact
+from signatures.fact_names import Fact
 
 
 def stage_batches(ev: Evidence, divs: list[Divergence], facts: FactSet) -> None:

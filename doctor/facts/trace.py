@@ -30,7 +30,7 @@ from doctor.ranks.builder import Evidence
 from doctor.ranks.divergence import DRAIN_KINDS, EVICT_KINDS, PREFIX_KINDS
 from doctor.report.model import Divergence
 from hicache_runtime.contracts.events import Ev
-from signatures.facts import Fact
+from signatures.fact_names import Fact
 from signatures.matching import Witness
 
 _DIVERGENCE_FACT = {**dict.fromkeys(DRAIN_KINDS, Fact.DRAIN_COUNT_DIVERGENCE),

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from doctor.report.model import Diagnosis
-from signatures.facts import Fact
+from signatures.fact_names import Fact
 from signatures.models import Signature
 
 TODO = "TODO (maintainer):"

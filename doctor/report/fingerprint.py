@@ -25,7 +25,7 @@ from doctor.ranks.builder import Evidence
 from doctor.ranks.frames import FrameClassifier
 from doctor.ranks.table import failing_exception, is_comm_error
 from doctor.report.model import BlockedSite, Fingerprint
-from signatures.facts import Fact
+from signatures.fact_names import Fact
 
 MAX_FUNCTIONS = 4
 MAX_ERRORS = 3

@@ -12,7 +12,7 @@ from doctor.facts.factset import FactSet
 from doctor.ranks.builder import Evidence
 from doctor.report.model import BlockedSite, CollectiveFinding, Divergence, RankCondition, RankRow
 from hicache_runtime.contracts.bundle import RunOutcome
-from signatures.facts import Fact
+from signatures.fact_names import Fact
 
 
 def observations(ev: Evidence, facts: FactSet, rows: list[RankRow], sites: list[BlockedSite],

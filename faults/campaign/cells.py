@@ -234,8 +234,9 @@ def cell_config(spec: CampaignSpec, cell: CellSpec, work: Path,
     return cfg
 
 
-class Observation(BaseModel):
-    """What one run showed, read the way a cell is judged (``hicache inject --json``)."""
+class DiagnosedRun(BaseModel):
+    """What one run showed, read the way a cell is judged: how it ended and the signature the
+    doctor names in its bundle (``hicache inject --json``)."""
 
     outcome: str
     output_match: bool | None
@@ -260,8 +261,8 @@ class Observation(BaseModel):
         return self.signature or NO_SIGNATURE
 
 
-def observe(cfg: RuntimeConfig, *, warm: bool, compare: bool, bundle_root: Path,
-            memo: CampaignMemo | None = None) -> Observation:
+def run_and_diagnose(cfg: RuntimeConfig, *, warm: bool, compare: bool, bundle_root: Path,
+                     memo: CampaignMemo | None = None) -> DiagnosedRun:
     """Run ``cfg`` (after a fault-free, switch-free warm-up run when ``warm``) and, if it left
     a bundle, let the doctor name its signature. ``memo``: warm-ups and cache-disabled
     reference runs to reuse (a campaign's)."""
@@ -271,34 +272,34 @@ def observe(cfg: RuntimeConfig, *, warm: bool, compare: bool, bundle_root: Path,
         warmup = run(cfg.with_overrides(faults=(), legacy=frozenset()), compare=False,
                      bundle_root=bundle_root)
         if warmup.outcome.value != HEALTHY:
-            return _observe_summary(warmup, "warm-up run failed: ")
+            return _diagnosed(warmup, "warm-up run failed: ")
         if memo is not None:
             memo.keep(cfg)
-    return _observe_summary(run(cfg, compare=compare, bundle_root=bundle_root,
-                                references=memo.references if memo is not None else None))
+    return _diagnosed(run(cfg, compare=compare, bundle_root=bundle_root,
+                          references=memo.references if memo is not None else None))
 
 
-def _observe_summary(summary: RunSummary, prefix: str = "") -> Observation:
-    """A run's summary as an observation: the bundle it names (the judged run's, the
+def _diagnosed(summary: RunSummary, prefix: str = "") -> DiagnosedRun:
+    """A run's summary with the doctor's verdict: the bundle it names (the judged run's, the
     reference's or the warm-up's, whichever failed) is the one the doctor reads."""
-    obs = Observation(outcome=summary.outcome.value, output_match=summary.output_match,
-                      bundle=summary.bundle,
-                      error=f"{prefix}{summary.error}" if prefix else summary.error,
-                      faults_fired=summary.faults_fired)
+    done = DiagnosedRun(outcome=summary.outcome.value, output_match=summary.output_match,
+                        bundle=summary.bundle,
+                        error=f"{prefix}{summary.error}" if prefix else summary.error,
+                        faults_fired=summary.faults_fired)
     if summary.leaks is not None and not prefix:  # a warm-up's drain is not the cell's
-        obs.leaked_pages = summary.leaks.leaked_pages
-        obs.leaks_complete = summary.leaks.complete
-        obs.leaks = summary.leaks.describe()
+        done.leaked_pages = summary.leaks.leaked_pages
+        done.leaks_complete = summary.leaks.complete
+        done.leaks = summary.leaks.describe()
     if summary.bundle is not None:
         from doctor.diagnose import diagnose
 
-        obs.fired = _fired(Path(summary.bundle))
-        if obs.observed != HEALTHY:
+        done.fired = _fired(Path(summary.bundle))
+        if done.observed != HEALTHY:
             diagnosis = diagnose([summary.bundle])
             top = diagnosis.verdicts[0] if diagnosis.verdicts else None
-            obs.signature = top.signature if top else None
-            obs.confidence = top.confidence if top else None
-    return obs
+            done.signature = top.signature if top else None
+            done.confidence = top.confidence if top else None
+    return done
 
 
 def _fired(bundle: Path) -> list[FiredFaultRecord]:
@@ -314,30 +315,30 @@ def run_cell(spec: CampaignSpec, cell: CellSpec, work: Path, bundle_root: Path, 
     t0 = time.monotonic()
     try:
         cfg = cell_config(spec, cell, work, bundle_root)
-        obs = observe(cfg, warm=cell.warm, compare=cell.compare, bundle_root=bundle_root,
-                      memo=memo)
+        done = run_and_diagnose(cfg, warm=cell.warm, compare=cell.compare,
+                                bundle_root=bundle_root, memo=memo)
     except Exception as exc:  # a cell that cannot even run is a failed cell, not a crash
         return CellResult(id=cell.id, expect=cell.expect, observed="error", passed=False,
                           outcome="error", wall_s=round(time.monotonic() - t0, 2),
                           error=f"{type(exc).__name__}: {exc}".splitlines()[0],
                           detail="the cell could not run", faults=list(cell.faults),
                           properties={p.value: None for p in spec.properties})
-    if obs.bundle is not None:
-        annotate_origin(Path(obs.bundle), CellOrigin(campaign=spec.name, cell=cell.id,
+    if done.bundle is not None:
+        annotate_origin(Path(done.bundle), CellOrigin(campaign=spec.name, cell=cell.id,
                                                      expect=cell.expect, warm=cell.warm))
-    result = CellResult(id=cell.id, expect=cell.expect, observed=obs.observed, passed=False,
-                        outcome=obs.outcome, output_match=obs.output_match,
-                        verdict=obs.signature, confidence=obs.confidence, bundle=obs.bundle,
-                        error=obs.error, faults_fired=obs.faults_fired,
+    result = CellResult(id=cell.id, expect=cell.expect, observed=done.observed, passed=False,
+                        outcome=done.outcome, output_match=done.output_match,
+                        verdict=done.signature, confidence=done.confidence, bundle=done.bundle,
+                        error=done.error, faults_fired=done.faults_fired,
                         wall_s=round(time.monotonic() - t0, 2), faults=list(cell.faults),
-                        leaked_pages=obs.leaked_pages, leaks=obs.leaks)
+                        leaked_pages=done.leaked_pages, leaks=done.leaks)
     if spec.properties:
-        result.properties = judge_properties(spec.properties, obs)
+        result.properties = judge_properties(spec.properties, done)
     _judge(cell, result)
     return result
 
 
-def judge_properties(props: list[Property], obs: Observation) -> dict[str, bool | None]:
+def judge_properties(props: list[Property], done: DiagnosedRun) -> dict[str, bool | None]:
     """Each property held (True), violated (False) or could not be read (None).
 
     * no-crash / no-hang: read from the outcome of every run the cell made (a warm-up or a
@@ -350,16 +351,16 @@ def judge_properties(props: list[Property], obs: Observation) -> dict[str, bool 
     out: dict[str, bool | None] = {}
     for p in props:
         if p is Property.NO_CRASH:
-            out[p.value] = obs.outcome != "crash"
+            out[p.value] = done.outcome != "crash"
         elif p is Property.NO_HANG:
-            out[p.value] = obs.outcome != "hang"
+            out[p.value] = done.outcome != "hang"
         elif p is Property.NO_WRONG_TOKEN:
-            out[p.value] = obs.output_match
+            out[p.value] = done.output_match
         elif p is Property.NO_LEAKED_PAGE:
-            if obs.leaked_pages:
+            if done.leaked_pages:
                 out[p.value] = False
             else:
-                out[p.value] = True if obs.leaked_pages == 0 and obs.leaks_complete else None
+                out[p.value] = True if done.leaked_pages == 0 and done.leaks_complete else None
     return out
 
 

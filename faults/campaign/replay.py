@@ -25,7 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from faults.campaign.cells import HEALTHY, NO_SIGNATURE, Observation, observe
+from faults.campaign.cells import HEALTHY, NO_SIGNATURE, DiagnosedRun, run_and_diagnose
 from faults.campaign.replay_guard import (
     GuardedConfig,
     ReplayPlan,
@@ -53,7 +53,7 @@ class ReplayCase:
     source: str
     """The original bundle."""
 
-    def shows(self, obs: Observation) -> bool:
+    def shows(self, obs: DiagnosedRun) -> bool:
         """Whether ``obs`` is the same failure (same signature; same outcome if none fit)."""
         if obs.observed == HEALTHY:
             return False
@@ -134,13 +134,13 @@ def _load(bundle: Path, output: Path | None, warm: bool | None,
 
 
 def run_trial(case: ReplayCase, cfg: RuntimeConfig, *, work: Path, bundle_root: Path,
-              change: str) -> tuple[TrialRecord, Observation]:
+              change: str) -> tuple[TrialRecord, DiagnosedRun]:
     """Run ``cfg`` in isolation (fresh file L3) and judge it against ``case``."""
     t0 = time.monotonic()
     where = work / f"trial{next(_TRIAL)}"
     cfg = isolate(cfg, where)
     with temp_files_under(where / "tmp"):
-        obs = observe(cfg, warm=case.warm, compare=True, bundle_root=bundle_root)
+        obs = run_and_diagnose(cfg, warm=case.warm, compare=True, bundle_root=bundle_root)
     record = TrialRecord(change=change, requests=cfg.workload.requests,
                          faults=[f.compact() for f in cfg.faults], reproduced=case.shows(obs),
                          observed=obs.observed, outcome=obs.outcome,

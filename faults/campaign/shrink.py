@@ -33,7 +33,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, Field
 
-from faults.campaign.cells import Observation
+from faults.campaign.cells import DiagnosedRun
 from faults.campaign.plan import cell_from_config
 from faults.campaign.replay import ReplayCase, TrialRecord, load_case, run_trial
 from faults.spec import FaultKind, FaultSpec, parse_faults
@@ -44,7 +44,7 @@ from hicache_runtime.contracts.errors import ConfigError
 _STEPPED = frozenset({FaultKind.STAGE_LAG, FaultKind.HOST_ALLOC_FAIL, FaultKind.RANK_KILL,
                       FaultKind.CRASH, FaultKind.HANG, FaultKind.DMA_LAG})
 
-Trial = Callable[[RuntimeConfig, str], tuple[TrialRecord, Observation]]
+Trial = Callable[[RuntimeConfig, str], tuple[TrialRecord, DiagnosedRun]]
 """Runs a candidate config (with a description of the change) and judges it."""
 
 DEFAULT_CONFIRM = 3
@@ -102,7 +102,7 @@ class _Search:
     max_runs: int
     step_runs: int
     cfg: RuntimeConfig
-    obs: Observation
+    obs: DiagnosedRun
     record: ShrinkTrial
     """The current case's last run (its bundle is the result's)."""
     trials: list[ShrinkTrial] = field(default_factory=list)
@@ -112,7 +112,7 @@ class _Search:
         return len(self.trials) >= self.max_runs
 
     def run(self, cfg: RuntimeConfig, change: str, *,
-            confirm: bool = False) -> tuple[ShrinkTrial, Observation]:
+            confirm: bool = False) -> tuple[ShrinkTrial, DiagnosedRun]:
         record, obs = self.trial(cfg, change)
         trial = ShrinkTrial(**record.model_dump(), confirm=confirm)
         self.trials.append(trial)
@@ -136,7 +136,7 @@ class _Search:
         return True
 
 
-def shrink(case: ReplayCase, first: TrialRecord, first_obs: Observation, *, trial: Trial,
+def shrink(case: ReplayCase, first: TrialRecord, first_obs: DiagnosedRun, *, trial: Trial,
            max_runs: int, confirm: int = DEFAULT_CONFIRM,
            step_runs: int = DEFAULT_STEP_RUNS) -> ShrinkResult:
     """Shrink ``case``; ``first`` is its unshrunk replay (counted against ``max_runs``).
@@ -246,7 +246,7 @@ def shrink_bundle(bundle: Path, out: Path, *, max_runs: int = 16,
     with tempfile.TemporaryDirectory(prefix="hicache-shrink-") as tmp:
         work, bundles = Path(tmp) / "work", Path(tmp) / "bundles"
 
-        def trial(cfg: RuntimeConfig, change: str) -> tuple[TrialRecord, Observation]:
+        def trial(cfg: RuntimeConfig, change: str) -> tuple[TrialRecord, DiagnosedRun]:
             return run_trial(case, cfg, work=work, bundle_root=bundles, change=change)
 
         first, first_obs = trial(case.cfg, "replay")

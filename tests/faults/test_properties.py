@@ -17,7 +17,7 @@ from cli import app
 from faults.campaign.cells import (
     CampaignResult,
     CellResult,
-    Observation,
+    DiagnosedRun,
     judge_properties,
     property_results,
     run_campaign,
@@ -91,11 +91,11 @@ def test_a_property_campaign_runs_fixed_protocols_that_must_stay_healthy(
         load_campaign(path)
 
 
-def _obs(**kw: object) -> Observation:
+def _obs(**kw: object) -> DiagnosedRun:
     base: dict[str, object] = {"outcome": "healthy", "output_match": True, "bundle": None,
                                "error": None, "faults_fired": 1, "leaked_pages": 0,
                                "leaks_complete": True}
-    return Observation.model_validate({**base, **kw})
+    return DiagnosedRun.model_validate({**base, **kw})
 
 
 def test_each_property_is_held_violated_or_unchecked() -> None:

@@ -23,7 +23,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from faults.campaign.cells import observe
+from faults.campaign.cells import run_and_diagnose
 from faults.campaign.replay_guard import MAX_MANIFEST_BYTES
 from faults.spec import parse_faults
 from hicache_runtime.config import load_config
@@ -38,7 +38,7 @@ def genuine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real crash bundle of a small single-rank run."""
     root = tmp_path_factory.mktemp("genuine")
     cfg = load_config({"workload.requests": 6, "faults": parse_faults([CRASH])})
-    obs = observe(cfg, warm=False, compare=False, bundle_root=root)
+    obs = run_and_diagnose(cfg, warm=False, compare=False, bundle_root=root)
     assert obs.bundle is not None
     return Path(obs.bundle)
 

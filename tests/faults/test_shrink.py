@@ -8,7 +8,7 @@ from collections import Counter
 from hypothesis import given
 from hypothesis import strategies as st
 
-from faults.campaign.cells import Observation
+from faults.campaign.cells import DiagnosedRun
 from faults.campaign.replay import ReplayCase, TrialRecord
 from faults.campaign.shrink import reproduction, shrink
 from faults.spec import parse_faults
@@ -28,17 +28,17 @@ def _judge(min_requests: int, needed: str):
     fire on rank 1 at steps 5 and 9 (twice per run)."""
     runs: list[RuntimeConfig] = []
 
-    def trial(cfg: RuntimeConfig, change: str) -> tuple[TrialRecord, Observation]:
+    def trial(cfg: RuntimeConfig, change: str) -> tuple[TrialRecord, DiagnosedRun]:
         runs.append(cfg)
         shows = cfg.workload.requests >= min_requests and any(
             f.kind.value == needed for f in cfg.faults)
         fired = [FiredFaultRecord(spec=f.compact(), kind=f.kind.value, point="p", rank=1,
                                   step=step, thread="t")
                  for f in cfg.faults for step in (5, 9)][: 2 * len(cfg.faults)]
-        obs = Observation(outcome="hang" if shows else "healthy",
-                          output_match=None if shows else True, bundle="x" if shows else None,
-                          error=None, faults_fired=len(fired), fired=fired,
-                          signature="collective-order-deadlock" if shows else None)
+        obs = DiagnosedRun(outcome="hang" if shows else "healthy",
+                           output_match=None if shows else True, bundle="x" if shows else None,
+                           error=None, faults_fired=len(fired), fired=fired,
+                           signature="collective-order-deadlock" if shows else None)
         record = TrialRecord(change=change, requests=cfg.workload.requests,
                              faults=[f.compact() for f in cfg.faults], reproduced=shows,
                              observed=obs.observed, outcome=obs.outcome, wall_s=0.0,
@@ -91,14 +91,14 @@ def test_pins_count_rank_and_steps() -> None:
     assert result.shrunk.faults == ["stage-lag:rank=1,steps=5-9,count=1,ms=5"]
 
 
-def _result(cfg: RuntimeConfig, change: str, shows: bool) -> tuple[TrialRecord, Observation]:
+def _result(cfg: RuntimeConfig, change: str, shows: bool) -> tuple[TrialRecord, DiagnosedRun]:
     """What a run of ``cfg`` reports when it did (``shows``) or did not fail the same way."""
     fired = [FiredFaultRecord(spec=f.compact(), kind=f.kind.value, point="p", rank=1, step=5,
                               thread="t") for f in cfg.faults]
-    obs = Observation(outcome="hang" if shows else "healthy",
-                      output_match=None if shows else True, bundle=change if shows else None,
-                      error=None, faults_fired=len(fired), fired=fired,
-                      signature="collective-order-deadlock" if shows else None)
+    obs = DiagnosedRun(outcome="hang" if shows else "healthy",
+                       output_match=None if shows else True, bundle=change if shows else None,
+                       error=None, faults_fired=len(fired), fired=fired,
+                       signature="collective-order-deadlock" if shows else None)
     return TrialRecord(change=change, requests=cfg.workload.requests,
                        faults=[f.compact() for f in cfg.faults], reproduced=shows,
                        observed=obs.observed, outcome=obs.outcome, wall_s=0.0,
@@ -110,7 +110,7 @@ def test_a_step_that_fails_only_once_in_two_runs_is_not_kept() -> None:
     # timing-dependent failure). Keeping a step on one failing run would end below 40.
     seen: Counter[int] = Counter()
 
-    def trial(cfg: RuntimeConfig, change: str) -> tuple[TrialRecord, Observation]:
+    def trial(cfg: RuntimeConfig, change: str) -> tuple[TrialRecord, DiagnosedRun]:
         n = cfg.workload.requests
         seen[n] += 1
         return _result(cfg, change, n >= 40 or (n >= 10 and seen[n] == 1))
@@ -129,7 +129,7 @@ def test_a_step_that_fails_only_once_in_two_runs_is_not_kept() -> None:
 
 
 def test_a_final_case_that_does_not_always_reproduce_is_reported_flaky() -> None:
-    def trial(cfg: RuntimeConfig, change: str) -> tuple[TrialRecord, Observation]:
+    def trial(cfg: RuntimeConfig, change: str) -> tuple[TrialRecord, DiagnosedRun]:
         return _result(cfg, change, change != "confirm 2/4")
 
     case = _case(8, ["stage-lag:ms=5"])
@@ -144,7 +144,7 @@ def test_a_final_case_that_does_not_always_reproduce_is_reported_flaky() -> None
 
 
 def test_no_confirmation_when_the_replay_did_not_reproduce() -> None:
-    def trial(cfg: RuntimeConfig, change: str) -> tuple[TrialRecord, Observation]:
+    def trial(cfg: RuntimeConfig, change: str) -> tuple[TrialRecord, DiagnosedRun]:
         return _result(cfg, change, False)
 
     case = _case(8, ["stage-lag:ms=5"])

@@ -14,7 +14,7 @@ import yaml
 from typer.testing import CliRunner
 
 from cli import app
-from faults.campaign.cells import Observation, observe
+from faults.campaign.cells import DiagnosedRun, run_and_diagnose
 from faults.campaign.replay import TrialRecord, load_case, run_trial
 from faults.campaign.shrink import shrink, shrink_bundle, write_cell_spec
 from hicache_runtime.config import RuntimeConfig
@@ -28,7 +28,7 @@ def crash_bundle(bundle_root: Path) -> Path:
     from faults.spec import parse_faults
 
     cfg = small_config(**{"workload.requests": 4, "faults": parse_faults([CRASH])})
-    obs = observe(cfg, warm=False, compare=True, bundle_root=bundle_root)
+    obs = run_and_diagnose(cfg, warm=False, compare=True, bundle_root=bundle_root)
     assert obs.outcome == "crash", obs
     assert obs.bundle
     return Path(obs.bundle)
@@ -38,7 +38,7 @@ def test_a_real_case_failing_one_confirmation_run_is_flaky_and_so_is_its_cell(
         crash_bundle: Path, tmp_path: Path) -> None:
     case, _ = load_case(crash_bundle)
 
-    def trial(cfg: RuntimeConfig, change: str) -> tuple[TrialRecord, Observation]:
+    def trial(cfg: RuntimeConfig, change: str) -> tuple[TrialRecord, DiagnosedRun]:
         if change == "confirm 2/3":
             cfg = cfg.with_overrides(faults=())  # this run really does not crash
         return run_trial(case, cfg, work=tmp_path / "w", bundle_root=tmp_path / "b",

@@ -10,7 +10,7 @@ import yaml
 
 from faults.spec import parse_fault
 from hicache_runtime.contracts.legacy import LegacySwitch
-from signatures.facts import Fact
+from signatures.fact_names import Fact
 from signatures.loader import load_catalog
 from signatures.models import Catalog, Signature
 

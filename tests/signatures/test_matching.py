@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from signatures.facts import Fact
+from signatures.fact_names import Fact
 from signatures.loader import load_catalog
 from signatures.matching import (
     NEAR_MISS,
