@@ -182,15 +182,6 @@ def run_summary(s: RunSummary) -> None:
                   f"expected {m.expected[:8]} got {m.got[:8]} {m.note}")
 
 
-def key_values(title: str, data: dict[str, Any]) -> None:
-    table = Table(title=title, show_header=False)
-    table.add_column(style=STYLE_KEY, no_wrap=True)
-    table.add_column(overflow="fold")
-    for k, v in data.items():
-        table.add_row(str(k), str(v))
-    console().print(table)
-
-
 # === doctor, signatures, capture ============================================================
 # The doctor's human-readable output. Drawn only from doctor.report.model.Diagnosis and the catalog
 # models; the JSON and Markdown forms are produced in doctor/ and printed by cli.py.

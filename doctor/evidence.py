@@ -208,7 +208,6 @@ class Collective:
     sizes: str
     site: Frame | None
     source: SourceRef
-    thread: str = ""
     peer: int | None = None
     """For point-to-point ops: the global rank sent to or received from."""
     order: int = -1
@@ -235,7 +234,6 @@ class ExitRecord:
     pid: int | None
     signal: str | None
     root_cause: bool
-    time: str | None
     source: SourceRef
     dumped: bool | None = None
     """Whether the rank wrote its own dump before it ended (None: unknown)."""
@@ -266,10 +264,6 @@ class Bounded(Generic[T]):
     def __len__(self) -> int:
         return len(self._head) + len(self._tail)
 
-    @property
-    def dropped(self) -> int:
-        return self.count - len(self)
-
 
 @dataclass
 class HitStats:
@@ -292,7 +286,6 @@ class RankEvidence:
     pp: int | None = None
     dp: int | None = None
     pid: int | None = None
-    outcome: str | None = None
     exits: list[ExitRecord] = field(default_factory=list)
     threads: Bounded[ThreadStack] = field(default_factory=lambda: Bounded(MAX_THREADS, 0))
     exceptions: Bounded[ExceptionRecord] = field(
@@ -352,7 +345,6 @@ class RankEvidence:
         self.pp = self.pp if self.pp is not None else other.pp
         self.dp = self.dp if self.dp is not None else other.dp
         self.pid = self.pid if self.pid is not None else other.pid
-        self.outcome = self.outcome or other.outcome
         self.exits.extend(other.exits)
         for t in other.threads:
             self.threads.append(t)
@@ -400,4 +392,3 @@ class InputRecord:
     status: InputStatus
     message: str = ""
     rank: int | None = None
-    bytes: int = 0

@@ -168,7 +168,6 @@ def _rank_entry(r: dict[str, Any], src: SourceRef, sink: EvidenceBuilder, index:
     slot = sink.slot(RankHint(rank=r["rank"], tp=tp if _valid_rank(tp) else None,
                               pp=pp if _valid_rank(pp) else None))
     slot.kinds.add("bundle")
-    slot.outcome = slot.outcome or r.get("outcome")
     if r.get("pid"):
         slot.pid = r["pid"]
         sink.pid_ranks[r["pid"]] = r["rank"]
@@ -178,7 +177,7 @@ def _rank_entry(r: dict[str, Any], src: SourceRef, sink: EvidenceBuilder, index:
         # py-spy and the log are taken by the launcher; any other file is the rank's own dump
         dumped = any(v for k, v in files.items() if k not in ("pyspy", "log"))
         slot.exits.append(ExitRecord(exit_code=code, pid=r.get("pid"), signal=_SIGNALS.get(code),
-                                     root_cause=False, time=None, source=src, dumped=dumped,
+                                     root_cause=False, source=src, dumped=dumped,
                                      launcher="hicache"))
     if error and not files.get("traceback"):
         m = _ERROR.match(error)

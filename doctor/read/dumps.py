@@ -91,7 +91,7 @@ def _torch_entry(e: Any, index: int, src: SourceRef,
     site = frames.call_site(stack) or frames.innermost_in_app(stack)
     return Collective(group=("p2p:" if is_p2p else "") + group, seq=seq, op=op,
                       state=_text(e.get("state", "?")), sizes=_sizes(e.get("input_sizes")),
-                      site=site, source=src, thread=_text(e.get("thread_name", "")),
+                      site=site, source=src,
                       order=rid if isinstance(rid := e.get("record_id"), int) else index)
 
 
@@ -195,8 +195,7 @@ def read_runtime_fr(data: Any, name: str, hint: RankHint, sink: EvidenceBuilder)
         slot.add_collective(Collective(
             group=_text(e.get("group", "?")), seq=e["seq"], op=_text(e.get("op", "?")),
             state=_text(e.get("state", "?")), sizes=_sizes(e.get("shapes", [])), site=site,
-            source=SourceRef(name, i + 1), thread=_text(e.get("thread", "")),
-            peer=_peer(e.get("peer")), order=i))
+            source=SourceRef(name, i + 1), peer=_peer(e.get("peer")), order=i))
         read += 1
     return read
 

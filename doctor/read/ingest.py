@@ -81,7 +81,6 @@ class Ingester:
         self.catalog = catalog
         self.sink = sink
         self.frames = classifier_for(catalog.frames)
-        self.bytes = 0
 
     def add_path(self, arg: str) -> None:
         """A command-line input: ``-`` (stdin), a file, a FIFO (``<(zcat log.gz)``) or a
@@ -156,7 +155,6 @@ class Ingester:
                                              kind=_text_kind(name)))
             scanner.scan(body if kind is Kind.TEXT
                          else io.BufferedReader(HtmlText(body), buffer_size=1 << 20))
-            self.bytes += scanner.bytes
             return f"{scanner.lines} lines" + (
                 f", {scanner.long_lines} over-long line(s) cut" if scanner.long_lines else "")
         if kind is Kind.BINARY:

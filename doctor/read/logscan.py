@@ -35,7 +35,6 @@ class LogScanner:
     def __init__(self, handler: LineHandler) -> None:
         self.handler = handler
         self.index = TriggerIndex([t.encode() for t in handler.triggers])
-        self.bytes = 0
         self.lines = 0
         self.long_lines = 0
         self._planned = False
@@ -49,7 +48,6 @@ class LogScanner:
             chunk = stream.read(CHUNK)
             if not chunk:
                 break
-            self.bytes += len(chunk)
             if skipping:
                 nl = chunk.find(b"\n")
                 if nl < 0:

@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import sys
-import time
 from datetime import UTC, datetime
 from enum import Enum
 from importlib.metadata import PackageNotFoundError, version
@@ -249,13 +248,3 @@ def load_manifest(bundle: Path) -> Manifest:
 
 def now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
-
-
-def wait_for_file(path: Path, timeout_s: float) -> bool:
-    """Poll until ``path`` exists (used by launchers collecting rank dumps)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists():
-            return True
-        time.sleep(0.05)
-    return path.exists()

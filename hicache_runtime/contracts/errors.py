@@ -46,10 +46,6 @@ class DumpFormatError(HiCacheError, ValueError):
     """An input artifact (bundle, dump, log) is malformed; the doctor reports it and goes on."""
 
 
-class IncompleteRankSet(HiCacheError):
-    """The inputs cover only some ranks; analysis continues but says what is missing."""
-
-
 # --- environment errors: fix the surroundings ----------------------------------------------
 
 

@@ -111,4 +111,4 @@ class TorchrunParser:
         sm = _SIGNAL.search(entry.get("traceback", ""))
         sig = sm["sig"] if sm else (_SIGNALS.get(code) if code is not None else None)
         self._emit(rank, ExitRecord(exit_code=code, pid=pid, signal=sig, root_cause=self._root,
-                                    time=entry.get("time"), source=src))
+                                    source=src))
