@@ -1,0 +1,164 @@
+"""Data-parallel routing: which DP group serves a request, and who receives a control message.
+
+The DP controller is the parent of the whole ``dp × pp × tp`` rank grid and the only reader of
+the request stream. It sorts messages three ways, because each way has a different failure
+when it is wrong:
+
+* a generate request goes to exactly **one** DP group (two groups would compute it twice and
+  answer twice): :meth:`Router.route`;
+* a global message (profiling, blocking) goes to **every** worker (one left out is a rank with
+  different state);
+* an abort-type control message goes to **each TP group's rank 0** only; the group's own
+  broadcast channel copies it to its peers (sending it to every rank would deliver it twice and
+  fork the message sequence): :func:`recipients`.
+
+Load for the shortest-queue policy comes from a shared-memory snapshot each group's leader
+writes (:class:`LoadBoard`): lock-free for the writer, free to read, and a few milliseconds
+stale. Staleness is paid for twice over: every dispatch adds a speculative +1 to the chosen
+group locally, and the real snapshot is re-read at most every :data:`REFRESH_S`. Without the
+speculative count a burst reads the same stale snapshot for every request and lands the whole
+burst on one group.
+
+A request that already names its group (``routed_dp_rank``, set by an external router, as in
+prefill/decode disaggregation) goes straight there: the local policy is only the fallback.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from multiprocessing import shared_memory
+
+from hicache_runtime.contracts.errors import ConfigError
+
+#: The most a routing decision trusts a snapshot before reading it again.
+REFRESH_S = 0.020
+_SLOT = struct.Struct("<qq")  # (load, monotonic ns when written) per DP group
+
+
+class Policy(str, Enum):
+    ROUND_ROBIN = "round-robin"
+    SHORTEST_QUEUE = "shortest-queue"
+
+
+class MessageKind(str, Enum):
+    GENERATE = "generate"  # one DP group
+    GLOBAL = "global"  # every worker (profile, block)
+    CONTROL = "control"  # each TP group's rank 0 (abort and the like)
+
+
+class LoadBoard:
+    """Per-DP-group load in shared memory: group leaders write, the controller reads.
+
+    Each slot is (load, write time); a slot is written with one ``pack_into`` and read with one
+    ``unpack_from``, so a reader sees either the old or the new pair of one writer. The
+    controller creates the board (``create=True``) and unlinks it; ranks attach by name.
+    """
+
+    def __init__(self, groups: int, name: str | None = None, *, create: bool = False) -> None:
+        if groups <= 0:
+            raise ConfigError("dp", "a load board needs at least one DP group")
+        self.groups = groups
+        size = _SLOT.size * groups
+        self._shm = shared_memory.SharedMemory(name=name, create=create, size=size)
+        self._owner = create
+        if create:
+            self._shm.buf[:size] = bytes(size)
+
+    @property
+    def name(self) -> str:
+        return self._shm.name
+
+    def publish(self, group: int, load: int) -> None:
+        _SLOT.pack_into(self._shm.buf, group * _SLOT.size, int(load), time.monotonic_ns())
+
+    def snapshot(self) -> list[tuple[int, int]]:
+        return [_SLOT.unpack_from(self._shm.buf, g * _SLOT.size) for g in range(self.groups)]
+
+    def close(self) -> None:
+        self._shm.close()
+        if self._owner:
+            self._shm.unlink()
+
+
+@dataclass
+class Decision:
+    """One routing decision, for the trace: the group, why, and the loads it saw."""
+
+    group: int
+    reason: str  # "routed" | "round-robin" | "shortest-queue"
+    loads: tuple[int, ...] = ()
+
+
+@dataclass
+class Router:
+    """Picks a DP group per generate request. ``read_loads`` returns the current snapshot's
+    loads (one per group); ``clock`` is injectable so refresh timing is testable."""
+
+    groups: int
+    policy: Policy = Policy.ROUND_ROBIN
+    read_loads: Callable[[], Sequence[int]] | None = None
+    clock: Callable[[], float] = time.monotonic
+    refresh_s: float = REFRESH_S
+    _next: int = 0
+    _loads: list[int] = field(default_factory=list)
+    _read_at: float = float("-inf")
+    refreshes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.groups <= 0:
+            raise ConfigError("dp", "must be at least 1")
+        if self.policy is Policy.SHORTEST_QUEUE and self.read_loads is None:
+            raise ConfigError("dp_policy", "shortest-queue routing needs a load snapshot")
+        self._loads = [0] * self.groups
+
+    def route(self, routed_dp_rank: int | None = None) -> Decision:
+        if routed_dp_rank is not None:
+            if not 0 <= routed_dp_rank < self.groups:
+                raise ConfigError("routed_dp_rank", f"{routed_dp_rank} is not a DP group "
+                                  f"(0..{self.groups - 1})")
+            self._speculate(routed_dp_rank)
+            return Decision(routed_dp_rank, "routed")
+        if self.policy is Policy.ROUND_ROBIN:
+            group = self._next
+            self._next = (self._next + 1) % self.groups
+            return Decision(group, Policy.ROUND_ROBIN.value)
+        self._refresh()
+        loads = tuple(self._loads)
+        group = min(range(self.groups), key=lambda g: (self._loads[g], g))
+        self._speculate(group)
+        return Decision(group, Policy.SHORTEST_QUEUE.value, loads)
+
+    def _refresh(self) -> None:
+        now = self.clock()
+        if now - self._read_at < self.refresh_s:
+            return
+        assert self.read_loads is not None
+        loads = list(self.read_loads())
+        if len(loads) != self.groups:
+            raise ValueError(f"load snapshot has {len(loads)} groups, expected {self.groups}")
+        self._loads = [max(0, int(v)) for v in loads]
+        self._read_at = now
+        self.refreshes += 1
+
+    def _speculate(self, group: int) -> None:
+        # The request just sent is not in the snapshot yet: count it here until the next read.
+        self._loads[group] += 1
+
+
+def recipients(kind: MessageKind, *, dp: int, pp: int, tp: int,
+               group: int | None = None) -> list[int]:
+    """Global ranks that receive a message. Ranks are numbered ``dp_rank * pp * tp +
+    pp_rank * tp + tp_rank``; a generate request goes to its group's first stage (PP0), whose
+    TP peers receive it over the group's own broadcast."""
+    per_group = pp * tp
+    if kind is MessageKind.GLOBAL:
+        return list(range(dp * per_group))
+    if kind is MessageKind.CONTROL:
+        return [d * per_group + p * tp for d in range(dp) for p in range(pp)]
+    if group is None or not 0 <= group < dp:
+        raise ValueError("a generate request needs its DP group")
+    return [group * per_group]

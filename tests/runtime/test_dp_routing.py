@@ -1,0 +1,100 @@
+"""DP routing: policies, the shared-memory load board, bursts, and message recipients."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections import Counter
+
+import pytest
+
+from hicache_runtime.contracts.errors import ConfigError
+from hicache_runtime.launch.dp_routing import (
+    LoadBoard,
+    MessageKind,
+    Policy,
+    Router,
+    recipients,
+)
+
+
+class FakeClock:
+    """A clock the test moves by hand, so the 20 ms refresh is deterministic."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_round_robin_cycles_and_external_routing_passes_through() -> None:
+    router = Router(3)
+    assert [router.route().group for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    decision = router.route(routed_dp_rank=2)
+    assert (decision.group, decision.reason) == (2, "routed")
+    assert router.route().group == 1  # the external request did not consume a turn
+    with pytest.raises(ConfigError, match="not a DP group"):
+        router.route(routed_dp_rank=3)
+
+
+def test_a_burst_on_a_stale_snapshot_spreads_over_every_group() -> None:
+    """100 requests inside one refresh interval: the snapshot never changes, so only the
+    speculative +1 keeps the burst from landing on the group that looked emptiest."""
+    clock = FakeClock()
+    snapshot = [5, 0, 3, 1]
+    router = Router(4, Policy.SHORTEST_QUEUE, read_loads=lambda: snapshot, clock=clock)
+    picks = Counter(router.route().group for _ in range(100))
+    assert router.refreshes == 1
+    final = [snapshot[g] + picks[g] for g in range(4)]
+    assert max(final) - min(final) <= 1, (picks, final)
+
+
+def test_the_snapshot_is_reread_after_the_refresh_interval() -> None:
+    clock = FakeClock()
+    snapshot = [0, 0]
+    router = Router(2, Policy.SHORTEST_QUEUE, read_loads=lambda: snapshot, clock=clock)
+    assert router.route().group == 0
+    snapshot[:] = [0, 9]  # group 1 got busy; not seen until the interval has passed
+    clock.now += 0.010
+    assert router.route().group == 1  # speculative count says group 0 has one more
+    clock.now += 0.011
+    assert router.route().group == 0
+    assert router.refreshes == 2
+
+
+def test_shortest_queue_needs_a_snapshot() -> None:
+    with pytest.raises(ConfigError, match="load snapshot"):
+        Router(2, Policy.SHORTEST_QUEUE)
+
+
+def _leader(name: str, group: int, load: int) -> None:
+    board = LoadBoard(3, name)
+    board.publish(group, load)
+    board.close()
+
+
+def test_load_board_is_shared_across_processes() -> None:
+    board = LoadBoard(3, create=True)
+    try:
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_leader, args=(board.name, g, 10 * (g + 1)))
+                 for g in range(3)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(30)
+            assert p.exitcode == 0
+        loads = [load for load, _ in board.snapshot()]
+        assert loads == [10, 20, 30]
+        assert all(stamp > 0 for _, stamp in board.snapshot())
+    finally:
+        board.close()
+
+
+def test_recipients_by_message_kind() -> None:
+    # dp=2, pp=2, tp=2: ranks 0..7, group g holds g*4..g*4+3, PP stage p at +p*2.
+    assert recipients(MessageKind.GLOBAL, dp=2, pp=2, tp=2) == list(range(8))
+    assert recipients(MessageKind.CONTROL, dp=2, pp=2, tp=2) == [0, 2, 4, 6]
+    assert recipients(MessageKind.GENERATE, dp=2, pp=2, tp=2, group=1) == [4]
+    with pytest.raises(ValueError, match="DP group"):
+        recipients(MessageKind.GENERATE, dp=2, pp=2, tp=2)
