@@ -59,8 +59,8 @@ from typing import Any
 import torch
 
 from hicache_runtime.config import RuntimeConfig, load_config
+from hicache_runtime.engine.loop import Engine, EngineResult
 from hicache_runtime.engine.rank import build_rank
-from hicache_runtime.engine.step import Engine, EngineResult
 from hicache_runtime.engine.workload import Workload
 from hicache_runtime.kv.pools import HostKVPool, KVShape
 from hicache_runtime.kv.request import Req

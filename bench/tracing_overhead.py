@@ -14,8 +14,8 @@ import json
 import time
 
 from hicache_runtime.config import load_config
+from hicache_runtime.engine.loop import Engine
 from hicache_runtime.engine.rank import build_rank
-from hicache_runtime.engine.step import Engine
 from hicache_runtime.engine.workload import Workload
 
 

@@ -139,6 +139,16 @@ class RankSync(ABC):
     def broadcast_requests(self, payload: list[Any] | None) -> list[Any]:
         """Scheduler thread: new requests from rank 0 to every rank, in the same order."""
 
+    def flight_records(self) -> list[dict[str, Any]]:
+        """Every op this rank's process groups recorded (for crash bundles); none without
+        groups."""
+        return []
+
+    def pending_sends(self) -> dict[str, int] | None:
+        """Async sends not yet known complete, per group (for state snapshots); ``None`` for a
+        rank that never sends asynchronously."""
+        return None
+
     def close(self) -> None:
         """Release communicators."""
 

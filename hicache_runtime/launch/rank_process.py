@@ -59,10 +59,10 @@ from hicache_runtime.contracts.topology import RankInfo
 from hicache_runtime.dist.consensus_check import ConsensusChecker
 from hicache_runtime.dist.groups import RankGroups, TPComm, create_groups
 from hicache_runtime.dist.protocols import DistributedSync
-from hicache_runtime.engine.pipeline import PipelineEngine
+from hicache_runtime.engine.evidence import dump_rank
+from hicache_runtime.engine.loop import Engine, EngineResult
 from hicache_runtime.engine.rank import RankRuntime, build_rank, make_tracer
 from hicache_runtime.engine.samples import RankSampler, samples_path
-from hicache_runtime.engine.step import EngineResult, dump_rank
 from hicache_runtime.engine.workload import Workload
 from hicache_runtime.launch.threads import torch_threads
 from hicache_runtime.launch.watchdog import (
@@ -115,7 +115,7 @@ class RankDumper:
 
     run_dir: Path
     rt: RankRuntime
-    engine: PipelineEngine | None = None
+    engine: Engine | None = None
     dumped: bool = False
     manifest_written: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -198,8 +198,8 @@ def run_rank(run_dir: Path, rank: RankInfo, cfg: RuntimeConfig) -> int:
     caps = _read_json(run_dir / "caps.json") or {}
     workload = Workload(cfg.workload, cfg.model.vocab_size, cfg.seed,
                         client_aborts=not caps, caps=caps)
-    engine = PipelineEngine(rt, workload, groups=groups, consensus=consensus,
-                            on_step=_progress_writer(run_dir) if rank.rank == 0 else None)
+    engine = Engine(rt, workload, groups=groups, consensus=consensus,
+                    on_step=_progress_writer(run_dir) if rank.rank == 0 else None)
     if cfg.observability.sample_every:
         engine.sampler = RankSampler(rt, groups, samples_path(run_dir, rank.rank),
                                      cfg.observability.sample_every)

@@ -34,8 +34,9 @@ from hicache_runtime.contracts.bundle import (
     write_manifest,
 )
 from hicache_runtime.contracts.errors import StepStalled
+from hicache_runtime.engine.evidence import dump_rank
+from hicache_runtime.engine.loop import Engine, EngineResult
 from hicache_runtime.engine.rank import RankRuntime, build_rank
-from hicache_runtime.engine.step import Engine, EngineResult, dump_rank
 from hicache_runtime.engine.workload import Workload
 from hicache_runtime.kv.request import Req, ReqStatus
 from hicache_runtime.l3.backend import StorageStats

@@ -13,8 +13,8 @@ from hicache_runtime.cache.accounting import drain_account, reached_drain
 from hicache_runtime.config import RuntimeConfig, load_config
 from hicache_runtime.contracts.bundle import RunOutcome
 from hicache_runtime.contracts.errors import InjectedFault, InvariantViolation
+from hicache_runtime.engine.loop import Engine
 from hicache_runtime.engine.rank import RankRuntime, build_rank
-from hicache_runtime.engine.step import Engine
 from hicache_runtime.engine.workload import Workload
 from hicache_runtime.launch.run import RunSummary, run_single
 

@@ -1,0 +1,110 @@
+"""The evidence one rank leaves when a run ends: its part of a crash bundle.
+
+``dump_rank`` writes the rank's traceback, all-thread stacks, event ring, flight recorder and
+state snapshot into ``<bundle>/rank<N>/`` and describes them in a :class:`RankEntry`. The same
+function serves a single-rank run (``run.py``) and every rank of a multi-rank one
+(``rank_process.py``); a single rank simply has no flight records and no async sends.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import threading
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from hicache_runtime.contracts.bundle import (
+    RankEntry,
+    RankFiles,
+    RankState,
+    RunOutcome,
+    rank_dir,
+    write_json,
+    write_text,
+)
+from hicache_runtime.engine.rank import RankRuntime
+
+_T = TypeVar("_T")
+
+
+def dump_rank(bundle: Path, rt: RankRuntime, outcome: RunOutcome, step: int,
+              exc: BaseException | None = None, extra: dict[str, Any] | None = None) -> RankEntry:
+    """Write this rank's files into ``bundle`` and describe them. Never raises: a dump that
+    fails halfway still leaves whatever it managed to write, and says what failed."""
+    d = rank_dir(bundle, rt.rank.rank)
+    files = RankFiles()
+    problems: list[str] = []
+
+    def attempt(name: str, fn: Callable[[], str]) -> None:
+        try:
+            setattr(files, name, fn())
+        except Exception as err:  # evidence collection must not mask the original failure
+            problems.append(f"{name}: {type(err).__name__}: {err}")
+
+    if exc is not None:
+        attempt("traceback", lambda: write_text(
+            d / "traceback.txt", "".join(traceback.format_exception(exc))))
+    if outcome is not RunOutcome.HEALTHY:
+        # A rank that finished cleanly has nothing on its stacks worth the risk: the all-thread
+        # walk (faulthandler's, unlocked) segfaulted healthy ranks at their final dump on a
+        # loaded machine (about 1 in 100 runs), before the final barrier.
+        attempt("stacks", lambda: _stacks(d / "stacks.txt"))
+    attempt("events", lambda: _events(d / "events.jsonl", rt))
+    attempt("flight_recorder", lambda: write_json(
+        d / "flight_recorder.json", rt.sync.flight_records()))
+    attempt("state", lambda: write_json(d / "state.json", rank_state(rt, step, extra)))
+    error = None if exc is None else f"{type(exc).__name__}: {exc}".splitlines()[0]
+    if problems:
+        write_text(d / "dump_errors.txt", "\n".join(problems) + "\n")
+    return RankEntry(rank=rt.rank.rank, tp_rank=rt.rank.tp_rank, pp_rank=rt.rank.pp_rank,
+                     pid=os.getpid(), outcome=outcome, error=error, step=step, files=files)
+
+
+def rank_state(rt: RankRuntime, step: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The rank's ``state.json``: scheduler queues and slots, the cache's snapshot, the live
+    threads, async sends still pending (ranks that send any) and the faults that fired."""
+    sched = rt.scheduler
+    state = RankState(
+        rank=rt.rank.rank, tp_rank=rt.rank.tp_rank, pp_rank=rt.rank.pp_rank, step=step,
+        scheduler={
+            "waiting": [r.rid for r in sched.waiting],
+            "slots": [{"running": [r.rid for r in s.running],
+                       "chunked": s.chunked_req.rid if s.chunked_req else None,
+                       "in_flight": s.in_flight.forward.rids if s.in_flight else None}
+                      for s in sched.slots],
+            "request_owned_tokens": sched.request_owned_tokens(),
+        },
+        cache=_safe(rt.cache.snapshot),
+        threads=sorted(t.name for t in threading.enumerate()),
+    )
+    data = state.model_dump()
+    pending = _safe(rt.sync.pending_sends)
+    if pending is not None:
+        data["pending_sends_by_group"] = pending
+        data["pending_sends"] = sum(v for v in pending.values() if isinstance(v, int))
+    if extra:
+        data.update(extra)
+    if rt.faults is not None:
+        data["faults_fired"] = [f.as_dict() for f in rt.faults.fired]
+    return data
+
+
+def _stacks(path: Path) -> str:
+    with path.open("w", encoding="utf-8") as fh:
+        faulthandler.dump_traceback(file=fh, all_threads=True)
+    return f"{path.parent.name}/{path.name}"
+
+
+def _events(path: Path, rt: RankRuntime) -> str:
+    rt.tracer.write_jsonl(path)
+    return f"{path.parent.name}/{path.name}"
+
+
+def _safe(fn: Callable[[], _T]) -> _T | dict[str, Any]:
+    try:
+        return fn()
+    except Exception as err:  # a snapshot taken while the scheduler is stuck may race
+        return {"snapshot_error": f"{type(err).__name__}: {err}"}
