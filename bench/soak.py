@@ -44,6 +44,7 @@ from typing import Any
 from faults.spec import FaultSpec, parse_fault
 from hicache_runtime.config import RuntimeConfig, load_config
 from hicache_runtime.contracts.bundle import RunOutcome
+from hicache_runtime.contracts.rank_result import RankResult
 from hicache_runtime.engine.samples import ResourceSample, read_samples
 from hicache_runtime.engine.workload import Workload
 from hicache_runtime.kv.request import Req, ReqStatus
@@ -156,26 +157,26 @@ def summarise(samples: dict[int, list[ResourceSample]], warmup: int) -> dict[str
     return out
 
 
-def _reqs(result: dict[str, Any]) -> dict[str, Req]:
+def _reqs(result: RankResult | None) -> dict[str, Req]:
     out = {}
-    for rid, r in result.get("requests", {}).items():
-        out[rid] = Req(rid=rid, input_ids=r["input_ids"], max_new_tokens=len(r["output_ids"]),
-                       output_ids=r["output_ids"], status=ReqStatus(r["status"]),
-                       abort_reason=r["abort_reason"])
+    for rid, r in (result.requests if result is not None else {}).items():
+        out[rid] = Req(rid=rid, input_ids=r.input_ids, max_new_tokens=len(r.output_ids),
+                       output_ids=r.output_ids, status=ReqStatus(r.status),
+                       abort_reason=r.abort_reason)
     return out
 
 
 def wrong_outputs(cfg: RuntimeConfig, res: LaunchResult, bundles: Path) -> int:
     """Requests whose tokens differ from the cache-disabled run's (aborted ones on the tokens
     they have); -1 when the reference itself failed."""
-    got = _reqs(res.results.get(0, {}))
+    got = _reqs(res.results.get(0))
     caps = {rid: len(r.output_ids) for rid, r in got.items()
             if r.status is ReqStatus.ABORTED and r.abort_reason == "client abort"}
     ref = launch(cfg.reference(), bundle_root=bundles, caps=caps)
     try:
         if ref.outcome is not RunOutcome.HEALTHY:
             return -1
-        return len(compare_outputs(got, _reqs(ref.results.get(0, {}))))
+        return len(compare_outputs(got, _reqs(ref.results.get(0))))
     finally:
         ref.cleanup()
 
@@ -229,7 +230,7 @@ def soak(args: argparse.Namespace, work: Path, out: Callable[[str], None]) -> di
         samples = {r: read_samples(res.run_dir, r) for r in range(cfg.topology.world_size)}
         summary: dict[str, Any] = {
             "bench": "soak", "outcome": res.outcome.value, "error": res.error,
-            "steps": int(res.results.get(0, {}).get("steps") or 0),
+            "steps": res.results[0].steps if 0 in res.results else 0,
             "requests": cfg.workload.requests, "tp": args.tp, "pp": args.pp,
             "faults": len(cfg.faults), "every": args.every, "warmup": args.warmup,
             "wall_s": round(res.wall_s, 1),

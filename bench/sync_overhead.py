@@ -39,11 +39,11 @@ def config(args: argparse.Namespace, *, legacy: bool, tracing: bool) -> RuntimeC
 def step_time(cfg: RuntimeConfig, bundles: Path) -> float | None:
     res = launch(cfg, bundle_root=bundles)
     try:
-        r0 = res.results.get(0, {})
-        if res.outcome is not RunOutcome.HEALTHY or not r0.get("steps"):
+        r0 = res.results.get(0)
+        if res.outcome is not RunOutcome.HEALTHY or r0 is None or not r0.steps:
             print(f"  (run not healthy: {res.outcome.value}: {res.error})")
             return None
-        return float(r0["wall_s"]) / int(r0["steps"])
+        return float(r0.wall_s or 0.0) / r0.steps
     finally:
         res.cleanup()
 

@@ -24,8 +24,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +33,8 @@ from pathlib import Path
 from doctor.read.bundle import CaptureManifest, CaptureTarget
 from hicache_runtime.contracts.bundle import now_iso
 from hicache_runtime.contracts.errors import ConfigError, ToolUnavailable
+from hicache_runtime.contracts.pyspy import dump as pyspy_dump
+from hicache_runtime.contracts.pyspy import find_pyspy
 
 PERMISSION_HINT = (
     "py-spy must be allowed to ptrace the ranks: run the capture as root (sudo -E hicache "
@@ -65,7 +65,7 @@ class CaptureResult:
 
 def pyspy_command() -> list[str]:
     """The py-spy executable (PATH, or next to this Python); ``ToolUnavailable`` otherwise."""
-    found = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    found = find_pyspy()
     if not found:
         raise ToolUnavailable("py-spy is not installed",
                               hint="pip install 'hicache-doctor[capture]' (or pip install py-spy)")
@@ -125,22 +125,19 @@ def _dump(cmd: list[str], extra: list[str], t: Target, out: Path, timeout_s: flo
     rec = CaptureTarget(pid=t.pid, rank=t.rank, tp=t.tp, pp=t.pp, cmdline=t.cmdline[:500])
     rank_dir = out / f"rank{t.rank}"
     rank_dir.mkdir(exist_ok=True)
-    start = time.monotonic()
-    try:
-        proc = subprocess.run([*cmd, "dump", "--json", *extra, "--pid", str(t.pid)],
-                              capture_output=True, timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired:
+    res = pyspy_dump(t.pid, command=cmd, extra=extra, timeout_s=timeout_s)
+    if res.timed_out:
         rec.error = f"py-spy did not answer within {timeout_s:g}s (process stuck in the kernel?)"
         return rec
-    except OSError as exc:
-        rec.error = f"cannot run py-spy: {exc}"
+    if res.failure is not None:
+        rec.error = f"cannot run py-spy: {res.failure}"
         return rec
-    rec.seconds = round(time.monotonic() - start, 3)
-    if proc.returncode != 0 or not proc.stdout.strip():
-        rec.error = pyspy_error((proc.stderr or proc.stdout).decode("utf-8", "replace"),
-                                proc.returncode)
+    rec.seconds = round(res.seconds, 3)
+    if not res.ok:
+        rec.error = pyspy_error(res.stderr or res.stdout.decode("utf-8", "replace"),
+                                res.returncode or 0)
         return rec
-    (rank_dir / "pyspy.json").write_bytes(proc.stdout)
+    (rank_dir / "pyspy.json").write_bytes(res.stdout)
     rec.pyspy = f"rank{t.rank}/pyspy.json"
     return rec
 
@@ -150,13 +147,14 @@ def _resample(cmd: list[str], extra: list[str], rec: CaptureTarget, out: Path,
     """Dump ``rec`` again and list the threads whose stacks changed since its first dump."""
     if rec.pyspy is None:
         return
-    try:
-        proc = subprocess.run([*cmd, "dump", "--json", *extra, "--pid", str(rec.pid)],
-                              capture_output=True, timeout=timeout_s, check=False)
-        before = _stacks(json.loads((out / rec.pyspy).read_bytes()))
-        after = _stacks(json.loads(proc.stdout))
-    except (subprocess.TimeoutExpired, OSError, ValueError):
+    res = pyspy_dump(rec.pid, command=cmd, extra=extra, timeout_s=timeout_s)
+    if res.failure is not None:
         return  # no second look: the first dump stands on its own
+    try:
+        before = _stacks(json.loads((out / rec.pyspy).read_bytes()))
+        after = _stacks(json.loads(res.stdout))
+    except (OSError, ValueError):
+        return
     rec.moved = sorted(set(rec.moved) | {tid for tid, frames in before.items()
                                          if after.get(tid, frames) != frames})
 

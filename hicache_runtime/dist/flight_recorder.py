@@ -21,6 +21,7 @@ work is waited on exactly once: gloo's second ``wait()`` blocks until the timeou
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 import sys
@@ -32,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+from hicache_runtime.contracts.outcome import FLIGHT_RECORD_ATTR
 
 if TYPE_CHECKING:
     from hicache_runtime.telemetry.tracer import Tracer
@@ -67,6 +70,10 @@ class FlightRecorder:
         rec["state"] = "completed" if error is None else "failed"
         if error is not None:
             rec["error"] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+            # gloo's timeout is a plain RuntimeError: the op's record (how long it waited, in
+            # which group) is what tells a timeout apart (contracts.outcome.classify)
+            with contextlib.suppress(AttributeError, TypeError):
+                setattr(error, FLIGHT_RECORD_ATTR, rec)
 
     def records(self) -> list[dict[str, Any]]:
         with self._lock:

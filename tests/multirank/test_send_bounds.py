@@ -41,7 +41,7 @@ def _sampled_run(tmp_path: Path, bundle_root: Path, **overrides: object
     try:
         assert res.outcome is RunOutcome.HEALTHY, res.error
         samples = {r: read_samples(res.run_dir, r) for r in range(cfg.topology.world_size)}
-        return int(res.results[0]["steps"]), samples
+        return res.results[0].steps, samples
     finally:
         res.cleanup()
 

@@ -1,0 +1,114 @@
+"""The names of the files a multi-rank run exchanges and leaves behind, in one place.
+
+A run directory is shared by the launcher (or ``torchrun``'s rank 0) and every rank process::
+
+    <run>/config.json          the RuntimeConfig (written by the launcher)
+    <run>/caps.json            optional: reference-run caps (see Workload.caps)
+    <run>/DUMP                 side channel: created once (O_EXCL) by whoever sees a failure
+                               first; every rank then dumps its evidence
+    <run>/PYSPY_DONE           the launcher took its py-spy dumps; ranks may unwind now
+    <run>/progress.json        rank 0's progress (step, finished, total)
+    <run>/rank<N>.log          the rank's stdout and stderr
+    <run>/rank<N>.result.json  the rank's RankResult (outcome, outputs, stats)
+    <run>/rank<N>.exit.json    a healthy rank's teardown: native threads left at exit
+    <run>/bundle/rank<N>/      the rank's bundle files (below), plus entry.json (its RankEntry)
+
+Per-rank files in a bundle (``<bundle>/rank<N>/``) are the ``RANK_*`` names below; a manifest
+records them relative to the bundle (:func:`in_bundle`). Torch-free, like all contracts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from hicache_runtime.contracts.bundle import MANIFEST
+
+CONFIG = "config.json"
+CAPS = "caps.json"
+DUMP = "DUMP"
+PYSPY_DONE = "PYSPY_DONE"
+PROGRESS = "progress.json"
+PROGRESS_TMP = "progress.tmp"
+BUNDLE = "bundle"
+
+#: A rank's own file in a bundle (``<bundle>/rank<N>/<name>``).
+RANK_ENTRY = "entry.json"
+"""The rank's RankEntry while the run lasts; folded into the manifest, then removed."""
+RANK_TRACEBACK = "traceback.txt"
+RANK_STACKS = "stacks.txt"
+RANK_EVENTS = "events.jsonl"
+RANK_FLIGHT_RECORDER = "flight_recorder.json"
+RANK_STATE = "state.json"
+RANK_DUMP_ERRORS = "dump_errors.txt"
+RANK_PYSPY = "pyspy.json"
+RANK_PYSPY_ERR = "pyspy.err.txt"
+RANK_TORCH_FR = "torch_fr.pkl"
+RANK_LOG = "log.txt"
+
+
+def rank_dir_name(rank: int) -> str:
+    """The folder of one rank's files in a bundle (and in a capture)."""
+    return f"rank{rank}"
+
+
+def in_bundle(rank: int, name: str) -> str:
+    """A rank file's path relative to the bundle, as a manifest records it."""
+    return f"{rank_dir_name(rank)}/{name}"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Paths of one run directory (see the module notes)."""
+
+    path: Path
+
+    @property
+    def config(self) -> Path:
+        return self.path / CONFIG
+
+    @property
+    def caps(self) -> Path:
+        return self.path / CAPS
+
+    @property
+    def dump(self) -> Path:
+        return self.path / DUMP
+
+    @property
+    def pyspy_done(self) -> Path:
+        return self.path / PYSPY_DONE
+
+    @property
+    def progress(self) -> Path:
+        return self.path / PROGRESS
+
+    @property
+    def progress_tmp(self) -> Path:
+        return self.path / PROGRESS_TMP
+
+    @property
+    def bundle(self) -> Path:
+        """Where the ranks write their bundle files while the run lasts."""
+        return self.path / BUNDLE
+
+    @property
+    def manifest(self) -> Path:
+        """The manifest of the bundle written in place (``torchrun``, no launcher)."""
+        return self.bundle / MANIFEST
+
+    def log(self, rank: int) -> Path:
+        return self.path / f"rank{rank}.log"
+
+    def result(self, rank: int) -> Path:
+        return self.path / f"rank{rank}.result.json"
+
+    def exit_report(self, rank: int) -> Path:
+        return self.path / f"rank{rank}.exit.json"
+
+    def rank_bundle(self, rank: int) -> Path:
+        """The rank's folder in the run's bundle (not created here)."""
+        return self.bundle / rank_dir_name(rank)
+
+    def entry(self, rank: int) -> Path:
+        return self.rank_bundle(rank) / RANK_ENTRY
