@@ -20,7 +20,10 @@ Counted in pages (L3 reservations are tokens of prefetch budget, rounded up to p
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hicache_runtime.cache.interface import PrefixCache
 
 #: Fields of :class:`DrainAccount` that count leaked pages (``leaked_pages`` is their sum).
 LEAK_FIELDS = ("device_unowned", "device_locked", "host_unowned", "host_pinned", "l3_reserved")
@@ -55,12 +58,13 @@ class DrainAccount:
         return {**asdict(self), "leaked_pages": self.leaked_pages}
 
 
-def drain_account(cache: Any) -> DrainAccount:
-    """Measure ``cache`` (a :class:`~.interface.PrefixCache`) as it stands. Call it
-    after the drain: before, requests and transfers legitimately hold pages."""
+def drain_account(cache: PrefixCache) -> DrainAccount:
+    """Measure ``cache``'s parts (:meth:`~.interface.PrefixCache.parts`) as they stand. Call
+    it after the drain: before, requests and transfers legitimately hold pages."""
     ps = cache.page_size
-    dev = cache.device.allocator
-    tree = getattr(cache, "tree", None)
+    parts = cache.parts()
+    dev = parts.device.allocator
+    tree = parts.tree
     tree_pages = locked = 0
     host_tree = 0
     if tree is not None:
@@ -76,18 +80,17 @@ def drain_account(cache: Any) -> DrainAccount:
         "device_capacity": dev.num_pages, "device_free": dev.available_pages,
         "device_tree": tree_pages, "device_unowned": max(0, dev_used - tree_pages),
         "device_locked": locked}
-    host = getattr(cache, "host", None)
+    host = parts.host
     if host is not None:
         alloc = host.allocator
-        pins = getattr(cache, "pins", None)
+        pins = parts.pins
         account.update(host_capacity=alloc.num_pages, host_free=alloc.available_pages,
                        host_tree=host_tree,
                        host_unowned=max(0, alloc.used_pages - host_tree),
                        host_pinned=pins.pinned_pages if pins is not None else 0)
-    l3 = getattr(cache, "l3", None)
+    l3 = parts.l3
     if l3 is not None:
-        account.update(l3_reserved=-(-max(0, l3.occupied) // ps),
-                       l3_open=len(l3.ongoing_prefetch) + len(l3.ongoing_backup))
+        account.update(l3_reserved=-(-max(0, l3.occupied) // ps), l3_open=l3.open_ops())
     return DrainAccount(**account)
 
 

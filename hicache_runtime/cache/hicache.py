@@ -12,6 +12,10 @@ transfer queues, and applies the policies:
   scheduler's memory quota; evict and retry once, else the request recomputes.
 * **eviction**: LRU over unlocked leaves, L1 and L2 separately.
 * **completion**: ``check_events`` consumes exactly the agreed number of acks per step.
+
+The policies are parts HiCache builds and owns, each given what it uses: the host space (L2
+allocation and eviction), write-backup and load-back (``transfers``), L1 eviction, and the L3
+tier when a storage backend is configured (its threads are handed in, built by the rank).
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hicache_runtime.cache.eviction import EvictionMixin
-from hicache_runtime.cache.interface import PrefixCache, PrefixPlan
-from hicache_runtime.cache.transfers import TransferMixin
+from hicache_runtime.cache.eviction import DeviceEviction, WriteBackPath, touch_on_io_done
+from hicache_runtime.cache.host_space import HostSpace
+from hicache_runtime.cache.interface import CacheParts, PrefixCache, PrefixPlan
+from hicache_runtime.cache.state import CacheCounters, InFlight
+from hicache_runtime.cache.transfers import LoadBack, WriteBackup
 from hicache_runtime.config import CacheConfig, WritePolicy
 from hicache_runtime.contracts.errors import InvariantViolation
 from hicache_runtime.contracts.events import Ev
@@ -34,25 +40,32 @@ from hicache_runtime.dist.protocols import DrainCounts, RankSync
 from hicache_runtime.kv.host_pins import HostPins
 from hicache_runtime.kv.radix_tree import RadixTree, TreeNode
 from hicache_runtime.kv.transfer_queues import CacheController
+from hicache_runtime.l3.tier import L2Side, L3Tier
 from hicache_runtime.telemetry.tracer import Tracer
 
 if TYPE_CHECKING:
     from hicache_runtime.kv.copy_engine import CopyEngine
     from hicache_runtime.kv.pools import DeviceKVPool, HostKVPool
     from hicache_runtime.kv.request import Req
-    from hicache_runtime.l3.tier import L3Tier
+    from hicache_runtime.l3.workers import StorageWorkers
 
 
 #: Poll interval while draining L3 work at the end of a run.
 _DRAIN_POLL_S = 0.002
 
 
-class HiCache(TransferMixin, EvictionMixin, PrefixCache):
-    """Three-tier prefix cache for one rank. ``host`` is ``None`` for an L1-only radix cache."""
+class HiCache(PrefixCache):
+    """Three-tier prefix cache for one rank. ``host`` and ``engine`` are ``None`` for an
+    L1-only radix cache; ``storage`` (the L3 threads, not started yet) adds the L3 tier."""
 
     def __init__(self, cfg: CacheConfig, device: DeviceKVPool, host: HostKVPool | None,
                  engine: CopyEngine | None, sync: RankSync, tracer: Tracer,
-                 tree: RadixTree, legacy: frozenset[LegacySwitch] = frozenset()) -> None:
+                 tree: RadixTree, legacy: frozenset[LegacySwitch] = frozenset(),
+                 storage: StorageWorkers | None = None) -> None:
+        if (host is None) != (engine is None):
+            raise ValueError("the host pool (L2) and the copy engine come together")
+        if storage is not None and host is None:
+            raise ValueError("an L3 tier needs the host pool (L2)")
         self.cfg = cfg
         self.page_size = cfg.page_size
         self.device = device
@@ -61,20 +74,32 @@ class HiCache(TransferMixin, EvictionMixin, PrefixCache):
         self.tracer = tracer
         self.tree = tree
         self.legacy = legacy
-        self.controller = (CacheController(device, host, engine, tracer)
-                           if host is not None and engine is not None else None)
         self.pins = HostPins(cfg.page_size)
-        self.ongoing_write_through: dict[int, TreeNode] = {}
-        self.write_tokens: dict[int, int] = {}
-        """Tokens each in-flight L1->L2 write covers: a split while it is in flight moves its
-        leading pages into new ancestors of the node, which the write covers too."""
-        self.ongoing_load_back: dict[int, TreeNode] = {}
-        self.l3: L3Tier | None = None
-        """The L3 tier, attached after construction when a storage backend is configured."""
+        self.stats = CacheCounters()
+        self.in_flight = InFlight()
         self.classic_drain = bool(legacy & {LegacySwitch.LOCAL_ACK_DRAIN,
                                             LegacySwitch.SKIP_EMPTY_SYNC})
-        self.stats = {"backup_tokens": 0, "backup_skipped": 0, "load_tokens": 0,
-                      "load_skipped": 0, "evicted_device": 0, "evicted_host": 0}
+        self.controller: CacheController | None = None
+        self.space: HostSpace | None = None
+        self.backups: WriteBackup | None = None
+        self.l3: L3Tier | None = None
+        """The L3 tier, when a storage backend is configured."""
+        write_back: WriteBackPath | None = None
+        if host is not None and engine is not None:
+            self.controller = CacheController(device, host, engine, tracer)
+            self.space = HostSpace(host, tree, self.pins, sync, tracer, self.stats)
+            self.backups = WriteBackup(self.space, self.controller, tree, self.in_flight,
+                                       tracer, self.stats, legacy)
+            if storage is not None:
+                self.l3 = L3Tier(storage.cfg, storage, L2Side(host, tree, self.pins, self.space),
+                                 sync, tracer, legacy)
+            if cfg.write_policy is WritePolicy.WRITE_BACK:
+                write_back = WriteBackPath(self.backups, self.space, self.controller,
+                                           self.l3.backup if self.l3 is not None else None)
+        self.eviction = DeviceEviction(device, tree, tracer, self.stats, write_back)
+        self.loads = (LoadBack(self.controller, device, tree, self.pins, self.eviction.evict,
+                               self.in_flight, tracer, self.stats, cfg.load_back_threshold)
+                      if self.controller is not None else None)
 
     # --- prefix ---------------------------------------------------------------------------------
 
@@ -84,8 +109,8 @@ class HiCache(TransferMixin, EvictionMixin, PrefixCache):
         m = self.tree.match(key)
         indices, last = m.device_indices, m.last_device_node
         host_hit = 0
-        if m.host_hit_length and self.host is not None:
-            loaded = self.load_back(m.last_host_node, mem_quota)
+        if m.host_hit_length and self.loads is not None:
+            loaded = self.loads.load_back(m.last_host_node, mem_quota)
             if loaded is not None:
                 indices, last, host_hit = torch.cat([indices, loaded]), m.last_host_node, \
                     int(loaded.numel())
@@ -138,7 +163,7 @@ class HiCache(TransferMixin, EvictionMixin, PrefixCache):
             self.device.free(req.kv_slots[req.prefix_len : res.prefix_len])
         self.tracer.emit(Ev.INSERT, rid=req.rid, tokens=n, existing=res.prefix_len,
                          revived=len(res.revived), new=res.new_node.id if res.new_node else None)
-        if self.host is None:
+        if self.backups is None:
             return
         policy = self.cfg.write_policy
         if policy is WritePolicy.WRITE_BACK:
@@ -150,10 +175,17 @@ class HiCache(TransferMixin, EvictionMixin, PrefixCache):
                 continue
             if (policy is WritePolicy.WRITE_THROUGH
                     or node.hit_count >= self.cfg.write_through_threshold):
-                self.write_backup(node)
+                self.backups.write_backup(node)
 
     def start_loading(self) -> int | None:
         return self.controller.start_loading() if self.controller is not None else None
+
+    def evict(self, num_tokens: int) -> int:
+        return self.eviction.evict(num_tokens)
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` of L2 (LRU); 0 without L2."""
+        return self.space.evict_host(num_tokens) if self.space is not None else 0
 
     @property
     def evictable_tokens(self) -> int:
@@ -205,7 +237,7 @@ class HiCache(TransferMixin, EvictionMixin, PrefixCache):
         (``skip-empty-sync``). The count is a per-stage TP MIN of the local ready count
         (``local-ack-drain``, 0.5.5) or PP0's TP MIN chained down the pipeline (0.5.13)."""
         assert self.controller is not None
-        if LegacySwitch.SKIP_EMPTY_SYNC in self.legacy and not self.ongoing_write_through:
+        if LegacySwitch.SKIP_EMPTY_SYNC in self.legacy and not self.in_flight.ongoing_write_through:
             # upstream: "all ranks has the same ongoing_write_through, can skip sync if empty"
             return
         ready = self.controller.ready_count(self.controller.ack_write_queue)
@@ -230,10 +262,10 @@ class HiCache(TransferMixin, EvictionMixin, PrefixCache):
         for _ in range(count):
             ack = self.controller.pop_ack(self.controller.ack_write_queue)
             for node_id in ack.node_ids:
-                node = self.ongoing_write_through.pop(node_id)
-                fragments = self._fragments(node, self.write_tokens.pop(node_id))
+                node = self.in_flight.ongoing_write_through.pop(node_id)
+                fragments = self._fragments(node, self.in_flight.write_tokens.pop(node_id))
                 self.tree.dec_lock_ref(node)
-                self.touch_on_io_done(node, ack)
+                touch_on_io_done(node, ack, self.legacy)
                 for fragment in fragments:  # every fragment, top-down (as upstream)
                     self.on_backed_up(fragment)
             self.tracer.emit(Ev.WRITE_ACK, nodes=ack.node_ids, tokens=ack.tokens)
@@ -246,9 +278,9 @@ class HiCache(TransferMixin, EvictionMixin, PrefixCache):
         for _ in range(count):
             ack = self.controller.pop_ack(self.controller.ack_load_queue)
             for node_id in ack.node_ids:
-                node = self.ongoing_load_back.pop(node_id)
+                node = self.in_flight.ongoing_load_back.pop(node_id)
                 self.tree.dec_lock_ref(node)
-                self.touch_on_io_done(node, ack)
+                touch_on_io_done(node, ack, self.legacy)
             self.tracer.emit(Ev.LOAD_ACK, nodes=ack.node_ids, tokens=ack.tokens)
         if count:
             self.tracer.emit(Ev.LOAD_DRAIN, count=count, left=len(self.controller.ack_load_queue))
@@ -293,7 +325,7 @@ class HiCache(TransferMixin, EvictionMixin, PrefixCache):
     def idle(self) -> bool:
         if self.controller is None:
             return True
-        return not (self.ongoing_write_through or self.ongoing_load_back
+        return not (self.in_flight.ongoing_write_through or self.in_flight.ongoing_load_back
                     or self.controller.write_queue or self.controller.load_queue
                     or (self.l3 is not None and not self.l3.idle()))
 
@@ -339,8 +371,7 @@ class HiCache(TransferMixin, EvictionMixin, PrefixCache):
     def _check_locks(self, held: Sequence[TreeNode | None]) -> None:
         """Every lock is accounted for: requests' prefixes and in-flight transfers."""
         expected: dict[int, int] = defaultdict(int)
-        holders = [*held, *self.ongoing_write_through.values(), *self.ongoing_load_back.values()]
-        for node in holders:
+        for node in [*held, *self.in_flight.holders()]:
             if node is not None:
                 for n in self.tree.path_to_root(node):
                     expected[n.id] += 1
@@ -360,9 +391,9 @@ class HiCache(TransferMixin, EvictionMixin, PrefixCache):
                        "capacity": self.device.capacity_tokens,
                        "evictable": self.tree.evictable_size,
                        "protected": self.tree.protected_size},
-            "ongoing_write_through": sorted(self.ongoing_write_through),
-            "ongoing_load_back": sorted(self.ongoing_load_back),
-            "stats": dict(self.stats),
+            "ongoing_write_through": sorted(self.in_flight.ongoing_write_through),
+            "ongoing_load_back": sorted(self.in_flight.ongoing_load_back),
+            "stats": self.stats.as_dict(),
         }
         if self.host is not None:
             snap["host"] = {"free": self.host.available_tokens,
@@ -374,12 +405,14 @@ class HiCache(TransferMixin, EvictionMixin, PrefixCache):
             snap["l3"] = self.l3.snapshot()
         return snap
 
+    def parts(self) -> CacheParts:
+        return CacheParts(self.device, self.tree, self.host, self.pins, self.l3)
+
     def shutdown(self) -> None:
         if self.l3 is not None:
-            self.l3.workers.stop()
-            self.l3.workers.backend.close()
+            self.l3.shutdown()
         if self.controller is not None:
-            self.controller.engine.shutdown()
+            self.controller.shutdown()
 
 
 def _check_slots(tree: RadixTree, attr: str, is_used: Any, page_size: int) -> None:

@@ -28,9 +28,11 @@ from hicache_runtime.contracts.errors import InvariantViolation
 from hicache_runtime.dist.protocols import DrainCounts
 
 if TYPE_CHECKING:
-    from hicache_runtime.kv.pools import DeviceKVPool
-    from hicache_runtime.kv.radix_tree import TreeNode
+    from hicache_runtime.kv.host_pins import HostPins
+    from hicache_runtime.kv.pools import DeviceKVPool, HostKVPool
+    from hicache_runtime.kv.radix_tree import RadixTree, TreeNode
     from hicache_runtime.kv.request import Req
+    from hicache_runtime.l3.tier import L3Tier
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -46,6 +48,17 @@ class PrefixPlan(NamedTuple):
     device_hit: int
     host_hit: int
     storage_hit: int = 0
+
+
+class CacheParts(NamedTuple):
+    """The parts of a cache that hold pages, as end-of-run accounting measures them; a part
+    the cache does not have is ``None``."""
+
+    device: DeviceKVPool
+    tree: RadixTree | None = None
+    host: HostKVPool | None = None
+    pins: HostPins | None = None
+    l3: L3Tier | None = None
 
 
 class PrefixCache(ABC):
@@ -129,13 +142,13 @@ class PrefixCache(ABC):
     @abstractmethod
     def snapshot(self) -> dict[str, Any]: ...
 
+    def parts(self) -> CacheParts:
+        """The page-holding parts, for accounting (read-only use)."""
+        return CacheParts(self.device)
+
     def idle(self) -> bool:
         """True when no transfer or background work is in flight."""
         return True
-
-    def drain(self) -> None:
-        """End of a single-rank run: wait for every transfer and consume it, so ``idle()``
-        holds. (Several ranks drain in agreed rounds of ``check_events`` instead.)"""
 
     def shutdown(self) -> None:
         """Stop background threads and wait for copies."""

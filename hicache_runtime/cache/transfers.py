@@ -1,12 +1,15 @@
-"""L1 <-> L2 transfers of the tiered cache: write-backup, host allocation, load-back.
+"""L1 <-> L2 transfers of the tiered cache: write-backup and load-back.
 
-Part of :class:`~hicache_runtime.cache.hicache.HiCache` (a mixin, so the policies read top to bottom
-in one place each): a backup reserves host pages and commits only if every rank got them; a
-load-back brings an evicted path back to L1, all or nothing.
+A backup (:class:`WriteBackup`) reserves host pages and commits only if every rank got them; a
+load-back (:class:`LoadBack`) brings an evicted path back to L1, all or nothing. Both queue
+their copies on the :class:`~hicache_runtime.kv.transfer_queues.CacheController` and record
+them in the shared :class:`~hicache_runtime.cache.state.InFlight` until ``check_events``
+consumes their acks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,57 +19,47 @@ from hicache_runtime.contracts.events import Ev
 from hicache_runtime.contracts.legacy import LegacySwitch
 
 if TYPE_CHECKING:
-    from hicache_runtime.config import CacheConfig
-    from hicache_runtime.dist.protocols import RankSync
+    from hicache_runtime.cache.host_space import HostSpace
+    from hicache_runtime.cache.state import CacheCounters, InFlight
     from hicache_runtime.kv.host_pins import HostPins
-    from hicache_runtime.kv.pools import DeviceKVPool, HostKVPool
+    from hicache_runtime.kv.pools import DeviceKVPool
     from hicache_runtime.kv.radix_tree import RadixTree, TreeNode
     from hicache_runtime.kv.transfer_queues import CacheController
     from hicache_runtime.telemetry.tracer import Tracer
 
 
-class TransferMixin:
-    """Write-backup and load-back; mixed into ``HiCache`` (which provides the attributes)."""
+class WriteBackup:
+    """L1 -> L2 backups of tree nodes. Scheduler thread only."""
 
-    cfg: CacheConfig
-    page_size: int
-    device: DeviceKVPool
-    host: HostKVPool | None
-    controller: CacheController | None
-    tree: RadixTree
-    sync: RankSync
-    tracer: Tracer
-    legacy: frozenset[LegacySwitch]
-    pins: HostPins
-    stats: dict[str, int]
-    ongoing_write_through: dict[int, TreeNode]
-    write_tokens: dict[int, int]
-    ongoing_load_back: dict[int, TreeNode]
-
-    if TYPE_CHECKING:  # provided by EvictionMixin and HiCache
-        def evict(self, num_tokens: int) -> int: ...
-        def evict_host(self, num_tokens: int) -> int: ...
-        def lock(self, node: TreeNode | None) -> None: ...
-        def unlock(self, node: TreeNode | None) -> None: ...
+    def __init__(self, space: HostSpace, controller: CacheController, tree: RadixTree,
+                 in_flight: InFlight, tracer: Tracer, counters: CacheCounters,
+                 legacy: frozenset[LegacySwitch]) -> None:
+        self.space = space
+        self.controller = controller
+        self.tree = tree
+        self.in_flight = in_flight
+        self.tracer = tracer
+        self.counters = counters
+        self.legacy = legacy
 
     def write_backup(self, node: TreeNode, write_back: bool = False) -> int:
-        """Back ``node`` up to L2. Returns the tokens queued (0: not backed up).
+        """Back ``node`` up to L2. Returns the tokens queued (0: not backed up). With
+        ``write_back`` only the host pages are reserved: the caller copies synchronously.
 
         Host residency stays contiguous from the root: a node whose parent has no host copy is
         not backed up. The allocation outcome is agreed across ranks before anything is
         committed, unless the classic local decision is restored."""
-        assert self.host is not None
-        assert self.controller is not None
         if node.host_value is not None or node.value is None:
             return 0
         parent = node.parent
         parent_ok = parent is self.tree.root or (parent is not None and parent.backuped)
         if LegacySwitch.SKIP_EMPTY_SYNC in self.legacy:  # classic: a rank-local decision
-            slots = self.alloc_host(len(node.key)) if parent_ok else None
+            slots = self.space.alloc_host(len(node.key)) if parent_ok else None
         else:
-            slots = self.alloc_host_agreed(len(node.key) if parent_ok else 0, "write_backup")
+            slots = self.space.alloc_host_agreed(len(node.key) if parent_ok else 0,
+                                                 "write_backup")
         if slots is None:
-            self.stats["backup_skipped"] += len(node.key)
+            self.counters.backup_skipped += len(node.key)
             self.tracer.emit(Ev.WRITE_SKIP, node=node.id, tokens=len(node.key),
                              parent_backed_up=parent_ok)
             return 0
@@ -74,61 +67,35 @@ class TransferMixin:
         if write_back:
             return len(node.key)
         self.tree.inc_lock_ref(node)
-        self.ongoing_write_through[node.id] = node
-        self.write_tokens[node.id] = len(node.key)
+        self.in_flight.ongoing_write_through[node.id] = node
+        self.in_flight.write_tokens[node.id] = len(node.key)
         self.controller.write(node.value, slots, node.id)
-        self.stats["backup_tokens"] += len(node.key)
+        self.counters.backup_tokens += len(node.key)
         return len(node.key)
 
-    def alloc_host_agreed(self, num_tokens: int, site: str) -> torch.Tensor | None:
-        """Host slots for ``num_tokens`` if *every* rank got them, else None everywhere (the
-        two-phase reserve -> vote -> commit/abort proposed in #31425, over TP and PP: a
-        leader-decided vote would miss a downstream stage's failure). The evict-and-retry step is
-        taken only on an agreed failure and evicts by pool state, which ranks share, never by
-        the local outcome, so one rank's failed allocation cannot make the trees diverge.
-        ``num_tokens == 0`` votes "no" (a rank that cannot even try still votes)."""
-        assert self.host is not None
-        for attempt in range(2):
-            slots = self.host.alloc(num_tokens) if num_tokens else None
-            if self.sync.agree_all(slots is not None, site):
-                return slots
-            if slots is not None:
-                self.host.free(slots)
-            if not num_tokens:
-                return None
-            if attempt == 0:
-                self.evict_host(num_tokens - self.host.available_tokens)
-        return None
 
-    def alloc_host(self, num_tokens: int) -> torch.Tensor | None:
-        """Host slots for ``num_tokens``, evicting L2 leaves once if needed; None if full.
-        Rank-local: only legacy paths use it directly."""
-        assert self.host is not None
-        slots = self.host.alloc(num_tokens)
-        if slots is None:
-            self.evict_host(num_tokens - self.host.available_tokens)
-            slots = self.host.alloc(num_tokens)
-        return slots
+class LoadBack:
+    """L2 -> L1 load-backs of evicted paths. Scheduler thread only.
 
-    def host_free(self, slots: torch.Tensor) -> None:
-        assert self.host is not None
-        self.host.free(slots)
+    ``evict`` frees L1 (the cache's eviction): a load-back that finds L1 full evicts once and
+    retries."""
 
-    def hang_host_pages(self, anchor: TreeNode, tokens: list[int], host_slots: torch.Tensor,
-                        hashes: list[str]) -> torch.Tensor:
-        """Hang fetched L3 pages below ``anchor`` as host-only nodes; returns the host slots
-        added to the tree. Pages the tree already holds, or that cannot hang contiguously,
-        are freed."""
-        present, added = self.tree.insert_host(anchor, tokens, host_slots, hashes)
-        if present:
-            self.host_free(host_slots[:present])
-        if present + added < len(tokens):
-            self.host_free(host_slots[present + added :])
-        return host_slots[present : present + added]
+    def __init__(self, controller: CacheController, device: DeviceKVPool, tree: RadixTree,
+                 pins: HostPins, evict: Callable[[int], int], in_flight: InFlight,
+                 tracer: Tracer, counters: CacheCounters, threshold: int) -> None:
+        self.controller = controller
+        self.device = device
+        self.tree = tree
+        self.pins = pins
+        self.evict = evict
+        self.in_flight = in_flight
+        self.tracer = tracer
+        self.counters = counters
+        self.threshold = threshold
+        """Paths shorter than this many tokens are recomputed rather than loaded back."""
 
     def load_back(self, node: TreeNode, mem_quota: int) -> torch.Tensor | None:
         """Load the evicted path ending at ``node`` back to L1 (all or nothing)."""
-        assert self.controller is not None
         path: list[TreeNode] = []
         x = node
         while x.value is None:
@@ -140,25 +107,27 @@ class TransferMixin:
             assert x.parent is not None
             x = x.parent
         path.reverse()
-        ancestor = x
+        ancestor = None if x is self.tree.root else x
         total = sum(len(n.key) for n in path)
-        if total < self.cfg.load_back_threshold or total > mem_quota:
-            self.stats["load_skipped"] += total
+        if total < self.threshold or total > mem_quota:
+            self.counters.load_skipped += total
             self.tracer.emit(Ev.LOAD_SKIP, node=node.id, tokens=total, quota=mem_quota)
             return None
         host_slots = torch.cat([n.host_value for n in path])  # type: ignore[misc]
         self.pins.pin(host_slots)  # keep L2 eviction (reachable via write_back) off the path
-        self.lock(None if ancestor is self.tree.root else ancestor)
+        if ancestor is not None:  # keep eviction off the path's device-resident ancestor
+            self.tree.inc_lock_ref(ancestor)
         try:
             device_slots = self.controller.load(host_slots, node.id)
             if device_slots is None:
                 self.evict(total - self.device.available_tokens)
                 device_slots = self.controller.load(host_slots, node.id)
         finally:
-            self.unlock(None if ancestor is self.tree.root else ancestor)
+            if ancestor is not None:
+                self.tree.dec_lock_ref(ancestor)
             self.pins.unpin(host_slots)
         if device_slots is None:
-            self.stats["load_skipped"] += total
+            self.counters.load_skipped += total
             self.tracer.emit(Ev.LOAD_SKIP, node=node.id, tokens=total, reason="device_full")
             return None
         offset = 0
@@ -166,7 +135,6 @@ class TransferMixin:
             self.tree.attach_device(n, device_slots[offset : offset + len(n.key)])
             offset += len(n.key)
         self.tree.inc_lock_ref(node)
-        self.ongoing_load_back[node.id] = node
-        self.stats["load_tokens"] += total
+        self.in_flight.ongoing_load_back[node.id] = node
+        self.counters.load_tokens += total
         return device_slots
-

@@ -32,7 +32,6 @@ from hicache_runtime.kv.radix_tree import RadixTree
 from hicache_runtime.l3.keys import model_id
 from hicache_runtime.l3.pages import PageCodec, SidecarCodec, max_payload_bytes
 from hicache_runtime.l3.registry import make_backend
-from hicache_runtime.l3.tier import L3Tier
 from hicache_runtime.l3.workers import StorageWorkers
 from hicache_runtime.telemetry.tracer import Tracer
 
@@ -110,6 +109,7 @@ def build_rank(cfg: RuntimeConfig, rank: RankInfo | None = None, *,
     tracer = tracer or make_tracer(cfg, rank, trace_path)
     faults = FaultInjector(cfg.faults, cfg.seed, rank, tracer) if cfg.faults else None
     sync = sync or SingleRankSync(rank, tracer)
+    aborts = AbortInbox()
     model = TinyTransformer(cfg.model, rank, device, tp, page_size=cfg.cache.page_size)
     shape = model.kv_shape()
     device_pool = DeviceKVPool(shape, cfg.cache.device_tokens, cfg.cache.page_size, device)
@@ -118,6 +118,7 @@ def build_rank(cfg: RuntimeConfig, rank: RankInfo | None = None, *,
             tracer.emit(Ev.LAYER_WAIT, layer=layer, t0_ns=t0, dur_ns=t1 - t0)
         device_pool.on_layer_wait = on_layer_wait
     host_pool: HostKVPool | None = None
+    storage: StorageWorkers | None = None
     cache: PrefixCache
     if not cfg.cache.enable_prefix_cache:
         cache = NoPrefixCache(device_pool)
@@ -126,38 +127,38 @@ def build_rank(cfg: RuntimeConfig, rank: RankInfo | None = None, *,
         if cfg.cache.enable_hicache:
             host_pool = _host_pool(cfg, shape, sync, faults, tracer)
             engine = _copy_engine(cfg, device, tracer, faults)
+            if cfg.storage.backend != "none":
+                storage = _storage_workers(cfg, rank, model, host_pool, sync, tracer, faults,
+                                           aborts)
         tree = RadixTree(cfg.cache.page_size, _lru_clock(cfg))
         cache = HiCache(cfg.cache, device_pool, host_pool, engine, sync, tracer, tree,
-                        cfg.legacy)
+                        cfg.legacy, storage)
     scheduler = Scheduler(cfg.scheduler, cache, tracer, num_slots=cfg.topology.pp)
     rt = RankRuntime(cfg, rank, device, tracer, faults, sync, model, device_pool, host_pool,
-                     cache, scheduler)
-    if isinstance(cache, HiCache) and host_pool is not None and cfg.storage.backend != "none":
-        _attach_l3(rt, cache, host_pool)
+                     cache, scheduler, aborts)
+    if storage is not None:  # last: a rank whose build failed leaves no L3 thread behind
+        storage.start()
     return rt
 
 
-def _attach_l3(rt: RankRuntime, cache: HiCache, host_pool: HostKVPool) -> None:
-    """Build the L3 backend, its threads and the scheduler-side tier, and start them."""
-    cfg = rt.cfg
-    offsets = {"layer_start": rt.model.layers_range.start,
-               "head_start": rt.model.kv_heads.start}
+def _storage_workers(cfg: RuntimeConfig, rank: RankInfo, model: TinyTransformer,
+                     host_pool: HostKVPool, sync: RankSync, tracer: Tracer,
+                     faults: FaultInjector | None, aborts: AbortInbox) -> StorageWorkers:
+    """The L3 backend and its threads (not started): the cache builds its L3 tier on them."""
+    offsets = {"layer_start": model.layers_range.start, "head_start": model.kv_heads.start}
     codec = PageCodec.for_pool(host_pool, **offsets)
     sidecars = {name: SidecarCodec.for_pool(host_pool, name, **offsets)
                 for name in cfg.model.sidecars}
     # store contents are untrusted: the backend never reads more than this rank's largest page
-    backend = make_backend(cfg.storage, rt.rank, model=model_id(cfg.model),
-                           required=cfg.storage.required, faults=rt.faults, tracer=rt.tracer,
-                           step=lambda: rt.tracer.step,
+    backend = make_backend(cfg.storage, rank, model=model_id(cfg.model),
+                           required=cfg.storage.required, faults=faults, tracer=tracer,
+                           step=lambda: tracer.step,
                            max_payload_bytes=max_payload_bytes(codec, *sidecars.values()))
     assert backend is not None
     # A peer waits in an L3 vote for at most this plus one storage call (see ``l3_ops``).
     budget = cfg.observability.protocol_timeout_s * _IO_BUDGET_FRACTION
-    workers = StorageWorkers(cfg.storage, backend, codec, host_pool, rt.sync, rt.tracer,
-                             rt.rank, cfg.legacy, rt.faults, rt.aborts.request, sidecars,
-                             io_budget_s=budget)
-    cache.l3 = L3Tier(cfg.storage, cache, workers)
-    workers.start()
+    return StorageWorkers(cfg.storage, backend, codec, host_pool, sync, tracer, rank,
+                          cfg.legacy, faults, aborts.request, sidecars, io_budget_s=budget)
 
 
 def host_tokens_for(cfg: RuntimeConfig, shape: KVShape) -> int:

@@ -6,6 +6,9 @@ matching ack queue. Acks complete in order. The *ready count* of an ack queue is
 its leading run of completed acks; how many acks to consume is never decided from it directly
 but from the agreed count that :mod:`hicache_runtime.dist.protocols` returns (see ``HiCache``).
 
+The controller is the copy engine's only user: the cache copies through it (``write_now`` is
+write-back eviction's synchronous copy) and stops the engine through it (``shutdown``).
+
 The ack queues are plain lists consumed with ``pop(0)``, as upstream does; consuming more acks
 than a rank holds therefore fails exactly the way production did:
 ``IndexError: pop from empty list``.
@@ -52,7 +55,7 @@ class CacheController:
                  tracer: Tracer) -> None:
         self.device = device
         self.host = host
-        self.engine = engine
+        self._engine = engine
         self.tracer = tracer
         self.write_queue: list[CacheOperation] = []
         self.load_queue: list[CacheOperation] = []
@@ -71,9 +74,14 @@ class CacheController:
             return
         op = _merge(self.write_queue)
         self.write_queue = []
-        event = self.engine.write(self.device, self.host, op.device_slots, op.host_slots)
+        event = self._engine.write(self.device, self.host, op.device_slots, op.host_slots)
         self.ack_write_queue.append(HiCacheAck(event, op.node_ids, int(op.host_slots.numel())))
         self.tracer.emit(Ev.WRITE_SUBMIT, nodes=op.node_ids, tokens=int(op.host_slots.numel()))
+
+    def write_now(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+        """Copy L1 -> L2 outside the queues and wait for it (write-back eviction: the victim's
+        device pages are freed right after). No ack: nothing is left in flight."""
+        self._engine.write(self.device, self.host, device_slots, host_slots).synchronize()
 
     # --- loads (L2 -> L1) --------------------------------------------------------------------
 
@@ -97,7 +105,7 @@ class CacheController:
             return None
         op = _merge(self.load_queue)
         self.load_queue = []
-        event, slot = self.engine.load(self.host, self.device, op.host_slots, op.device_slots,
+        event, slot = self._engine.load(self.host, self.device, op.host_slots, op.device_slots,
                                        self.device.layer_counter)
         self.ack_load_queue.append(HiCacheAck(event, op.node_ids, int(op.host_slots.numel())))
         self._last_load = (event, slot)
@@ -127,6 +135,10 @@ class CacheController:
         if ack.done_at is None:  # consumed before this rank's own query saw it finish
             ack.done_at = time.monotonic()
         return ack
+
+    def shutdown(self) -> None:
+        """Finish the copies in flight and stop the copy engine."""
+        self._engine.shutdown()
 
     def in_flight(self) -> dict[str, int]:
         return {

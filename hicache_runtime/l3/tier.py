@@ -11,6 +11,10 @@ as host-only nodes and later loaded back like any L2 hit.
 Accounting closes on every exit path (revoke, settle, abort, IO end): ``occupied`` is SGLang's
 ``prefetch_tokens_occupied``; host pages of an op are freed only after its IO thread has
 finished with them (the ``abort-frees-in-flight`` legacy switch frees them at abort instead).
+
+The tier sees the layers below it through :class:`L2Side`, handed over at construction (the
+host pool, the radix tree, the host-page pins and an allocator); it never calls back into the
+cache that owns it.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -32,10 +37,13 @@ from hicache_runtime.l3.keys import extend_chain
 from hicache_runtime.l3.ops import BackupOperation, PrefetchAck, PrefetchOperation
 
 if TYPE_CHECKING:
-    from hicache_runtime.cache.hicache import HiCache
-    from hicache_runtime.kv.radix_tree import TreeNode
+    from hicache_runtime.dist.protocols import RankSync
+    from hicache_runtime.kv.host_pins import HostPins
+    from hicache_runtime.kv.pools import HostKVPool
+    from hicache_runtime.kv.radix_tree import RadixTree, TreeNode
     from hicache_runtime.kv.request import Req
     from hicache_runtime.l3.workers import StorageWorkers
+    from hicache_runtime.telemetry.tracer import Tracer
 
 
 log = logging.getLogger(__name__)
@@ -44,20 +52,47 @@ log = logging.getLogger(__name__)
 _TAKE_POLL_S = 0.5
 
 
+class HostAllocator(Protocol):
+    """Host pages for a prefetch, with L2 eviction behind them (the cache's host space)."""
+
+    def alloc_host(self, num_tokens: int) -> torch.Tensor | None:
+        """Rank-local: slots, evicting L2 once if needed; None if L2 is full."""
+
+    def alloc_host_agreed(self, num_tokens: int, site: str) -> torch.Tensor | None:
+        """Slots if every rank got them, else None on every rank (a vote named ``site``)."""
+
+
+@dataclass(frozen=True)
+class L2Side:
+    """What the L3 tier uses of the tiers below it.
+
+    ``host``: the pool prefetched pages are read into and freed back to; ``tree``: where
+    settled prefetches hang as host-only nodes and where backups take their page hashes;
+    ``pins``: held on pages an L3 operation reads or hangs below; ``allocator``: prefetch
+    pages, allocated as the cache allocates its own."""
+
+    host: HostKVPool
+    tree: RadixTree
+    pins: HostPins
+    allocator: HostAllocator
+
+
 class L3Tier:
     """Scheduler-thread half of L3 for one rank (the threads live in ``StorageWorkers``)."""
 
-    def __init__(self, cfg: StorageConfig, cache: HiCache, workers: StorageWorkers) -> None:
+    def __init__(self, cfg: StorageConfig, workers: StorageWorkers, l2: L2Side,
+                 sync: RankSync, tracer: Tracer, legacy: frozenset[LegacySwitch]) -> None:
         self.cfg = cfg
-        self.cache = cache
         self.workers = workers
-        self.tree = cache.tree
-        self.sync = cache.sync
-        self.tracer = cache.tracer
-        self.legacy = cache.legacy
-        self.ps = cache.page_size
-        assert cache.host is not None
-        self.capacity = int(cache.host.capacity_tokens * cfg.prefetch_capacity_fraction)
+        self.host = l2.host
+        self.tree = l2.tree
+        self.pins = l2.pins
+        self.allocator = l2.allocator
+        self.sync = sync
+        self.tracer = tracer
+        self.legacy = legacy
+        self.ps = l2.tree.page_size
+        self.capacity = int(l2.host.capacity_tokens * cfg.prefetch_capacity_fraction)
         self.threshold = max(cfg.prefetch_threshold, self.ps)
         self.occupied = 0
         self.ongoing_prefetch: dict[str, PrefetchOperation] = {}
@@ -80,7 +115,7 @@ class L3Tier:
             return
         self._backup_ids += 1
         op = BackupOperation(self._backup_ids, node.id, node.host_value, self.hashes_of(node))
-        self.cache.pins.pin(op.host_slots)
+        self.pins.pin(op.host_slots)
         self.ongoing_backup[op.id] = op
         self.workers.backup_queue.put(op)
         self.tracer.emit(Ev.BACKUP_SUBMIT, node=node.id, pages=len(op.hashes))
@@ -115,7 +150,7 @@ class L3Tier:
             return
         last_hash = None if anchor is self.tree.root else self.hashes_of(anchor)[-1]
         anchor_slots = None if anchor is self.tree.root else anchor.host_value
-        self.cache.pins.pin(anchor_slots)
+        self.pins.pin(anchor_slots)
         op = PrefetchOperation(req.rid, span, last_hash, anchor, anchor_slots, len(span),
                                self.tracer.step)
         self.ongoing_prefetch[req.rid] = op
@@ -154,9 +189,9 @@ class L3Tier:
             self._revoke(op, "terminated" if op.is_terminated() else "below_threshold")
             return
         if LegacySwitch.LOCAL_PREFETCH_PROGRESS in self.legacy:
-            slots = self.cache.alloc_host(tokens)
+            slots = self.allocator.alloc_host(tokens)
         else:
-            slots = self.cache.alloc_host_agreed(tokens, "prefetch_alloc")
+            slots = self.allocator.alloc_host_agreed(tokens, "prefetch_alloc")
         if slots is None:
             self._revoke(op, "host_full")
             return
@@ -180,7 +215,7 @@ class L3Tier:
 
     def _on_backup_ack(self, op: BackupOperation) -> None:
         self.ongoing_backup.pop(op.id)
-        self.cache.pins.unpin(op.host_slots)
+        self.pins.unpin(op.host_slots)
         self.stats["backup_pages"] += op.completed_pages
         if not op.skipped:
             self.stats["backup_failed_pages"] += len(op.hashes) - op.completed_pages
@@ -230,15 +265,15 @@ class L3Tier:
         inserted = 0
         if completed and not op.pages_freed:
             assert op.host_slots is not None
-            added = self.cache.hang_host_pages(
+            added = self._hang_host_pages(
                 op.anchor, op.tokens[:completed], op.host_slots[:completed],
                 op.hashes[: completed // self.ps])
             inserted = int(added.numel())
             if inserted:  # keep L2 from evicting them before the request is admitted
-                self.cache.pins.pin(added)
+                self.pins.pin(added)
                 self.held_for[req.rid] = added
         op.settled, op.settled_tokens = True, completed
-        self.cache.pins.unpin(op.anchor_slots)
+        self.pins.unpin(op.anchor_slots)
         req.storage_pending = inserted
         self.stats["prefetched_tokens"] += inserted
         self.tracer.emit(Ev.PREFETCH_SETTLE, rid=op.rid, completed=completed,
@@ -246,6 +281,18 @@ class L3Tier:
                          hit_pages=op.hit_pages, inserted=inserted)
         if op.io_finished or op.host_slots is None:
             self._finish(op)
+
+    def _hang_host_pages(self, anchor: TreeNode, tokens: list[int], host_slots: torch.Tensor,
+                         hashes: list[str]) -> torch.Tensor:
+        """Hang fetched L3 pages below ``anchor`` as host-only nodes; returns the host slots
+        added to the tree. Pages the tree already holds, or that cannot hang contiguously,
+        are freed."""
+        present, added = self.tree.insert_host(anchor, tokens, host_slots, hashes)
+        if present:
+            self.host.free(host_slots[:present])
+        if present + added < len(tokens):
+            self.host.free(host_slots[present + added :])
+        return host_slots[present : present + added]
 
     def _stage_progress_vote(self, op: PrefetchOperation) -> None:
         """Pre-#27010 (``check_prefetch_progress``): the scheduler MIN-reduces what each rank
@@ -280,7 +327,7 @@ class L3Tier:
         """``rid`` was admitted (or is gone): its fetched pages may age out of L2 again."""
         held = self.held_for.pop(rid, None)
         if held is not None:
-            self.cache.pins.unpin(held)
+            self.pins.unpin(held)
 
     def release_aborted(self, req: Req) -> None:
         """The waiting ``req`` was aborted: stop its prefetch and release what it holds."""
@@ -294,11 +341,11 @@ class L3Tier:
                 and not op.settled and not op.pages_freed:
             # pre-#31296: the pages go back to the pool while the IO thread may still fill them
             # (a settled op's pages already belong to the tree or were freed at settlement)
-            self.cache.host_free(op.host_slots)
+            self.host.free(op.host_slots)
             op.pages_freed = True
         if not op.settled:
             op.settled = True
-            self.cache.pins.unpin(op.anchor_slots)
+            self.pins.unpin(op.anchor_slots)
         if op.io_finished:
             self._finish(op)
 
@@ -313,7 +360,7 @@ class L3Tier:
         self.tracer.emit(Ev.PREFETCH_REVOKE, rid=op.rid, reason=reason, hit_pages=op.hit_pages)
         if not op.settled:
             op.settled = True
-            self.cache.pins.unpin(op.anchor_slots)
+            self.pins.unpin(op.anchor_slots)
         self._finish(op)
 
     def _finish(self, op: PrefetchOperation) -> None:
@@ -324,7 +371,7 @@ class L3Tier:
         if op.host_slots is not None and not op.pages_freed:  # the abort may have freed them
             tail = op.host_slots[op.settled_tokens :]
             if tail.numel():
-                self.cache.host_free(tail)
+                self.host.free(tail)
             op.pages_freed = True
         self.ongoing_prefetch.pop(op.rid, None)
         self.occupied -= op.reserved
@@ -355,6 +402,15 @@ class L3Tier:
         w = self.workers
         return not (self.ongoing_prefetch or self.ongoing_backup or w.prefetch_queue.qsize()
                     or w.ack_prefetch_queue.qsize() or w.ack_backup_queue.qsize())
+
+    def open_ops(self) -> int:
+        """L3 operations still open: prefetches not yet closed and backups not yet acked."""
+        return len(self.ongoing_prefetch) + len(self.ongoing_backup)
+
+    def shutdown(self) -> None:
+        """Stop the L3 threads, then close the backend they used."""
+        self.workers.stop()
+        self.workers.backend.close()
 
     def snapshot(self) -> dict[str, Any]:
         return {
