@@ -150,6 +150,10 @@ class PrefixCache(ABC):
         """True when no transfer or background work is in flight."""
         return True
 
+    def drain(self) -> None:
+        """End of a single-rank run: wait for every transfer and consume it, so ``idle()``
+        holds. (Several ranks drain in agreed rounds of ``check_events`` instead.)"""
+
     def shutdown(self) -> None:
         """Stop background threads and wait for copies."""
 

@@ -3,18 +3,11 @@
 Started by the built-in launcher (``hicache run --tp 2 --pp 2``) or by ``torchrun``; either way
 the rendezvous is ``env://`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
 
-Run directory protocol (shared with ``launcher.py``)::
-
-    <run>/config.json          the RuntimeConfig (written by the launcher)
-    <run>/caps.json            optional: reference-run caps (see Workload.caps)
-    <run>/DUMP                 side channel: created once (O_EXCL) by whoever sees a failure
-                               first; every rank's listener thread then dumps its evidence,
-                               without touching any process group (they may be stuck)
-    <run>/PYSPY_DONE           the launcher took its py-spy dumps; ranks may unwind now
-    <run>/bundle/rank<N>/      each rank's bundle files, plus entry.json (its RankEntry)
-    <run>/rank<N>.result.json  each rank's outcome, outputs and stats
-    <run>/rank<N>.exit.json    a healthy rank's teardown: native threads left at exit
-    <run>/progress.json        rank 0's progress (step, finished, total)
+The run directory it shares with the launcher is described in
+:mod:`hicache_runtime.contracts.run_files`; the dump request (``<run>/DUMP``) and the progress
+file in :mod:`hicache_runtime.launch.side_channel`. On a dump request every rank's listener
+thread dumps its evidence, without touching any process group (they may be stuck). At its end
+a rank writes its :class:`~hicache_runtime.contracts.rank_result.RankResult`.
 
 Teardown of a healthy rank, in this order (see :func:`run_rank` and :func:`main`): the side
 threads that run collectives stop (the consensus thread by agreement, so no rank is left
@@ -37,12 +30,10 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -53,17 +44,33 @@ import torch.distributed as dist
 
 from hicache_runtime.cache.accounting import drain_account, reached_drain
 from hicache_runtime.config import RuntimeConfig, load_config
+from hicache_runtime.contracts import pyspy
 from hicache_runtime.contracts.bundle import RankEntry, RunOutcome, rank_dir, write_text
-from hicache_runtime.contracts.errors import RankDivergence, StepStalled
+from hicache_runtime.contracts.outcome import EXIT_OK, CommTimeouts, classify, exit_code
+from hicache_runtime.contracts.rank_result import write_rank_result
+from hicache_runtime.contracts.run_files import (
+    RANK_ENTRY,
+    RANK_TORCH_FR,
+    RANK_TRACEBACK,
+    RunDir,
+)
 from hicache_runtime.contracts.topology import RankInfo
 from hicache_runtime.dist.consensus_check import ConsensusChecker
 from hicache_runtime.dist.groups import RankGroups, TPComm, create_groups
 from hicache_runtime.dist.protocols import DistributedSync
-from hicache_runtime.engine.pipeline import PipelineEngine
+from hicache_runtime.engine.evidence import dump_rank
+from hicache_runtime.engine.loop import Engine, EngineResult
 from hicache_runtime.engine.rank import RankRuntime, build_rank, make_tracer
 from hicache_runtime.engine.samples import RankSampler, samples_path
-from hicache_runtime.engine.step import EngineResult, dump_rank
 from hicache_runtime.engine.workload import Workload
+from hicache_runtime.launch.bundles import write_manifest_in_place
+from hicache_runtime.launch.results import rank_result
+from hicache_runtime.launch.side_channel import (
+    DumpRequest,
+    progress_writer,
+    read_dump,
+    request_dump,
+)
 from hicache_runtime.launch.threads import torch_threads
 from hicache_runtime.launch.watchdog import (
     StepWatchdog,
@@ -71,41 +78,12 @@ from hicache_runtime.launch.watchdog import (
     interrupt_main_thread,
 )
 
-EXIT_OK, EXIT_CRASH, EXIT_HANG = 0, 1, 3
 _POLL_S = 0.05
 _PYSPY_WAIT_S = 20.0
 _STARTUP_TIMEOUT_S = 120.0
 _JOIN_S = 5.0
 _GLOO_WORKER = "pt_gloo_runloop"
 """Thread name of gloo's worker threads (they run every collective and hold its tensors)."""
-_HANG_MARKERS = ("Timed out waiting", "timed out", "StepStalled")
-
-
-def classify(exc: BaseException) -> RunOutcome:
-    """A rank that was stopped by a timeout was hung; anything else crashed."""
-    if isinstance(exc, StepStalled):
-        return RunOutcome.HANG
-    text = f"{type(exc).__name__}: {exc}"
-    return RunOutcome.HANG if any(m in text for m in _HANG_MARKERS) else RunOutcome.CRASH
-
-
-def request_dump(run_dir: Path, rank: int, outcome: RunOutcome, reason: str) -> bool:
-    """Create the DUMP side-channel file; True if this call created it (first writer wins)."""
-    try:
-        fd = os.open(run_dir / "DUMP", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "w") as fh:
-        json.dump({"by": rank, "outcome": outcome.value, "reason": reason,
-                   "t": time.time()}, fh)
-    return True
-
-
-def read_dump(run_dir: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads((run_dir / "DUMP").read_text())
-    except (OSError, ValueError):
-        return None
 
 
 @dataclass
@@ -115,7 +93,7 @@ class RankDumper:
 
     run_dir: Path
     rt: RankRuntime
-    engine: PipelineEngine | None = None
+    engine: Engine | None = None
     dumped: bool = False
     manifest_written: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -123,7 +101,7 @@ class RankDumper:
 
     @property
     def bundle(self) -> Path:
-        return self.run_dir / "bundle"
+        return RunDir(self.run_dir).bundle
 
     def dump(self, outcome: RunOutcome, exc: BaseException | None = None) -> None:
         step = self.engine.step if self.engine is not None else 0
@@ -131,39 +109,40 @@ class RankDumper:
             d = rank_dir(self.bundle, self.rt.rank.rank)
             if self.dumped:
                 if exc is not None:  # the evidence is there; add how this rank ended
-                    write_text(d / "traceback.txt", "".join(traceback.format_exception(exc)))
+                    write_text(d / RANK_TRACEBACK, "".join(traceback.format_exception(exc)))
                     self._update_entry(d, exc)
                 return
             self.dumped = True
             entry = dump_rank(self.bundle, self.rt, outcome, step, exc)
             entry.files.torch_fr = _torch_fr(d, stacks=outcome is not RunOutcome.HEALTHY)
             if os.environ.get("HICACHE_SELF_PYSPY") == "1":
-                entry.files.pyspy = _self_pyspy(d)
-            write_text(d / "entry.json", entry.model_dump_json(indent=1))
+                # under torchrun there is no launcher to take py-spy dumps: take our own
+                entry.files.pyspy = pyspy.write_into(d, pyspy.dump(os.getpid()))
+            write_text(d / RANK_ENTRY, entry.model_dump_json(indent=1))
 
     def _update_entry(self, d: Path, exc: BaseException) -> None:
         try:
-            entry = RankEntry.model_validate_json((d / "entry.json").read_text())
+            entry = RankEntry.model_validate_json((d / RANK_ENTRY).read_text())
         except (OSError, ValueError):
             return
         entry.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
-        entry.files.traceback = f"{d.name}/traceback.txt"
-        write_text(d / "entry.json", entry.model_dump_json(indent=1))
+        entry.files.traceback = f"{d.name}/{RANK_TRACEBACK}"
+        write_text(d / RANK_ENTRY, entry.model_dump_json(indent=1))
 
     def listen(self) -> None:
         """Side channel: another rank (or the launcher) asked for a dump."""
         while not self.stop.wait(_POLL_S):
-            info = read_dump(self.run_dir)
-            if info is None:
+            request = read_dump(self.run_dir)
+            if request is None:
                 continue
-            self.dump(RunOutcome(info.get("outcome", "crash")))
-            self.finish_without_launcher(info)
-            _wait_for(self.run_dir / "PYSPY_DONE", _PYSPY_WAIT_S, self.stop)
+            self.dump(request.outcome)
+            self.finish_without_launcher(request)
+            _wait_for(RunDir(self.run_dir).pyspy_done, _PYSPY_WAIT_S, self.stop)
             if not self.stop.is_set():
                 interrupt_main_thread()
             return
 
-    def finish_without_launcher(self, info: dict[str, Any]) -> None:
+    def finish_without_launcher(self, request: DumpRequest | None) -> None:
         """Under ``torchrun`` nobody else writes the manifest: rank 0 does, once the other
         ranks' dumps are in (or a timeout passed)."""
         if os.environ.get("HICACHE_LAUNCHER") or self.rt.rank.rank != 0:
@@ -172,15 +151,15 @@ class RankDumper:
             if self.manifest_written:
                 return
             self.manifest_written = True
-        from hicache_runtime.launch.launcher import write_manifest_in_place
-
         cfg = self.rt.cfg
+        run = RunDir(self.run_dir)
         deadline = time.monotonic() + cfg.observability.protocol_timeout_s + 5.0
-        want = [self.bundle / f"rank{r}" / "entry.json" for r in range(cfg.topology.world_size)]
+        want = [run.entry(r) for r in range(cfg.topology.world_size)]
         while time.monotonic() < deadline and not all(p.exists() for p in want):
             time.sleep(_POLL_S)
-        write_manifest_in_place(self.run_dir, cfg, RunOutcome(info.get("outcome", "crash")),
-                                str(info.get("reason", "")))
+        write_manifest_in_place(self.run_dir, cfg,
+                                request.outcome if request else RunOutcome.CRASH,
+                                request.reason if request else "")
 
 
 def run_rank(run_dir: Path, rank: RankInfo, cfg: RuntimeConfig) -> int:
@@ -195,11 +174,11 @@ def run_rank(run_dir: Path, rank: RankInfo, cfg: RuntimeConfig) -> int:
     if cfg.observability.consensus_check:
         consensus = ConsensusChecker(groups.consensus, tracer).start()
         tracer.observer = consensus.observe
-    caps = _read_json(run_dir / "caps.json") or {}
+    caps = _read_json(RunDir(run_dir).caps) or {}
     workload = Workload(cfg.workload, cfg.model.vocab_size, cfg.seed,
                         client_aborts=not caps, caps=caps)
-    engine = PipelineEngine(rt, workload, groups=groups, consensus=consensus,
-                            on_step=_progress_writer(run_dir) if rank.rank == 0 else None)
+    engine = Engine(rt, workload, groups=groups, consensus=consensus,
+                    on_step=progress_writer(run_dir) if rank.rank == 0 else None)
     if cfg.observability.sample_every:
         engine.sampler = RankSampler(rt, groups, samples_path(run_dir, rank.rank),
                                      cfg.observability.sample_every)
@@ -234,15 +213,14 @@ def run_rank(run_dir: Path, rank: RankInfo, cfg: RuntimeConfig) -> int:
             consensus.check()  # the last round ran at the agreed stop
         _final_barrier(groups)
     except BaseException as exc:
-        outcome, error = classify(exc), f"{type(exc).__name__}: {exc}".splitlines()[0]
-        if isinstance(exc, RankDivergence):
-            outcome = RunOutcome.CRASH
+        outcome = classify(exc, _comm_timeouts(cfg))
+        error = f"{type(exc).__name__}: {exc}".splitlines()[0]
         request_dump(run_dir, rank.rank, outcome, f"rank {rank.rank} ({rank.label}): {error}")
         # the result first: the launcher stops ranks soon after their dump is complete
         _write_result(run_dir, rt, outcome, error, result, engine.step,
                       drained=result is not None or reached_drain(exc))
         dumper.dump(outcome, exc)
-        dumper.finish_without_launcher(read_dump(run_dir) or {})
+        dumper.finish_without_launcher(read_dump(run_dir))
         _linger_without_launcher(run_dir, cfg)
     finally:
         side.stop(agreed=False)  # no-op after a clean stop; a failed rank does not wait
@@ -253,7 +231,13 @@ def run_rank(run_dir: Path, rank: RankInfo, cfg: RuntimeConfig) -> int:
     else:
         rt.tracer.close()
     # The groups are freed (and gloo's workers joined) by main() once this frame is gone.
-    return {RunOutcome.HEALTHY: EXIT_OK, RunOutcome.HANG: EXIT_HANG}.get(outcome, EXIT_CRASH)
+    return exit_code(outcome)
+
+
+def _comm_timeouts(cfg: RuntimeConfig) -> CommTimeouts:
+    """The rank's groups wait ``protocol_timeout_s``; the world group, made at start-up, waits
+    the start-up timeout (see :func:`_init_process_group`)."""
+    return CommTimeouts(cfg.observability.protocol_timeout_s, {"world": _STARTUP_TIMEOUT_S})
 
 
 @dataclass
@@ -285,7 +269,7 @@ def _linger_without_launcher(run_dir: Path, cfg: RuntimeConfig) -> None:
     if os.environ.get("HICACHE_LAUNCHER"):
         return
     deadline = time.monotonic() + cfg.observability.protocol_timeout_s + 10.0
-    while time.monotonic() < deadline and not (run_dir / "bundle" / "manifest.json").exists():
+    while time.monotonic() < deadline and not RunDir(run_dir).manifest.exists():
         time.sleep(_POLL_S)
 
 
@@ -298,41 +282,10 @@ def _write_result(run_dir: Path, rt: RankRuntime, outcome: RunOutcome, error: st
                   result: EngineResult | None, step: int, *, drained: bool = False) -> None:
     """``drained``: the rank got through its drain (or failed the drain's own check), so its
     page accounting (``drain``) is what the run left behind."""
-    reqs = result.reqs if result is not None else {}
-    counters = getattr(rt.cache, "stats", None)  # a cache without tiers counts nothing
-    stats: dict[str, Any] = counters.as_dict() if counters is not None else {}
-    l3 = getattr(rt.cache, "l3", None)
-    if l3 is not None:
-        stats["l3"] = {**l3.stats, "backend": l3.workers.backend.stats().as_dict()}
-    data = {
-        "rank": rt.rank.rank, "tp_rank": rt.rank.tp_rank, "pp_rank": rt.rank.pp_rank,
-        "outcome": outcome.value, "error": error, "steps": step,
-        "wall_s": result.wall_s if result else None,
-        "requests": {rid: {"input_ids": r.input_ids, "output_ids": r.output_ids,
-                           "status": r.status.value, "abort_reason": r.abort_reason,
-                           "cached": r.cached} for rid, r in reqs.items()},
-        "stats": stats,
-        "faults_fired": [f.as_dict() for f in rt.faults.fired] if rt.faults else [],
-        "drain": drain_account(rt.cache).as_dict() if drained else None,
-    }
-    path = run_dir / f"rank{rt.rank.rank}.result.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data), encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def _progress_writer(run_dir: Path) -> Callable[[int, int, int], None]:
-    last = [0.0]
-
-    def write(step: int, done: int, total: int) -> None:
-        now = time.monotonic()
-        if now - last[0] > 0.2:
-            last[0] = now
-            tmp = run_dir / "progress.tmp"
-            tmp.write_text(json.dumps({"step": step, "finished": done, "total": total}))
-            os.replace(tmp, run_dir / "progress.json")
-
-    return write
+    drain = drain_account(rt.cache).as_dict() if drained else None
+    write_rank_result(RunDir(run_dir).result(rt.rank.rank), rank_result(
+        rt, outcome, error, result.reqs if result is not None else {}, step,
+        result.wall_s if result else None, drain))
 
 
 def _torch_fr(d: Path, stacks: bool = True) -> str | None:
@@ -347,22 +300,8 @@ def _torch_fr(d: Path, stacks: bool = True) -> str | None:
         raw = torch._C._distributed_c10d._dump_fr_trace(includeStackTraces=stacks)
     except Exception:  # not built in, or nothing recorded: the bundle says so by omission
         return None
-    (d / "torch_fr.pkl").write_bytes(raw)
-    return f"{d.name}/torch_fr.pkl"
-
-
-def _self_pyspy(d: Path) -> str | None:
-    """Under torchrun there is no launcher to take py-spy dumps: take our own."""
-    try:
-        out = subprocess.run(["py-spy", "dump", "--json", "--pid", str(os.getpid())],
-                             capture_output=True, text=True, timeout=15, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if out.returncode != 0:
-        write_text(d / "pyspy.err.txt", out.stderr)
-        return None
-    (d / "pyspy.json").write_text(out.stdout, encoding="utf-8")
-    return f"{d.name}/pyspy.json"
+    (d / RANK_TORCH_FR).write_bytes(raw)
+    return f"{d.name}/{RANK_TORCH_FR}"
 
 
 def _wait_for(path: Path, timeout_s: float, stop: threading.Event) -> None:
@@ -391,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.enable(file=sys.stderr, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     args.run_dir.mkdir(parents=True, exist_ok=True)
-    cfg = load_config(_read_json(args.config or args.run_dir / "config.json"))
+    cfg = load_config(_read_json(args.config or RunDir(args.run_dir).config))
     world = int(os.environ["WORLD_SIZE"])
     if world != cfg.topology.world_size:
         sys.stderr.write(f"error: WORLD_SIZE={world} but the config wants "
@@ -444,7 +383,7 @@ def _free_groups(run_dir: Path, rank: int) -> list[str]:
     data = {"rank": rank, "gloo_workers": len(left), "python_threads": py,
             "native_threads": native}
     with contextlib.suppress(OSError):
-        (run_dir / f"rank{rank}.exit.json").write_text(json.dumps(data), encoding="utf-8")
+        RunDir(run_dir).exit_report(rank).write_text(json.dumps(data), encoding="utf-8")
     return left + py
 
 

@@ -9,6 +9,11 @@
 * ``healthy`` — otherwise.
 
 Every non-healthy outcome leaves a bundle whose manifest validates against ``bundle.Manifest``.
+
+``run_multi`` launches ``tp * pp`` rank processes and reads back each rank's result. Both paths
+end the same way: every rank's :class:`~hicache_runtime.contracts.rank_result.RankResult`
+(built in process for a single rank) is summarised by one builder, and a healthy run is judged
+against its cache-disabled reference by one verdict.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,20 +31,22 @@ from hicache_runtime.cache.accounting import DrainAccount, drain_account, reache
 from hicache_runtime.config import RuntimeConfig
 from hicache_runtime.contracts.bundle import (
     FiredFaultRecord,
-    Manifest,
     RankEntry,
     RunOutcome,
     new_bundle_dir,
-    now_iso,
-    versions,
     write_manifest,
 )
-from hicache_runtime.contracts.errors import StepStalled
+from hicache_runtime.contracts.outcome import classify
+from hicache_runtime.contracts.rank_result import RankResult
+from hicache_runtime.engine.evidence import dump_rank
+from hicache_runtime.engine.loop import Engine, EngineResult
 from hicache_runtime.engine.rank import RankRuntime, build_rank
-from hicache_runtime.engine.step import Engine, EngineResult, dump_rank
 from hicache_runtime.engine.workload import Workload
 from hicache_runtime.kv.request import Req, ReqStatus
 from hicache_runtime.l3.backend import StorageStats
+from hicache_runtime.launch.bundles import build_manifest
+from hicache_runtime.launch.results import rank_result
+from hicache_runtime.launch.side_channel import ProgressFn
 from hicache_runtime.launch.threads import pinned_threads
 from hicache_runtime.launch.watchdog import (
     StepWatchdog,
@@ -47,7 +55,6 @@ from hicache_runtime.launch.watchdog import (
 )
 
 DEFAULT_BUNDLE_ROOT = Path("hicache-bundles")
-ProgressFn = Callable[[int, int, int], None]
 
 
 class CachedTokens(BaseModel):
@@ -281,93 +288,25 @@ def run_multi(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn 
     bundle_root = bundle_root or cfg.observability.bundle_dir or DEFAULT_BUNDLE_ROOT
     res = launch(cfg, bundle_root=bundle_root, progress=progress)
     try:
-        reqs = _reqs_of(res.results.get(0, {}))
-        summary = _multi_summary(cfg, res, reqs)
-        if res.outcome is not RunOutcome.HEALTHY or not compare:
-            return summary
-        caps = {rid: len(r.output_ids) for rid, r in reqs.items()
-                if r.status is ReqStatus.ABORTED and r.abort_reason == "client abort"}
-        key = ReferenceMemo.key(cfg, caps)
-        kept = references.get(key) if references is not None else None
-        if kept is None:
-            ref = launch(cfg.reference(), bundle_root=bundle_root, caps=caps)
-            try:
-                if ref.outcome is not RunOutcome.HEALTHY:
-                    summary.reference_wall_s = round(ref.wall_s, 3)
-                    _reference_failed(summary, ref)
-                    return summary
-                kept = (_reqs_of(ref.results.get(0, {})), ref.wall_s)
-                if references is not None:
-                    references.put(key, *kept)
-            finally:
-                ref.cleanup()
-        summary.reference_wall_s = round(kept[1], 3)
-        summary.mismatches = compare_outputs(reqs, kept[0])
-        for r, result in sorted(res.results.items()):
-            if r and _outputs(result) != _outputs(res.results.get(0, {})):
-                summary.mismatches.append(Mismatch(
-                    rid="*", index=-1, expected=[], got=[],
-                    note=f"rank {r} produced different outputs than rank 0"))
-        summary.output_match = not summary.mismatches
-        if summary.mismatches:
-            summary.outcome = RunOutcome.WRONG_OUTPUT
-            summary.error = f"{len(summary.mismatches)} request(s) differ from the reference"
-            summary.bundle = str(res.bundle_as(
-                RunOutcome.WRONG_OUTPUT, summary.error, bundle_root,
-                [m.model_dump() for m in summary.mismatches]))
+        summary = _summary(cfg, res.outcome, res.error, res.bundle, res.wall_s, res.results)
+        if res.outcome is RunOutcome.HEALTHY and compare:
+
+            def reference(caps: dict[str, int]) -> tuple[dict[str, Req], float]:
+                ref = launch(cfg.reference(), bundle_root=bundle_root, caps=caps)
+                try:
+                    if ref.outcome is not RunOutcome.HEALTHY:
+                        raise _ReferenceFailed(ref.outcome, ref.error, ref.bundle, ref.wall_s)
+                    return _reqs_of(ref.results.get(0)), ref.wall_s
+                finally:
+                    ref.cleanup()
+
+            def bundle_as(reason: str, mismatches: list[dict[str, Any]]) -> Path:
+                return res.bundle_as(RunOutcome.WRONG_OUTPUT, reason, bundle_root, mismatches)
+
+            _judge(summary, cfg, res.results, reference, bundle_as, references)
         return summary
     finally:
         res.cleanup()
-
-
-def _reference_failed(summary: RunSummary, ref: Any) -> None:
-    """The cache-disabled reference run failed: the judged run cannot be judged. The summary
-    says so and names the bundle the reference's ranks left (its manifest's config is the
-    reference's: cache disabled, no faults)."""
-    summary.error = f"reference run failed: {ref.error}"
-    summary.outcome = ref.outcome if ref.outcome in (RunOutcome.CRASH, RunOutcome.HANG) \
-        else RunOutcome.CRASH
-    if ref.bundle is not None:
-        summary.bundle = str(ref.bundle)
-
-
-def _reqs_of(result: dict[str, Any]) -> dict[str, Req]:
-    out = {}
-    for rid, r in result.get("requests", {}).items():
-        req = Req(rid=rid, input_ids=r["input_ids"], max_new_tokens=len(r["output_ids"]),
-                  output_ids=r["output_ids"], status=ReqStatus(r["status"]),
-                  abort_reason=r["abort_reason"])
-        req.cached = dict(r["cached"])
-        out[rid] = req
-    return out
-
-
-def _outputs(result: dict[str, Any]) -> dict[str, list[int]]:
-    return {rid: r["output_ids"] for rid, r in result.get("requests", {}).items()}
-
-
-def _multi_summary(cfg: RuntimeConfig, res: Any, reqs: dict[str, Req]) -> RunSummary:
-    r0 = res.results.get(0, {})
-    cached = {"device": 0, "host": 0, "storage": 0}
-    for r in reqs.values():
-        for k in cached:
-            cached[k] += r.cached.get(k, 0)
-    errors = [f"rank {r}: {x['error']}" for r, x in sorted(res.results.items())
-              if x.get("error")]
-    return RunSummary(
-        outcome=res.outcome, requests=cfg.workload.requests,
-        completed=sum(1 for r in reqs.values() if r.status is ReqStatus.FINISHED),
-        aborted=sum(1 for r in reqs.values() if r.status is ReqStatus.ABORTED),
-        output_match=None, cached_tokens=CachedTokens(**cached),
-        steps=int(r0.get("steps") or 0), wall_s=round(res.wall_s, 3),
-        topology={"tp": cfg.topology.tp, "pp": cfg.topology.pp},
-        legacy=sorted(s.value for s in cfg.legacy), faults=[f.compact() for f in cfg.faults],
-        faults_fired=sum(len(x.get("faults_fired", [])) for x in res.results.values()),
-        bundle=str(res.bundle) if res.bundle else None,
-        error=res.error or (errors[0] if errors else None),
-        cache_stats=CacheStats.of({r: x.get("stats") or {} for r, x in res.results.items()}),
-        leaks=LeakCheck.of({r: x.get("drain") for r, x in res.results.items()},
-                           cfg.topology.world_size))
 
 
 @pinned_threads
@@ -399,37 +338,34 @@ def run_single(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn
     try:
         result = engine.run()
         drained = drain_account(rt.cache)
-    except StepStalled as exc:
-        outcome, error, bundle = RunOutcome.HANG, hang.get("reason", str(exc)), hang.get("bundle")
     except Exception as exc:
-        outcome, error = RunOutcome.CRASH, f"{type(exc).__name__}: {exc}".splitlines()[0]
-        if reached_drain(exc):  # the drain's check failed: what is left is what leaked
-            drained = drain_account(rt.cache)
-        bundle = _write_bundle(bundle_root, cfg, rt, outcome, error, engine.step, exc)
+        outcome = classify(exc)
+        if outcome is RunOutcome.HANG:  # the watchdog wrote the bundle while it was stuck
+            error, bundle = hang.get("reason", str(exc)), hang.get("bundle")
+        else:
+            error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            if reached_drain(exc):  # the drain's check failed: what is left is what leaked
+                drained = drain_account(rt.cache)
+            bundle = _write_bundle(bundle_root, cfg, rt, outcome, error, engine.step, exc)
     finally:
         watchdog.stop()
     wall = time.monotonic() - start
-    summary = _summary(cfg, rt, result, outcome, error, bundle, engine.step, wall)
-    summary.leaks = LeakCheck.of({rt.rank.rank: drained.as_dict() if drained else None}, 1)
+    results = {rt.rank.rank: rank_result(
+        rt, outcome, error, result.reqs if result is not None else {}, engine.step,
+        result.wall_s if result is not None else None,
+        drained.as_dict() if drained else None)}
+    summary = _summary(cfg, outcome, error, bundle, wall, results)
     if outcome is RunOutcome.HEALTHY and compare and result is not None:
-        aborted = {rid: len(r.output_ids) for rid, r in result.reqs.items()
-                   if r.status is ReqStatus.ABORTED and r.abort_reason == "client abort"}
-        key = ReferenceMemo.key(cfg, aborted)
-        kept = references.get(key) if references is not None else None
-        if kept is None:
-            ref = run_reference(cfg, aborted=aborted)
-            kept = (ref.reqs, ref.wall_s)
-            if references is not None:
-                references.put(key, *kept)
-        summary.reference_wall_s = kept[1]
-        summary.mismatches = compare_outputs(result.reqs, kept[0])
-        summary.output_match = not summary.mismatches
-        if summary.mismatches:
-            summary.outcome = RunOutcome.WRONG_OUTPUT
-            summary.error = f"{len(summary.mismatches)} request(s) differ from the reference"
-            summary.bundle = str(_write_bundle(
-                bundle_root, cfg, rt, RunOutcome.WRONG_OUTPUT, summary.error, engine.step, None,
-                mismatches=[m.model_dump() for m in summary.mismatches]))
+
+        def reference(caps: dict[str, int]) -> tuple[dict[str, Req], float]:
+            ref = run_reference(cfg, aborted=caps)
+            return ref.reqs, ref.wall_s
+
+        def bundle_as(reason: str, mismatches: list[dict[str, Any]]) -> Path:
+            return _write_bundle(bundle_root, cfg, rt, RunOutcome.WRONG_OUTPUT, reason,
+                                 engine.step, None, mismatches=mismatches)
+
+        _judge(summary, cfg, results, reference, bundle_as, references)
     rt.close()
     return summary
 
@@ -446,6 +382,75 @@ def run_reference(cfg: RuntimeConfig, aborted: dict[str, int] | None = None) -> 
         return Engine(rt, workload).run()
     finally:
         rt.close()
+
+
+# --- the verdict -------------------------------------------------------------------------------
+
+ReferenceRun = Callable[[dict[str, int]], tuple[dict[str, Req], float]]
+"""Runs the cache-disabled reference, replaying the given client-abort caps: its requests and
+wall time; raises :class:`_ReferenceFailed` when it did not end healthy."""
+BundleAs = Callable[[str, list[dict[str, Any]]], Path]
+"""Bundles the judged run as wrong output (reason, mismatches); returns the bundle."""
+
+
+@dataclass
+class _ReferenceFailed(Exception):
+    """The cache-disabled reference run did not end healthy."""
+
+    outcome: RunOutcome
+    error: str | None
+    bundle: Path | None
+    wall_s: float
+
+
+def _judge(summary: RunSummary, cfg: RuntimeConfig, results: dict[int, RankResult],
+           reference: ReferenceRun, bundle_as: BundleAs,
+           references: ReferenceMemo | None) -> None:
+    """Compare a healthy run's outputs with its reference (run, or reused from
+    ``references``) and with rank 0's; record the verdict in ``summary``."""
+    reqs = _reqs_of(results.get(0))
+    caps = {rid: len(r.output_ids) for rid, r in reqs.items()
+            if r.status is ReqStatus.ABORTED and r.abort_reason == "client abort"}
+    key = ReferenceMemo.key(cfg, caps)
+    kept = references.get(key) if references is not None else None
+    if kept is None:
+        try:
+            kept = reference(caps)
+        except _ReferenceFailed as failed:
+            summary.reference_wall_s = failed.wall_s
+            _reference_failed(summary, failed)
+            return
+        if references is not None:
+            references.put(key, *kept)
+    summary.reference_wall_s = kept[1]
+    summary.mismatches = compare_outputs(reqs, kept[0]) + _rank_disagreements(
+        results, cfg.topology.world_size)
+    summary.output_match = not summary.mismatches
+    if summary.mismatches:
+        summary.outcome = RunOutcome.WRONG_OUTPUT
+        summary.error = f"{len(summary.mismatches)} request(s) differ from the reference"
+        summary.bundle = str(bundle_as(summary.error,
+                                       [m.model_dump() for m in summary.mismatches]))
+
+
+def _reference_failed(summary: RunSummary, ref: _ReferenceFailed) -> None:
+    """The cache-disabled reference run failed: the judged run cannot be judged. The summary
+    says so and names the bundle the reference's ranks left (its manifest's config is the
+    reference's: cache disabled, no faults)."""
+    summary.error = f"reference run failed: {ref.error}"
+    summary.outcome = ref.outcome if ref.outcome in (RunOutcome.CRASH, RunOutcome.HANG) \
+        else RunOutcome.CRASH
+    if ref.bundle is not None:
+        summary.bundle = str(ref.bundle)
+
+
+def _rank_disagreements(results: dict[int, RankResult], world: int) -> list[Mismatch]:
+    """Every rank must produce rank 0's outputs (TP ranks sample the same tokens); a rank
+    without a result has none."""
+    first = _outputs(results.get(0))
+    return [Mismatch(rid="*", index=-1, expected=[], got=[],
+                     note=f"rank {r} produced different outputs than rank 0")
+            for r in range(1, world) if _outputs(results.get(r)) != first]
 
 
 def compare_outputs(got: dict[str, Req], ref: dict[str, Req]) -> list[Mismatch]:
@@ -474,46 +479,61 @@ def compare_outputs(got: dict[str, Req], ref: dict[str, Req]) -> list[Mismatch]:
     return out
 
 
-def _summary(cfg: RuntimeConfig, rt: RankRuntime, result: EngineResult | None,
-             outcome: RunOutcome, error: str | None, bundle: Path | None, steps: int,
-             wall: float) -> RunSummary:
-    stats = rank_stats(rt)
-    fired = len(rt.faults.fired) if rt.faults is not None else 0
+def _reqs_of(result: RankResult | None) -> dict[str, Req]:
+    """A rank's requests, as the comparison reads them."""
+    out = {}
+    for rid, r in (result.requests if result is not None else {}).items():
+        req = Req(rid=rid, input_ids=r.input_ids, max_new_tokens=len(r.output_ids),
+                  output_ids=r.output_ids, status=ReqStatus(r.status),
+                  abort_reason=r.abort_reason)
+        req.cached = dict(r.cached)
+        out[rid] = req
+    return out
+
+
+def _outputs(result: RankResult | None) -> dict[str, list[int]]:
+    return {rid: r.output_ids for rid, r in (result.requests if result else {}).items()}
+
+
+# --- the summary -------------------------------------------------------------------------------
+
+
+def _summary(cfg: RuntimeConfig, outcome: RunOutcome, error: str | None, bundle: Path | None,
+             wall: float, results: dict[int, RankResult]) -> RunSummary:
+    """The run's summary before any verdict: rank 0's requests, every rank's counters (zero
+    for a rank without a result), faults and page accounting; ``error`` (else the first
+    rank's) says what went wrong."""
+    reqs = _reqs_of(results.get(0))
+    cached = {"device": 0, "host": 0, "storage": 0}
+    for r in reqs.values():
+        for k in cached:
+            cached[k] += r.cached.get(k, 0)
+    errors = [f"rank {r}: {x.error}" for r, x in sorted(results.items()) if x.error]
+    r0 = results.get(0)
     return RunSummary(
         outcome=outcome, requests=cfg.workload.requests,
-        completed=result.completed if result else 0,
-        aborted=result.aborted if result else 0,
-        output_match=None,
-        cached_tokens=CachedTokens(**result.cached_tokens()) if result else CachedTokens(),
-        steps=steps, wall_s=round(wall, 3),
+        completed=sum(1 for r in reqs.values() if r.status is ReqStatus.FINISHED),
+        aborted=sum(1 for r in reqs.values() if r.status is ReqStatus.ABORTED),
+        output_match=None, cached_tokens=CachedTokens(**cached),
+        steps=r0.steps if r0 is not None else 0, wall_s=round(wall, 3),
         topology={"tp": cfg.topology.tp, "pp": cfg.topology.pp},
         legacy=sorted(s.value for s in cfg.legacy), faults=[f.compact() for f in cfg.faults],
-        faults_fired=fired, bundle=str(bundle) if bundle else None, error=error,
-        cache_stats=CacheStats.of({rt.rank.rank: stats}))
-
-
-def rank_stats(rt: RankRuntime) -> dict[str, Any]:
-    """A rank's raw cache counters (what :class:`RankCacheStats` reads)."""
-    counters = getattr(rt.cache, "stats", None)  # a cache without tiers counts nothing
-    stats: dict[str, Any] = counters.as_dict() if counters is not None else {}
-    l3 = getattr(rt.cache, "l3", None)
-    if l3 is not None:
-        stats["l3"] = {**l3.stats, "backend": l3.workers.backend.stats().as_dict()}
-    return stats
+        faults_fired=sum(len(x.faults_fired) for x in results.values()),
+        bundle=str(bundle) if bundle else None,
+        error=error or (errors[0] if errors else None),
+        cache_stats=CacheStats.of({r: results[r].stats if r in results else {}
+                                   for r in range(cfg.topology.world_size)}),
+        leaks=LeakCheck.of({r: x.drain for r, x in results.items()},
+                           cfg.topology.world_size))
 
 
 def _write_bundle(root: Path, cfg: RuntimeConfig, rt: RankRuntime, outcome: RunOutcome,
                   reason: str, step: int, exc: BaseException | None,
                   mismatches: list[dict[str, Any]] | None = None) -> Path:
+    """A single-rank run's bundle: this rank's dump, and the manifest."""
     bundle = new_bundle_dir(root, outcome)
     entry: RankEntry = dump_rank(bundle, rt, outcome, step, exc)
     fired = [FiredFaultRecord(**f.as_dict()) for f in rt.faults.fired] if rt.faults else []
-    write_manifest(bundle, Manifest(
-        created_at=now_iso(), outcome=outcome, reason=reason,
-        topology={"tp": cfg.topology.tp, "pp": cfg.topology.pp,
-                  "world_size": cfg.topology.world_size},
-        seed=cfg.seed, config=cfg.model_dump(mode="json"),
-        faults=[f.compact() for f in cfg.faults], faults_fired=fired,
-        legacy=sorted(s.value for s in cfg.legacy), versions=versions(), ranks=[entry],
-        mismatches=mismatches or []))
+    write_manifest(bundle, build_manifest(cfg, outcome, reason, [entry], fired,
+                                          mismatches=mismatches or []))
     return bundle
