@@ -1,8 +1,8 @@
 """``hicache faults list``: the fault kinds, their parameters and selectors, and the fault
-points, described from the code that defines them (the one-line docstrings of
-:class:`~faults.spec.FaultKind` and :class:`~faults.points.FaultPoint` members, the
-``FaultSpec`` field descriptions and the per-kind parameter table), so the listing cannot drift
-from what ``--fault`` accepts.
+points, described from the code that defines them (the kind registry ``faults.kinds.KINDS``,
+the one-line docstrings of :class:`~faults.points.FaultPoint` members and the ``FaultSpec``
+field descriptions), so the listing cannot drift from what ``--fault`` accepts. The README's
+fault table is :func:`markdown_table`, held to it by ``tests/test_single_source.py``.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from functools import cache
 
 from pydantic import BaseModel
 
-from faults import points, spec
-from faults.points import CRASHABLE_POINTS, FaultPoint
-from faults.spec import KIND_POINT, FaultKind, FaultSpec
+from faults import points
+from faults.kinds import CRASHABLE_POINTS, KINDS, KindEntry
+from faults.points import FaultPoint
+from faults.spec import FaultSpec
 
 SYNTAX = "kind[:key=value,...]  (several: repeat --fault, or join specs with ';')"
 SELECTORS = ("rank", "tp", "pp", "rid", "steps", "p", "count")
@@ -25,17 +26,6 @@ SELECTORS = ("rank", "tp", "pp", "rid", "steps", "p", "count")
 #: Selectors whose command-line form the field description does not show.
 SELECTOR_FORM = {"steps": "inclusive scheduler-step range: steps=10-20, or step=12",
                  "p": "probability per opportunity (default 1)"}
-
-#: What each kind-specific parameter means (the spec's fields carry no description).
-PARAM_HELP = {
-    "ms": "milliseconds (default 20)",
-    "mode": "short | holes (storage-shortfall); fail | raise (storage-error)",
-    "pages": "pages that miss",
-    "at": "first page that fails (holes)",
-    "batch": "prefetch batch, 0-based",
-    "point": "|".join(sorted(p.value for p in CRASHABLE_POINTS)),
-    "pool": "kv | sidecar | any",
-}
 
 
 class ParamInfo(BaseModel):
@@ -49,6 +39,8 @@ class KindInfo(BaseModel):
     params: list[ParamInfo]
     point: str | None
     """The fault point it acts at; None when it is chosen by a parameter or spans several."""
+    points: list[str]
+    """Every fault point where it may act."""
 
 
 class PointInfo(BaseModel):
@@ -68,19 +60,43 @@ class FaultListing(BaseModel):
 
 
 def describe_faults() -> FaultListing:
-    kind_doc = _member_docs(spec, FaultKind)
     point_doc = _member_docs(points, FaultPoint)
-    kinds = [KindInfo(kind=k.value, summary=kind_doc.get(k.name, ""),
-                      params=[ParamInfo(name=p, description=PARAM_HELP.get(p, ""))
-                              for p in sorted(spec._KIND_PARAMS[k])],
-                      point=KIND_POINT[k].value if KIND_POINT.get(k) else None)
-             for k in FaultKind]
+    kinds = [KindInfo(kind=k.value, summary=e.does,
+                      params=[ParamInfo(name=p.name, description=p.describe())
+                              for p in sorted(e.params, key=lambda p: p.name)],
+                      point=e.fixed_point.value if e.fixed_point else None,
+                      points=[p.value for p in e.points])
+             for k, e in KINDS.items()]
     fields = FaultSpec.model_fields
     selectors = [ParamInfo(name=s, description=SELECTOR_FORM.get(s, fields[s].description or ""))
                  for s in SELECTORS]
-    pts = [PointInfo(point=p.value, summary=point_doc.get(p.name, ""),
+    pts = [PointInfo(point=p.value, summary=_point_summary(point_doc.get(p.name, ""), p),
                      crashable=p in CRASHABLE_POINTS) for p in FaultPoint]
     return FaultListing(syntax=SYNTAX, kinds=kinds, selectors=selectors, points=pts)
+
+
+def markdown_table() -> str:
+    """The README's fault table: one row per kind, from ``KINDS``."""
+    rows = ["| kind | parameters | acts at | what it does |", "|---|---|---|---|"]
+    for entry in KINDS.values():
+        params = "<br>".join(f"`{p.name}` {p.describe()}" for p in entry.params) or "-"
+        rows.append(f"| `{entry.kind.value}` | {params} | {_acts_at(entry)} | {entry.does} |")
+    return "\n".join(rows)
+
+
+def _acts_at(entry: KindEntry) -> str:
+    if entry.point_param:
+        return "`point`: " + ", ".join(f"`{p.value}`" for p in entry.points)
+    if entry.by_mode:
+        return ", ".join(f"`{p.value}` ({mode})" for mode, pts in entry.by_mode.items()
+                         for p in pts)
+    return ", ".join(f"`{p.value}`" for p in entry.points)
+
+
+def _point_summary(doc: str, point: FaultPoint) -> str:
+    """A point's docstring and the kinds that act there."""
+    kinds = [k.value for k, e in KINDS.items() if point in e.points]
+    return f"{doc.rstrip('.')} ({', '.join(kinds)})." if kinds else doc
 
 
 @cache

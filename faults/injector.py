@@ -17,14 +17,13 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from faults.kinds import KINDS, FaultKind
 from faults.points import FaultPoint
-from faults.spec import KIND_POINT, FaultKind, FaultSpec
+from faults.spec import FaultSpec
 from hicache_runtime.contracts.events import Ev, EventSink
 
 if TYPE_CHECKING:
     from hicache_runtime.contracts.topology import RankInfo
-
-_STORAGE_POINTS = {FaultPoint.STORAGE_EXISTS, FaultPoint.STORAGE_GET, FaultPoint.STORAGE_SET}
 
 
 @dataclass(frozen=True)
@@ -43,22 +42,10 @@ class FiredFault:
         return dict(self.__dict__)
 
 
-def points_of(spec: FaultSpec) -> set[FaultPoint]:
-    """The fault points a spec can act at."""
-    fixed = KIND_POINT[spec.kind]
-    if fixed is not None:
-        return {fixed}
-    if spec.kind in (FaultKind.CRASH, FaultKind.HANG):
-        assert spec.point is not None
-        return {spec.point}
-    if spec.kind is FaultKind.STORAGE_SHORTFALL:
-        return {FaultPoint.STORAGE_EXISTS if spec.shortfall_mode == "short"
-                else FaultPoint.STORAGE_GET}
-    if spec.kind is FaultKind.STORAGE_LATENCY:
-        return set(_STORAGE_POINTS)
-    if spec.kind is FaultKind.STORAGE_ERROR:
-        return {FaultPoint.STORAGE_GET, FaultPoint.STORAGE_SET}
-    return set()
+def points_of(spec: FaultSpec) -> frozenset[FaultPoint]:
+    """The fault points a spec can act at (its kind's entry in ``KINDS``, narrowed by the
+    spec's ``mode`` or ``point``)."""
+    return KINDS[spec.kind].acts_at(mode=spec.mode, point=spec.point)
 
 
 class FaultInjector:

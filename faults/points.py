@@ -2,7 +2,8 @@
 
 A fault point is a place in the runtime where an armed fault may act. Points cost nothing when no
 fault targets them: components ask the injector once, at construction, whether a point is armed,
-and skip the call entirely otherwise.
+and skip the call entirely otherwise. Which kinds act at which point is stated per kind in
+``faults.kinds.KINDS``.
 """
 
 from __future__ import annotations
@@ -14,26 +15,20 @@ class FaultPoint(str, Enum):
     """Where a fault acts. One line per member says where the runtime calls it."""
 
     SCHEDULER_STEP = "scheduler.step"
-    """Top of every scheduler loop iteration (stage lag, crash, hang, rank kill)."""
+    """Top of every scheduler loop iteration."""
     COPY_COMPLETE = "copy.complete"
-    """A copy-engine job (L1<->L2) is about to signal completion (DMA lag)."""
+    """A copy-engine job (L1<->L2) is about to signal completion."""
     HOST_ALLOC = "host.alloc"
-    """The host (L2) pool is asked for pages (allocation failure)."""
+    """The host (L2) pool is asked for pages."""
     STORAGE_EXISTS = "storage.exists"
-    """An L3 existence query (short prefix or holes)."""
+    """An L3 existence query."""
     STORAGE_GET = "storage.get"
-    """An L3 page read (latency, error, corruption, holes)."""
+    """An L3 page read."""
     STORAGE_SET = "storage.set"
-    """An L3 page write (latency, error)."""
+    """An L3 page write."""
     PREFETCH_BATCH = "prefetch.batch"
-    """The prefetch IO thread is about to read one batch of pages (mid-prefetch abort)."""
+    """The prefetch IO thread is about to read one batch of pages."""
     CACHE_EVENTS = "cache.events"
-    """Start of ``check_hicache_events`` on the scheduler thread (crash, hang)."""
+    """Start of ``check_hicache_events`` on the scheduler thread."""
     FORWARD = "model.forward"
-    """Before a batch runs through the model (crash, hang)."""
-
-
-#: Points a ``crash`` or ``hang`` fault may name with ``point=``.
-CRASHABLE_POINTS = frozenset(
-    {FaultPoint.SCHEDULER_STEP, FaultPoint.CACHE_EVENTS, FaultPoint.FORWARD}
-)
+    """Before a batch runs through the model."""

@@ -10,7 +10,8 @@ A spec is a pydantic model and also has a compact string form that fits on a com
 
 Selectors (``rank``, ``tp``, ``pp``, ``rid``, ``steps``) narrow where a fault may act; ``p`` and
 ``count`` say how often. Every random draw comes from the run seed (see ``faults.injector``), so a
-run with the same seed and specs replays exactly.
+run with the same seed and specs replays exactly. The kinds, and the parameters each one takes,
+are ``faults.kinds.KINDS``; validation here reads them from there.
 """
 
 from __future__ import annotations
@@ -23,74 +24,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from faults.points import CRASHABLE_POINTS, FaultPoint
+from faults.kinds import DEFAULT_LAG_MS, KINDS, PARAM_NAMES, FaultKind
+from faults.points import FaultPoint
 from hicache_runtime.contracts.errors import InvalidFaultSpec
-
-
-class FaultKind(str, Enum):
-    """The faults we know how to inject. One line per member says what it does."""
-
-    STAGE_LAG = "stage-lag"
-    """Sleep ``ms`` at the top of each scheduler step on the selected ranks (a slow PP stage)."""
-    DMA_LAG = "dma-lag"
-    """Delay completion of each L1<->L2 copy job by ``ms`` on the selected ranks."""
-    STORAGE_SHORTFALL = "storage-shortfall"
-    """L3 misses ``pages`` pages: ``mode=short`` cuts the tail of an existence answer,
-    ``mode=holes`` fails reads of pages starting at page ``at`` while later pages still load.
-    ``pool`` picks which objects miss: ``kv`` (default), ``sidecar`` (hybrid sidecar pools),
-    or ``any``."""
-    STORAGE_LATENCY = "storage-latency"
-    """Add ``ms`` to every L3 call on the selected ranks."""
-    STORAGE_ERROR = "storage-error"
-    """Make L3 calls fail (reads return nothing, writes report failure); ``mode=raise`` makes
-    them raise instead, as a client library that throws would."""
-    STORAGE_CORRUPT = "storage-corrupt"
-    """Flip bytes in pages as they are read from L3 (the checksum must catch it)."""
-    MID_PREFETCH_ABORT = "mid-prefetch-abort"
-    """Abort the request while its prefetch IO reads batch ``batch`` (0-based). Like any client
-    abort it enters through rank 0 (timed by rank 0's IO thread) and reaches the other ranks
-    with the next requests, wherever their own prefetch IO is by then."""
-    HOST_ALLOC_FAIL = "host-alloc-fail"
-    """Make host (L2) page allocation fail on the selected ranks."""
-    RANK_KILL = "rank-kill"
-    """Kill the selected rank's process with SIGKILL at the selected step."""
-    CRASH = "crash"
-    """Raise ``InjectedFault`` at ``point`` (a scheduler-thread point)."""
-    HANG = "hang"
-    """Block forever at ``point`` (a scheduler-thread point); the watchdog must catch it."""
-
-
-#: The fault point each kind acts at (``crash``/``hang`` take it from ``point=``).
-KIND_POINT: dict[FaultKind, FaultPoint | None] = {
-    FaultKind.STAGE_LAG: FaultPoint.SCHEDULER_STEP,
-    FaultKind.DMA_LAG: FaultPoint.COPY_COMPLETE,
-    FaultKind.STORAGE_SHORTFALL: None,  # exists (short) or get (holes), decided by mode
-    FaultKind.STORAGE_LATENCY: None,  # every storage point
-    FaultKind.STORAGE_ERROR: None,  # get and set
-    FaultKind.STORAGE_CORRUPT: FaultPoint.STORAGE_GET,
-    FaultKind.MID_PREFETCH_ABORT: FaultPoint.PREFETCH_BATCH,
-    FaultKind.HOST_ALLOC_FAIL: FaultPoint.HOST_ALLOC,
-    FaultKind.RANK_KILL: FaultPoint.SCHEDULER_STEP,
-    FaultKind.CRASH: None,
-    FaultKind.HANG: None,
-}
-
-#: Kind-specific parameters each kind accepts.
-_KIND_PARAMS: dict[FaultKind, frozenset[str]] = {
-    FaultKind.STAGE_LAG: frozenset({"ms"}),
-    FaultKind.DMA_LAG: frozenset({"ms"}),
-    FaultKind.STORAGE_SHORTFALL: frozenset({"mode", "pages", "at", "pool"}),
-    FaultKind.STORAGE_LATENCY: frozenset({"ms"}),
-    FaultKind.STORAGE_ERROR: frozenset({"mode"}),
-    FaultKind.STORAGE_CORRUPT: frozenset(),
-    FaultKind.MID_PREFETCH_ABORT: frozenset({"batch"}),
-    FaultKind.HOST_ALLOC_FAIL: frozenset(),
-    FaultKind.RANK_KILL: frozenset(),
-    FaultKind.CRASH: frozenset({"point"}),
-    FaultKind.HANG: frozenset({"point"}),
-}
-_PARAM_FIELDS = frozenset({"ms", "mode", "pages", "at", "batch", "point", "pool"})
-_DEFAULT_LAG_MS = 20.0
 
 
 class FaultSpec(BaseModel):
@@ -106,6 +42,8 @@ class FaultSpec(BaseModel):
     steps: tuple[int, int] | None = Field(None, description="inclusive scheduler-step range")
     p: float = Field(1.0, ge=0.0, le=1.0, description="probability per opportunity")
     count: int | None = Field(None, ge=1, description="fire at most this many times per rank")
+    # Kind-specific parameters: which kinds take which, their defaults and what they mean are
+    # stated in ``faults.kinds.KINDS``; the fields only bound the values.
     ms: float | None = Field(None, ge=0.0)
     mode: str | None = None
     pages: int | None = Field(None, ge=1)
@@ -123,25 +61,9 @@ class FaultSpec(BaseModel):
 
     @model_validator(mode="after")
     def _params_fit_kind(self) -> FaultSpec:
-        allowed = _KIND_PARAMS[self.kind]
-        given = {f for f in _PARAM_FIELDS if getattr(self, f) is not None}
-        extra = given - allowed
-        if extra:
-            names = ", ".join(sorted(allowed)) or "none"
-            raise ValueError(
-                f"{self.kind.value} takes no {', '.join(sorted(extra))} (it takes: {names})"
-            )
-        if self.kind is FaultKind.STORAGE_SHORTFALL and self.mode not in (None, "short", "holes"):
-            raise ValueError(f"storage-shortfall mode must be short or holes, not {self.mode!r}")
-        if self.kind is FaultKind.STORAGE_ERROR and self.mode not in (None, "fail", "raise"):
-            raise ValueError(f"storage-error mode must be fail or raise, not {self.mode!r}")
-        if self.pool not in (None, "kv", "sidecar", "any"):
-            raise ValueError(f"pool must be kv, sidecar or any, not {self.pool!r}")
-        if self.kind in (FaultKind.CRASH, FaultKind.HANG):
-            if self.point is None:
-                raise ValueError(f"{self.kind.value} needs point=<one of {_crashable()}>")
-            if self.point not in CRASHABLE_POINTS:
-                raise ValueError(f"{self.kind.value} cannot act at {self.point.value}")
+        problem = _param_problem(self)
+        if problem:
+            raise ValueError(problem)
         return self
 
     # --- derived values ---------------------------------------------------------------------
@@ -149,11 +71,12 @@ class FaultSpec(BaseModel):
     @property
     def lag_s(self) -> float:
         """The lag in seconds for lag-type faults (default 20 ms)."""
-        return (self.ms if self.ms is not None else _DEFAULT_LAG_MS) / 1000.0
+        return (self.ms if self.ms is not None else DEFAULT_LAG_MS) / 1000.0
 
     @property
     def shortfall_mode(self) -> str:
-        return self.mode or "short"
+        """``storage-shortfall``'s mode, its default when unset."""
+        return self.mode or KINDS[FaultKind.STORAGE_SHORTFALL].param("mode").default or ""
 
     def matches_rank(self, rank: int, tp: int, pp: int) -> bool:
         """True when the rank selectors admit this rank."""
@@ -290,5 +213,29 @@ def _validate(fields: dict[str, Any], text: str) -> FaultSpec:
         raise InvalidFaultSpec(f"{_quote(text)}: {where}: {err['msg']}") from None
 
 
-def _crashable() -> str:
-    return "|".join(sorted(p.value for p in CRASHABLE_POINTS))
+def _param_problem(spec: FaultSpec) -> str | None:
+    """What makes a spec's kind-specific parameters wrong for its kind (per ``KINDS``)."""
+    entry = KINDS[spec.kind]
+    allowed = {p.name for p in entry.params}
+    extra = {f for f in PARAM_NAMES if getattr(spec, f) is not None} - allowed
+    if extra:
+        names = ", ".join(sorted(allowed)) or "none"
+        return f"{spec.kind.value} takes no {', '.join(sorted(extra))} (it takes: {names})"
+    for param in entry.params:
+        value = getattr(spec, param.name)
+        if value is None:
+            if param.default is None:
+                return f"{spec.kind.value} needs {param.name}=<one of {'|'.join(param.choices)}>"
+            continue
+        shown = value.value if isinstance(value, Enum) else value
+        if param.choices and shown not in param.choices:
+            if param.type is FaultPoint:
+                return f"{spec.kind.value} cannot act at {shown}"
+            return (f"{spec.kind.value} {param.name} must be {_either(param.choices)}, "
+                    f"not {shown!r}")
+    return None
+
+
+def _either(choices: tuple[str, ...]) -> str:
+    return " or ".join(choices) if len(choices) < 3 else (
+        ", ".join(choices[:-1]) + f" or {choices[-1]}")

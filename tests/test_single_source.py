@@ -2,7 +2,11 @@
 fix, the versions it restores and the default-campaign recipe that exposes it. Every other place
 that repeats part of it is held to the registry here: the default campaign's legacy cells, the
 signature catalog's campaign cells, the README table, ``docs/legacy-switches.md`` and the
-recipes that regenerate the doctor's runtime bundle fixtures."""
+recipes that regenerate the doctor's runtime bundle fixtures.
+
+Each fault kind is stated once, in ``faults.kinds.KINDS``: its parameters, the points where it
+acts and what it does. The spec model's fields and the README's fault table are held to it
+here."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import importlib.util
 import json
 import re
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +23,11 @@ import yaml
 from typer.testing import CliRunner
 
 from faults.campaign.plan import cell_id, load_campaign
-from faults.spec import parse_faults
+from faults.describe import SELECTORS, markdown_table
+from faults.injector import points_of
+from faults.kinds import KINDS, PARAM_NAMES, FaultKind
+from faults.points import FaultPoint
+from faults.spec import FaultSpec, parse_fault, parse_faults
 from hicache_runtime.config import load_config
 from hicache_runtime.contracts.legacy import REGISTRY, Exposure, LegacySwitch, SwitchEntry
 from signatures.loader import load_catalog
@@ -198,3 +207,52 @@ def test_fixture_recipe_is_a_registry_recipe(case: Any, tmp_path: Path) -> None:
     flat = _flat(cfg.model_dump(mode="json"))
     for key, value in x.config.items():
         assert flat[key] == value, f"{case.name}: {key} is {flat[key]!r}, not {value!r}"
+
+
+# --- fault kinds ------------------------------------------------------------------------------
+
+
+def test_every_kind_parameter_is_a_spec_field_of_its_type() -> None:
+    fields = FaultSpec.model_fields
+    assert set(fields) == {"kind", *SELECTORS, *PARAM_NAMES}
+    for entry in KINDS.values():
+        for param in entry.params:
+            assert param.type in typing.get_args(fields[param.name].annotation), param
+            for choice in param.choices:  # every accepted value parses
+                parse_fault(f"{entry.kind.value}:{param.name}={choice}")
+
+
+@pytest.mark.parametrize("kind", list(FaultKind), ids=lambda k: k.value)
+def test_a_spec_acts_where_its_entry_says(kind: FaultKind) -> None:
+    entry = KINDS[kind]
+    assert entry.points, "a kind acts somewhere"
+    if entry.point_param:
+        assert entry.param("point").choices == tuple(p.value for p in entry.points)
+        for point in entry.points:
+            assert points_of(parse_fault(f"{kind.value}:point={point.value}")) == {point}
+        return
+    if entry.by_mode:
+        assert tuple(entry.by_mode) == entry.param("mode").choices
+        for mode, pts in entry.by_mode.items():
+            assert points_of(parse_fault(f"{kind.value}:mode={mode}")) == set(pts)
+        assert set().union(*entry.by_mode.values()) == set(entry.points)
+    default = points_of(parse_fault(kind.value))
+    assert default == (set(entry.points) if not entry.by_mode
+                       else set(entry.by_mode[entry.param("mode").default or ""]))
+    assert default <= set(FaultPoint)
+
+
+def _readme_fault_table() -> str:
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = lines.index("| kind | parameters | acts at | what it does |")
+    end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
+    return "\n".join(lines[start:end])
+
+
+def test_readme_fault_table_is_the_registry() -> None:
+    """The table is generated: paste ``python -c "from faults.describe import markdown_table;
+    print(markdown_table())"`` over it after changing ``KINDS``."""
+    assert _readme_fault_table() == markdown_table()
+    text = (ROOT / "README.md").read_text()
+    paragraph = text[text.index("**Fault kinds.**"):text.index("| kind | parameters |")]
+    assert all(f"`{s}" in paragraph for s in SELECTORS), "every selector is named"

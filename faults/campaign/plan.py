@@ -44,6 +44,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from faults.kinds import SURVIVABLE
 from faults.spec import FaultKind, check_topology, parse_faults
 from hicache_runtime.config import RuntimeConfig, check_run_limits, load_config
 from hicache_runtime.config_files import load_file, parse_text, short_repr
@@ -82,8 +83,8 @@ _PROPERTY_MEANING = {
 
 #: Faults that *are* the failure (a process killed, raised out of, or stopped for good): no
 #: protocol survives them, so a property campaign cannot hold them to "no crash, no hang".
-#: The default campaign and the doctor's tests cover them.
-FAILURE_FAULTS = frozenset({FaultKind.CRASH, FaultKind.HANG, FaultKind.RANK_KILL})
+#: The default campaign and the doctor's tests cover them. ``faults.kinds.KINDS`` marks them.
+FAILURE_FAULTS = frozenset(set(FaultKind) - SURVIVABLE)
 
 
 class CellSpec(BaseModel):
