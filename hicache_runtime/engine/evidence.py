@@ -56,6 +56,10 @@ def dump_rank(bundle: Path, rt: RankRuntime, outcome: RunOutcome, step: int,
     attempt("flight_recorder", lambda: write_json(
         d / "flight_recorder.json", rt.sync.flight_records()))
     attempt("state", lambda: write_json(d / "state.json", rank_state(rt, step, extra)))
+    try:
+        _storage_client_log(d, rt)
+    except Exception as err:  # as for every file above: the dump goes on
+        problems.append(f"storage client log: {type(err).__name__}: {err}")
     error = None if exc is None else f"{type(exc).__name__}: {exc}".splitlines()[0]
     if problems:
         write_text(d / "dump_errors.txt", "\n".join(problems) + "\n")
@@ -90,6 +94,18 @@ def rank_state(rt: RankRuntime, step: int, extra: dict[str, Any] | None = None) 
     if rt.faults is not None:
         data["faults_fired"] = [f.as_dict() for f in rt.faults.fired]
     return data
+
+
+def _storage_client_log(d: Path, rt: RankRuntime) -> None:
+    """``storage-client.log``: the L3 client library's own log lines, for a backend that keeps
+    them (Mooncake's client logs through glog, outside Python logging); the doctor reads the
+    store's failures in its words there."""
+    l3 = rt.cache.parts().l3
+    backend = getattr(l3.workers.backend, "inner", l3.workers.backend) if l3 else None
+    read = getattr(backend, "client_log", None)
+    text = read() if callable(read) else None
+    if text:
+        write_text(d / "storage-client.log", text)
 
 
 def _stacks(path: Path) -> str:

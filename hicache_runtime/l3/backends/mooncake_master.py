@@ -1,0 +1,212 @@
+"""A throwaway local Mooncake Store for tests, benchmarks and ``hicache run --storage mooncake``
+without a URL: ``mooncake_master`` (with its embedded HTTP metadata server) and one
+``mooncake_client`` process holding the store's memory, all on free loopback ports.
+
+Why a separate segment holder: Mooncake keeps objects in memory segments that its clients
+contribute, and a client's segment (with every object in it) goes away when the client exits.
+The ranks contribute none (``segment=0`` in the URL, upstream's advice for SGLang); the holder
+outlives them, so a second run on the same master is served from L3.
+
+The master can be killed (SIGKILL: a crash) and started again on the same ports; the holder
+and every client reconnect by themselves (a restarted master starts empty). Processes are
+stopped by pid, never by name.
+
+Not thread-safe: one owner starts and stops it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hicache_runtime.contracts.errors import StorageUnavailable, ToolUnavailable
+from hicache_runtime.l3.backends.mooncake_client import INSTALL_HINT
+from hicache_runtime.l3.backends.redis_server import free_port
+
+if TYPE_CHECKING:
+    from hicache_runtime.config import RuntimeConfig
+
+DEFAULT_SEGMENT_MIB = 256
+_PORT_TRIES = 8
+_POLL_S = 0.05
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""Loopback requests never go through a proxy from the environment."""
+
+
+def mooncake_binary(name: str) -> str | None:
+    """Path of a Mooncake binary (``mooncake_master``, ``mooncake_client``): on PATH, or next
+    to this Python (a virtual environment's ``bin`` that is not on PATH); None if absent."""
+    found = shutil.which(name)
+    if found:
+        return found
+    local = Path(sys.executable).with_name(name)
+    return str(local) if local.is_file() else None
+
+
+class LocalMooncakeStore:
+    """``mooncake_master`` plus one segment holder on 127.0.0.1.
+
+    ``start`` raises :class:`ToolUnavailable` when the binaries are missing and
+    :class:`StorageUnavailable` when the store is not ready in time.
+    """
+
+    def __init__(self, *, segment_mib: int = DEFAULT_SEGMENT_MIB,
+                 workdir: Path | None = None) -> None:
+        self.segment_mib = segment_mib
+        self._own_dir = workdir is None
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="hicache-mooncake-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._pick_ports()
+        self._ports_fixed = False
+        """Set after the first start: a restart keeps the ports clients already know."""
+        self._master: subprocess.Popen[bytes] | None = None
+        self._holder: subprocess.Popen[bytes] | None = None
+
+    def _pick_ports(self) -> None:
+        self.rpc_port, self.http_port, self.admin_port, self.holder_port = (
+            free_port() for _ in range(4))
+
+    @property
+    def url(self) -> str:
+        """The store as a ``--storage-url`` (ranks contribute no memory: ``segment=0``)."""
+        return (f"mooncake://127.0.0.1:{self.rpc_port}"
+                f"?metadata=http://127.0.0.1:{self.http_port}/metadata")
+
+    @property
+    def master_pid(self) -> int | None:
+        return self._master.pid if self.master_running else None
+
+    @property
+    def master_running(self) -> bool:
+        return self._master is not None and self._master.poll() is None
+
+    @property
+    def master_log(self) -> Path:
+        return self.workdir / "master.log"
+
+    @property
+    def holder_log(self) -> Path:
+        return self.workdir / "holder.log"
+
+    def start(self, timeout_s: float = 30.0) -> LocalMooncakeStore:
+        """Start the master (if not running) and the holder (if not running); return once the
+        holder's segment is mounted. Ports this object picked that someone took meanwhile are
+        replaced (before the first start only)."""
+        for attempt in range(_PORT_TRIES):
+            try:
+                self.start_master(timeout_s)
+                break
+            except StorageUnavailable:
+                if self._ports_fixed or attempt == _PORT_TRIES - 1:
+                    raise
+                self._pick_ports()
+        self._ports_fixed = True
+        if self._holder is None or self._holder.poll() is not None:
+            self._holder = self._spawn("mooncake_client", self.holder_log, [
+                "-host", "127.0.0.1", "-port", str(self.holder_port),
+                "-master_server_address", f"127.0.0.1:{self.rpc_port}",
+                "-metadata_server", f"http://127.0.0.1:{self.http_port}/metadata",
+                "-global_segment_size", f"{self.segment_mib} MB", "-protocol", "tcp"])
+        self.wait_ready(timeout_s)
+        return self
+
+    def start_master(self, timeout_s: float = 30.0) -> None:
+        """Start ``mooncake_master`` on this object's ports and wait until it answers."""
+        if self.master_running:
+            return
+        self._master = self._spawn("mooncake_master", self.master_log, [
+            "-rpc_port", str(self.rpc_port), "-rpc_address", "127.0.0.1",
+            "-enable_http_metadata_server=true", "-http_metadata_server_host", "127.0.0.1",
+            "-http_metadata_server_port", str(self.http_port),
+            "-metrics_port", str(self.admin_port), "-metrics_host", "127.0.0.1",
+            "-enable_metric_reporting=false"])
+        deadline = time.monotonic() + timeout_s
+        while self._admin("/get_all_segments") is None:
+            if not self.master_running:
+                tail = self.master_log.read_text(errors="replace")[-300:].strip()
+                self._master = None
+                raise StorageUnavailable(f"mooncake_master exited at start: {tail}")
+            if time.monotonic() > deadline:
+                self.kill_master()
+                raise StorageUnavailable(f"mooncake_master did not answer in {timeout_s:g} s")
+            time.sleep(_POLL_S)
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Wait until the master lists a mounted segment (the holder joined, or rejoined
+        after a master restart)."""
+        deadline = time.monotonic() + timeout_s
+        while not (self._admin("/get_all_segments") or "").strip():
+            if self._holder is not None and self._holder.poll() is not None:
+                tail = self.holder_log.read_text(errors="replace")[-300:].strip()
+                raise StorageUnavailable(f"mooncake_client (segment holder) exited: {tail}")
+            if time.monotonic() > deadline:
+                raise StorageUnavailable(f"the Mooncake store was not ready in {timeout_s:g} s "
+                                         f"(logs in {self.workdir})")
+            time.sleep(_POLL_S)
+
+    def kill_master(self) -> None:
+        """SIGKILL the master (a crash: no clean shutdown) and wait for it to exit."""
+        _kill(self._master)
+        self._master = None
+
+    def restart_master(self, timeout_s: float = 30.0) -> None:
+        """Kill the master if running, start it on the same ports, wait for the holder."""
+        self.kill_master()
+        self.start_master(timeout_s)
+        self.wait_ready(timeout_s)
+
+    def close(self) -> None:
+        _kill(self._holder)
+        self._holder = None
+        self.kill_master()
+        if self._own_dir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> LocalMooncakeStore:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _spawn(self, name: str, log: Path, args: list[str]) -> subprocess.Popen[bytes]:
+        binary = mooncake_binary(name)
+        if binary is None:
+            raise ToolUnavailable(f"{name} is not installed", hint=INSTALL_HINT)
+        with log.open("ab") as out:
+            return subprocess.Popen([binary, *args], stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, cwd=self.workdir)
+
+    def _admin(self, path: str) -> str | None:
+        """GET on the master's admin port; None when it does not answer."""
+        try:
+            with _DIRECT.open(f"http://127.0.0.1:{self.admin_port}{path}",
+                              timeout=1.0) as resp:
+                return str(resp.read().decode(errors="replace"))
+        except OSError:
+            return None
+
+
+def _kill(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is not None:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def private_store(cfg: RuntimeConfig) -> Iterator[tuple[RuntimeConfig, LocalMooncakeStore | None]]:
+    """``cfg`` with a private local store for a ``mooncake`` backend without a URL (started
+    here, stopped on exit, with the store), else ``cfg`` unchanged and ``None``."""
+    if cfg.storage.backend != "mooncake" or cfg.storage.url:
+        yield cfg, None
+        return
+    with LocalMooncakeStore() as store:
+        yield cfg.with_overrides(**{"storage.url": store.url}), store
