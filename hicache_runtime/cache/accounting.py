@@ -94,7 +94,7 @@ def drain_account(cache: PrefixCache) -> DrainAccount:
     return DrainAccount(**account)
 
 
-def check_at_drain(cache: Any) -> None:
+def check_at_drain(cache: PrefixCache) -> None:
     """The drain's integrity check; a failure is marked as raised at drain."""
     from hicache_runtime.contracts.errors import InvariantViolation
 
