@@ -21,7 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from faults.spec import FaultSpec, check_topology
 from hicache_runtime.config_files import short_repr
+from hicache_runtime.contracts import l3_backends
 from hicache_runtime.contracts.errors import ConfigError
+from hicache_runtime.contracts.l3_backends import NO_BACKEND
 from hicache_runtime.contracts.legacy import LegacySwitch
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -129,7 +131,10 @@ class StorageConfig(BaseModel):
     """L3 storage and the prefetch/backup pipeline."""
 
     model_config = _FROZEN
-    backend: Literal["none", "file", "redis"] = "none"
+    backend: str = NO_BACKEND
+    """``none``, a built-in backend (``file``, ``redis``), one registered at run time, or an
+    installed plug-in's (entry point group ``hicache.l3_backends``);
+    :mod:`hicache_runtime.contracts.l3_backends` holds the names."""
     path: Path | None = None
     url: str | None = None
     prefetch_policy: PrefetchPolicy = PrefetchPolicy.BEST_EFFORT
@@ -147,6 +152,15 @@ class StorageConfig(BaseModel):
     reconnect_backoff_max_s: float = Field(5.0, gt=0)
     required: bool = True
     """False: start even if the backend is unreachable (it fails soft and reconnects)."""
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, name: str) -> str:
+        # Names only: no backend module is imported to check one.
+        problem = None if name == NO_BACKEND else l3_backends.problem(name)
+        if problem:
+            raise ValueError(_at("storage.backend", problem))
+        return name
 
     @field_validator("url")
     @classmethod

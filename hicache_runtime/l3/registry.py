@@ -1,16 +1,19 @@
 """Backends by name, and the factory the runtime calls to build one rank's L3 backend.
 
-Backend modules are imported lazily, on first use, so a run without L3 (or with the file
-backend) never imports redis-py. Tests and plug-ins may add names with :func:`register_backend`.
+The names (built-ins, registered ones, and plug-ins from installed distributions' entry points
+in the group ``hicache.l3_backends``) are kept in :mod:`hicache_runtime.contracts.l3_backends`,
+below the config, which checks ``storage.backend`` against them. Backend modules are imported
+lazily, on first use, so a run without L3 (or with the file backend) never imports redis-py.
+Tests and embedding code may add names with :func:`register_backend`.
 """
 
 from __future__ import annotations
 
 import importlib
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+from hicache_runtime.contracts import l3_backends
 from hicache_runtime.contracts.errors import ConfigError
 from hicache_runtime.l3.faulty import wrap_faults
 from hicache_runtime.l3.keys import KeyScheme
@@ -31,41 +34,29 @@ class BackendFactory(Protocol):
                     max_payload_bytes: int = ...) -> StorageBackend: ...
 
 
-_REGISTRY: dict[str, str] = {
-    "file": "hicache_runtime.l3.backends.file:FileBackend",
-    "redis": "hicache_runtime.l3.backends.redis:RedisBackend",
-}
-_LOCK = threading.Lock()
-
-
 def known_backends() -> list[str]:
-    """Registered backend names, sorted."""
-    with _LOCK:
-        return sorted(_REGISTRY)
+    """Registered backend names, sorted (installed plug-ins included)."""
+    return l3_backends.known()
 
 
 def register_backend(name: str, target: str) -> None:
     """Register ``"package.module:ClassName"`` under ``name`` (replaces an existing entry)."""
-    if ":" not in target:
-        raise ValueError(f"backend target must look like 'module:Class', got {target!r}")
-    with _LOCK:
-        _REGISTRY[name] = target
+    l3_backends.register(name, target)
 
 
 def backend_class(name: str) -> BackendFactory:
     """The backend class registered as ``name``, imported now.
 
     Raises :class:`ConfigError` (field ``storage.backend``) for an unknown name, listing the
-    known ones.
+    known ones, and for a backend whose module or class cannot be loaded.
     """
-    with _LOCK:
-        target = _REGISTRY.get(name)
-    if target is None:
-        known = ", ".join(known_backends())
-        raise ConfigError("storage.backend", f"unknown L3 backend {name!r} (known: {known})",
-                          hint=f"use one of: {known}")
+    target = l3_backends.target(name)
     module, _, attr = target.partition(":")
-    cls: BackendFactory = getattr(importlib.import_module(module), attr)
+    try:
+        cls: BackendFactory = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError("storage.backend", f"L3 backend {name!r} ({target}) cannot be "
+                          f"loaded: {exc}") from exc
     return cls
 
 
