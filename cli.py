@@ -23,7 +23,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from hicache_runtime.contracts.errors import ConfigError, HiCacheError
+from hicache_runtime.contracts.errors import ConfigError, HiCacheError, ToolUnavailable
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Run, break and diagnose a hierarchical KV cache (SGLang HiCache).")
@@ -68,6 +68,20 @@ def _one_line(text: str) -> str:
     import render
 
     return render.esc(" ".join(text.split()))
+
+
+def _require_runtime(command: str) -> None:
+    """The runtime commands need torch, which the base (triage) install leaves out: without
+    it, say in one line how to install it, before anything imports it (exit 2)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("torch") is not None
+    except ImportError:  # a finder that refuses it, as a broken or blocked install does
+        found = False
+    if not found:
+        raise ToolUnavailable(f"hicache {command} needs the runtime (torch, redis), which is "
+                              "not installed: pip install 'hicache-doctor[runtime]'")
 
 
 def _version() -> str:
@@ -185,6 +199,7 @@ def run(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Run the runtime on a seeded workload and judge it against a cache-disabled run."""
+    _require_runtime("run")
     from faults.spec import parse_faults
     from hicache_runtime.config import load_config
     from hicache_runtime.contracts.legacy import parse_legacy
@@ -293,6 +308,7 @@ def campaign(
     """Run a fault campaign: each cell runs topology x legacy switches x faults x seed and must
     end as expected (healthy with outputs identical to a cache-disabled run, or failed with
     the doctor naming the expected signature). Exit 1 when any cell did not."""
+    _require_runtime("campaign")
     import render
     from faults.campaign.cells import run_campaign, seed_bases, select
     from faults.campaign.plan import MAX_CELLS, load_campaign
@@ -399,6 +415,7 @@ def inject(
 
     Exit codes: 0 the run stayed healthy / the replay failed the same way; 1 it did not.
     """
+    _require_runtime("inject")
     if replay is None:
         if shrink or not faults:
             raise ConfigError("inject", "give fault specs, or --replay BUNDLE [--shrink]")

@@ -1,0 +1,182 @@
+"""The triage install: ``pip install hicache-doctor`` without the ``runtime`` extra.
+
+The doctor, the catalog and runbooks work without torch: their own test modules pass in an
+interpreter where importing torch fails; the runtime commands say in one line how to install
+the runtime; the base dependencies cover what the torch-free code imports; and CI installs
+and tests exactly as the README says.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: The import name of each base dependency (distribution name -> module).
+IMPORT_NAME = {"pyyaml": "yaml"}
+
+#: Code the triage commands run (``faults`` and ``trace`` included): torch-free
+#: (tests/test_layers.py holds the layering).
+TRIAGE_CODE = ("doctor", "signatures", "hicache_runtime/contracts", "hicache_runtime/config.py",
+               "hicache_runtime/config_files.py", "hicache_runtime/telemetry/perfetto.py",
+               "faults/kinds.py", "faults/points.py", "faults/spec.py", "faults/describe.py",
+               "cli.py", "render.py")
+
+#: Tests under tests/doctor and tests/signatures that need torch themselves: they make what
+#: the doctor reads (bundles from real runs, real gloo Flight Recorder dumps) or run torch's
+#: own analyzer. Everything else there must pass without torch.
+NEEDS_TORCH_MODULES = ("tests/doctor/test_runtime_bundle.py",)
+NEEDS_TORCH_TESTS = (
+    "tests/doctor/test_flight_recorder.py::test_torch_analyzer_fails_on_the_same_gloo_dumps",
+    "tests/doctor/test_flight_recorder.py::test_fresh_gloo_dumps_of_a_crossed_hang",
+)
+
+_BLOCK_TORCH = """\
+import importlib.abc, sys
+
+class _NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, _NoTorch())
+"""
+
+#: A pytest plug-in for the torch-free session: it says at the end whether torch stayed out.
+_CHECK_PLUGIN = """\
+import sys
+
+
+def pytest_terminal_summary(terminalreporter):
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        blocked = "torch" not in sys.modules
+    else:
+        blocked = False
+    terminalreporter.write_line(f"torch-free session: {'yes' if blocked else 'NO'}")
+"""
+
+
+def _no_torch_env(tmp_path: Path) -> dict[str, str]:
+    """An environment whose interpreters cannot import torch (``sitecustomize`` runs first)."""
+    site = tmp_path / "no_torch"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(_BLOCK_TORCH)
+    (site / "torch_free_check.py").write_text(_CHECK_PLUGIN)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "NO_COLOR": "1",
+            "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
+
+
+@pytest.mark.slow
+def test_the_doctor_and_catalog_tests_pass_without_torch(tmp_path: Path) -> None:
+    """tests/doctor and tests/signatures, slow ones included, in a torch-free interpreter
+    (about 4 minutes on two shared cores)."""
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+            "-p", "torch_free_check", "tests/doctor", "tests/signatures",
+            *(f"--ignore={m}" for m in NEEDS_TORCH_MODULES),
+            *(f"--deselect={t}" for t in NEEDS_TORCH_TESTS)]
+    proc = subprocess.run(args, cwd=ROOT, env=_no_torch_env(tmp_path), capture_output=True,
+                          text=True, timeout=1800, check=False)
+    tail = proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    assert "torch-free session: yes" in proc.stdout, tail
+    passed = re.search(r"(\d+) passed", proc.stdout)
+    assert passed, tail
+    assert int(passed.group(1)) >= 300, tail  # the whole suite ran, not a stray subset
+    assert not re.search(r"\d+ (failed|errors?)\b", proc.stdout), tail
+
+
+@pytest.mark.parametrize("args", [["run", "--requests", "1"], ["campaign", "--list"],
+                                  ["inject", "dma-lag:ms=5"], ["inject", "--replay", "x"]],
+                         ids=lambda a: "-".join(a[:2]))
+def test_runtime_commands_say_how_to_install_the_runtime(tmp_path: Path,
+                                                         args: list[str]) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "cli.py"), *args], cwd=tmp_path,
+                          env=_no_torch_env(tmp_path), capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr[-2000:]
+    assert f"hicache {args[0]} needs the runtime" in lines[0]
+    assert "pip install 'hicache-doctor[runtime]'" in lines[0]
+
+
+_LOADED = """\
+import atexit, json, sys
+atexit.register(lambda: print(json.dumps(sorted(sys.modules)), file=sys.stderr))
+from cli import main
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("args", [["signatures", "list"], ["faults", "list", "--json"],
+                                  ["trace", "schema"]], ids=lambda a: "-".join(a))
+def test_triage_commands_load_no_runtime_package(tmp_path: Path, args: list[str]) -> None:
+    """Beyond the torch-free contracts, a triage command loads only the config models (typer
+    builds every command's options, and ``run``'s show the config's defaults)."""
+    proc = subprocess.run([sys.executable, "-c", _LOADED, *args], cwd=ROOT,
+                          env=_no_torch_env(tmp_path), capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    loaded = json.loads(proc.stderr.strip().splitlines()[-1])
+    runtime = [m for m in loaded if m.startswith("hicache_runtime.")
+               and m.split(".")[1] not in ("contracts", "config", "config_files")]
+    assert not runtime, runtime
+    assert not [m for m in loaded if m == "torch" or m.startswith("torch.")]
+
+
+def _third_party_imports(paths: tuple[str, ...]) -> set[str]:
+    found: set[str] = set()
+    files = [p for name in paths for p in ([ROOT / name] if name.endswith(".py")
+                                           else (ROOT / name).rglob("*.py"))]
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                found.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module.split(".")[0])
+    ours = {"doctor", "signatures", "hicache_runtime", "faults", "cli", "render"}
+    return found - ours - set(sys.stdlib_module_names)
+
+
+def test_base_dependencies_are_what_triage_imports() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+    def names(reqs: list[str]) -> set[str]:
+        return {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower() for r in reqs}
+
+    base = {IMPORT_NAME.get(n, n) for n in names(project["dependencies"])}
+    extras = project["optional-dependencies"]
+    # cli.py imports torch only inside the runtime commands, after their install check.
+    assert _third_party_imports(TRIAGE_CODE) - {"torch"} == base
+    assert {"torch", "redis"} <= names(extras["runtime"])
+    assert not {"torch", "redis"} & base
+    assert "hicache-doctor" in names(extras["dev"]), "dev installs the runtime extra"
+    assert "py-spy" in names(extras["capture"])
+
+
+def _shell_command(text: str) -> str:
+    return " ".join(text.replace("\\\n", " ").split())
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, re.S)
+    install, tests = blocks[0].strip(), blocks[1].strip()
+    assert "'.[runtime,capture]'" in install
+    assert install.endswith("hicache campaign")
+    assert "'.[dev]'" in tests
+    assert tests.endswith("python -m pytest")
+    ci = _shell_command((ROOT / ".ci" / "run").read_text())
+    assert _shell_command(tests) in ci
