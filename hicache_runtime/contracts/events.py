@@ -22,6 +22,7 @@ class Ev:
     BATCH = "sched.batch"
     MATCH = "tree.match"
     INSERT = "tree.insert"
+    SPLIT = "tree.split"
     EVICT = "tree.evict"
     EVICT_HOST = "tree.evict_host"
     WRITE_SUBMIT = "l2.write.submit"

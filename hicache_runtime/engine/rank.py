@@ -130,7 +130,7 @@ def build_rank(cfg: RuntimeConfig, rank: RankInfo | None = None, *,
             if cfg.storage.backend != "none":
                 storage = _storage_workers(cfg, rank, model, host_pool, sync, tracer, faults,
                                            aborts)
-        tree = RadixTree(cfg.cache.page_size, _lru_clock(cfg))
+        tree = RadixTree(cfg.cache.page_size, _lru_clock(cfg), tracer)
         cache = HiCache(cfg.cache, device_pool, host_pool, engine, sync, tracer, tree,
                         cfg.legacy, storage)
     scheduler = Scheduler(cfg.scheduler, cache, tracer, num_slots=cfg.topology.pp)

@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from hicache_runtime.contracts.errors import InvariantViolation
+from hicache_runtime.contracts.events import Ev, EventSink
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -96,8 +97,10 @@ class InsertResult(NamedTuple):
 class RadixTree:
     """Page-aligned radix tree. Not thread-safe: only the scheduler thread touches it."""
 
-    def __init__(self, page_size: int, clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, page_size: int, clock: Callable[[], float] | None = None,
+                 events: EventSink | None = None) -> None:
         self.page_size = page_size
+        self.events = events  # splits are recorded here (the other tree events by the cache)
         self._ids = itertools.count(1)
         self._logical = itertools.count(1)
         self.clock: Callable[[], float] = clock or (lambda: float(next(self._logical)))
@@ -235,6 +238,8 @@ class RadixTree:
             child.hash_value = child.hash_value[n // self.page_size :]
         child.parent = upper
         upper.children[self._child_key(child.key)] = child
+        if self.events is not None:
+            self.events.emit(Ev.SPLIT, node=child.id, upper=upper.id, at=n)
         return upper
 
     def inc_lock_ref(self, node: TreeNode) -> None:
