@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import typer
 from markdown_it import MarkdownIt
+from pydantic import ValidationError
 from typer.testing import CliRunner
 
 import render
@@ -289,11 +290,42 @@ def _poison(value: Any) -> Any:
     return value + PAYLOAD if isinstance(value, str) else value
 
 
+def _poison_free_text(data: dict[str, Any]) -> dict[str, Any]:
+    """Every string the schema accepts any value for, poisoned; closed vocabularies (statuses,
+    kinds: enums the schema rejects a stranger for) keep their value, since a document with
+    a poisoned one is refused before any text is rendered (tested below)."""
+    poisoned = _poison(data)
+    for _ in range(100):
+        try:
+            Diagnosis.model_validate(poisoned)
+            return poisoned
+        except ValidationError as exc:
+            for err in exc.errors():
+                src, dst = data, poisoned
+                *path, last = err["loc"]
+                for key in path:
+                    src, dst = src[key], dst[key]
+                dst[last] = src[last]
+    raise AssertionError("could not restore the closed vocabularies")
+
+
+def test_a_diagnosis_with_a_status_outside_its_vocabulary_is_refused(tmp_path: Path) -> None:
+    data = _hostile_diagnosis().model_dump(mode="json")
+    data["status"] += PAYLOAD
+    diag = tmp_path / "diag.json"
+    diag.write_text(json.dumps(data))
+    res = runner.invoke(app, ["runbook", "--from", str(diag), "--html",
+                              "-o", str(tmp_path / "rb" / "incident.md")])
+    assert res.exit_code == 2
+    assert "is not a diagnosis" in res.output
+    assert not (tmp_path / "rb").exists()
+
+
 @pytest.mark.parametrize("poison_signature", [False, True])
 def test_runbook_html_from_a_crafted_diagnosis(tmp_path: Path, poison_signature: bool) -> None:
     data = _hostile_diagnosis().model_dump(mode="json")
     keep = data["verdicts"][0]["signature"]
-    data = _poison(data)
+    data = _poison_free_text(data)
     if not poison_signature:
         data["verdicts"][0]["signature"] = keep
     diag = tmp_path / "diag.json"
