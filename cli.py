@@ -159,13 +159,16 @@ def run(
         help="Tokens generated per request.", show_default=_dflt("workload.max_new_tokens"))]
     = None,
     storage: Annotated[str | None, typer.Option(
-        help="L3 backend: none | file | redis.", show_default=_dflt("storage.backend"))]
+        help="L3 backend: none | file | redis | mooncake.",
+        show_default=_dflt("storage.backend"))]
     = None,
     storage_path: Annotated[Path | None, typer.Option(
         help="Directory of the file backend.",
         show_default="a private per-user directory under $TMPDIR")] = None,
     storage_url: Annotated[str | None, typer.Option(
-        help="Redis URL for the redis backend, e.g. redis://127.0.0.1:6379/0.")] = None,
+        help="Redis URL (redis://127.0.0.1:6379/0), or the Mooncake master "
+             "(mooncake://HOST:RPC_PORT?metadata=http://HOST:PORT/metadata; without it "
+             "--storage mooncake starts a private store for the run).")] = None,
     storage_optional: Annotated[bool, typer.Option(
         help="Start even if the L3 backend is unreachable (it reconnects later).")] = False,
     prefetch_policy: Annotated[str | None, typer.Option(
@@ -266,10 +269,15 @@ def _check_machine(cfg: Any) -> None:
 
 def _execute(cfg: Any, compare: bool, progress: bool) -> Any:
     import render
+    from hicache_runtime.l3.backends.mooncake_master import private_store
     from hicache_runtime.launch.run import run
 
-    with render.run_progress("running", enabled=progress and sys.stderr.isatty()) as update:
-        return run(cfg, compare=compare, progress=update)
+    with private_store(cfg) as (cfg, store):
+        if store is not None:  # on stderr: with --json, stdout stays one JSON object
+            print(f"L3: started a private Mooncake store for this run at {store.url} (stopped "
+                  "when the run ends; --storage-url uses your own)", file=sys.stderr)
+        with render.run_progress("running", enabled=progress and sys.stderr.isatty()) as update:
+            return run(cfg, compare=compare, progress=update)
 
 
 def _read_config(path: Path) -> dict[str, Any]:

@@ -165,7 +165,7 @@ class StorageConfig(BaseModel):
     @field_validator("url")
     @classmethod
     def _redis_url(cls, url: str | None) -> str | None:
-        if url is not None:
+        if url is not None and not url.startswith("mooncake://"):  # the backend parses those
             problem = redis_url_problem(url)
             if problem:
                 raise ValueError(_at("storage.url", f"{problem}; use redis://host:port/db"))

@@ -33,6 +33,7 @@ NO_BACKEND = "none"
 BUILTIN: Mapping[str, str] = MappingProxyType({
     "file": "hicache_runtime.l3.backends.file:FileBackend",
     "redis": "hicache_runtime.l3.backends.redis:RedisBackend",
+    "mooncake": "hicache_runtime.l3.backends.mooncake:MooncakeBackend",
 })
 
 #: A backend name: what a config file, a command line or a plug-in may spell. Bounded, since

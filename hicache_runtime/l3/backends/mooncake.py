@@ -191,7 +191,7 @@ class MooncakeBackend(StorageBackend):
                     self._reject(key)
                     out.append(None)
                 else:
-                    if code < 0 and code != mc.OBJECT_NOT_FOUND:
+                    if code < 0 and code not in mc.MISS_CODES:
                         self._check_code("get", code)
                     out.append(None)
             return out
@@ -217,7 +217,7 @@ class MooncakeBackend(StorageBackend):
             if todo:
                 codes = self._put(client, [keys[i] for i in todo], [sized[i] for i in todo])
                 for i, code in zip(todo, codes):
-                    stored[i] = code in (0, mc.OBJECT_ALREADY_EXISTS)
+                    stored[i] = code == 0 or code in mc.PRESENT_CODES
                     if not stored[i]:
                         self._check_code("set", code)
             it = iter(stored[i] for i in range(len(keys)))

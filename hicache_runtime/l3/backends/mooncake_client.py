@@ -58,8 +58,12 @@ ERROR_NAMES: dict[int, str] = {
     -1010: "UNAVAILABLE_IN_CURRENT_STATUS",
 }
 OBJECT_NOT_FOUND = -704
-OBJECT_ALREADY_EXISTS = -705
 INVALID_PARAMS = -600
+#: A read of these is a plain miss: absent, or still being written by another client.
+MISS_CODES = frozenset({OBJECT_NOT_FOUND, -703})
+#: A write answered with these stored nothing, and needs not: the object exists, or another
+#: client is writing it now (the same bytes: a key names its content).
+PRESENT_CODES = frozenset({-705, -703})
 #: Codes that mean the master (or the client's link to it) is gone: an outage, not a bad key.
 OUTAGE_CODES = frozenset({-900, -103, -601, -1010})
 HEALTHY = 0
@@ -234,6 +238,9 @@ def _prepare_environment() -> None:
     one) and bound the client's setup retries (reachability is checked first, so retries are
     only for its own port clashes)."""
     os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "5")
+    # Unbuffered: glog holds INFO-file lines for up to 30 s, and a bundle taken at a failure
+    # must hold the client's last words (it logs little while healthy).
+    os.environ.setdefault("GLOG_logbuflevel", "-1")
     if "MC_LOG_DIR" not in os.environ:
         log_dir = default_log_dir()
         if log_dir is not None:

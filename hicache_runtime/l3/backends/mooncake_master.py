@@ -17,6 +17,7 @@ Not thread-safe: one owner starts and stops it.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import subprocess
 import sys
@@ -180,9 +181,12 @@ class LocalMooncakeStore:
         binary = mooncake_binary(name)
         if binary is None:
             raise ToolUnavailable(f"{name} is not installed", hint=INSTALL_HINT)
+        # Not MC_LOG_DIR: the binaries initialise glog themselves, and the library would do
+        # it a second time from that variable (a fatal check); they log to ``log`` instead.
+        env = {k: v for k, v in os.environ.items() if k != "MC_LOG_DIR"}
         with log.open("ab") as out:
             return subprocess.Popen([binary, *args], stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, cwd=self.workdir)
+                                    stdin=subprocess.DEVNULL, cwd=self.workdir, env=env)
 
     def _admin(self, path: str) -> str | None:
         """GET on the master's admin port; None when it does not answer."""
