@@ -51,7 +51,7 @@ class ConsensusChecker:
         self._thread.start()
         return self
 
-    def observe(self, kind: str, attrs: dict[str, Any]) -> None:
+    def on_event(self, kind: str, attrs: dict[str, Any]) -> None:
         """Tracer hook (scheduler thread): keep the agreed part of decision events."""
         keys = DECISION_ATTRS.get(kind)
         if keys is None or threading.current_thread() is not threading.main_thread():

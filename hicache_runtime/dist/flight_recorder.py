@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from hicache_runtime.contracts.events import Ev
 from hicache_runtime.contracts.outcome import FLIGHT_RECORD_ATTR
 
 if TYPE_CHECKING:
@@ -133,14 +134,14 @@ class Group:
         self.seq += 1
         rec = self.recorder.start(self.name, self.seq, op, tensors, peer)
         if self.tracer is not None:
-            self.tracer.emit("comm.enter", group=self.name, seq=self.seq, op=op,
+            self.tracer.emit(Ev.COLLECTIVE_ENTER, group=self.name, seq=self.seq, op=op,
                              site=rec["site"], peer=peer)
         return rec
 
     def _end(self, rec: dict[str, Any], error: BaseException | None = None) -> None:
         FlightRecorder.finish(rec, error)
         if self.tracer is not None:
-            self.tracer.emit("comm.exit", group=self.name, seq=rec["seq"], op=rec["op"],
+            self.tracer.emit(Ev.COLLECTIVE_EXIT, group=self.name, seq=rec["seq"], op=rec["op"],
                              state=rec["state"])
 
     def _run(self, op: str, tensors: list[torch.Tensor], peer: int | None, fn: Any) -> Any:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from hicache_runtime.contracts.errors import InvariantViolation
+from hicache_runtime.contracts.events import Ev
 
 if TYPE_CHECKING:
     from hicache_runtime.telemetry.tracer import Tracer
@@ -220,7 +221,7 @@ class CpuCopyEngine(CopyEngine):
                 job.event.set(exc)
                 continue
             if self._tracer is not None:
-                self._tracer.emit("copy.job", dir=job.label, tokens=int(job.src_slots.numel()),
+                self._tracer.emit(Ev.COPY, dir=job.label, tokens=int(job.src_slots.numel()),
                                   layer_slot=job.layer_slot, t0_ns=t0,
                                   dur_ns=time.monotonic_ns() - t0)
             job.event.set()

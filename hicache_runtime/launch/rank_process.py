@@ -173,7 +173,7 @@ def run_rank(run_dir: Path, rank: RankInfo, cfg: RuntimeConfig) -> int:
     consensus = None
     if cfg.observability.consensus_check:
         consensus = ConsensusChecker(groups.consensus, tracer).start()
-        tracer.observer = consensus.observe
+        tracer.observer = consensus.on_event
     caps = _read_json(RunDir(run_dir).caps) or {}
     workload = Workload(cfg.workload, cfg.model.vocab_size, cfg.seed,
                         client_aborts=not caps, caps=caps)
