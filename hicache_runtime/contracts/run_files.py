@@ -47,6 +47,10 @@ RANK_TORCH_FR = "torch_fr.pkl"
 RANK_LOG = "log.txt"
 
 
+RANK_DIRS = "rank*"
+"""Glob of the rank folders in a bundle."""
+
+
 def rank_dir_name(rank: int) -> str:
     """The folder of one rank's files in a bundle (and in a capture)."""
     return f"rank{rank}"

@@ -33,6 +33,7 @@ from hicache_runtime.contracts.errors import DumpFormatError
 from hicache_runtime.contracts.outcome import classify_exit, describe_exit
 from hicache_runtime.contracts.rank_result import read_rank_result
 from hicache_runtime.contracts.run_files import (
+    RANK_DIRS,
     RANK_ENTRY,
     RANK_LOG,
     RANK_STATE,
@@ -85,7 +86,7 @@ def write_run_bundle(run_dir: Path, cfg: RuntimeConfig, bundle_root: Path | None
         dest = new_bundle_dir(bundle_root, outcome)
         if run.bundle.exists():
             shutil.copytree(run.bundle, dest, dirs_exist_ok=True)
-    for stale in dest.glob(f"rank*/{RANK_ENTRY}"):  # folded into the manifest
+    for stale in dest.glob(f"{RANK_DIRS}/{RANK_ENTRY}"):  # folded into the manifest
         stale.unlink()
     fired = [f for r in exits for f in _fired(run, r)]
     write_manifest(dest, build_manifest(cfg, outcome, reason, entries, fired,

@@ -49,7 +49,7 @@ from hicache_runtime.contracts.bundle import RunOutcome
 from hicache_runtime.contracts.errors import DumpFormatError
 from hicache_runtime.contracts.outcome import classify_exit, describe_exit
 from hicache_runtime.contracts.rank_result import RankResult, read_rank_result
-from hicache_runtime.contracts.run_files import RunDir, rank_dir_name
+from hicache_runtime.contracts.run_files import RANK_DIRS, RunDir, rank_dir_name
 from hicache_runtime.launch.bundles import RankExit, write_run_bundle
 from hicache_runtime.launch.side_channel import (
     DumpRequest,
@@ -201,7 +201,7 @@ def _salvage_bundle(run_dir: Path, cfg: RuntimeConfig, bundle_root: Path,
     """A run stopped while ranks were dumping: keep what they wrote as a bundle (with a
     manifest saying it was interrupted) instead of deleting it with the run directory."""
     bundle = RunDir(run_dir).bundle
-    if not bundle.is_dir() or not any(bundle.glob("rank*/*")):
+    if not bundle.is_dir() or not any(bundle.glob(f"{RANK_DIRS}/*")):
         return None
     request = read_dump(run_dir)
     reason = f"{(request.reason if request else '') or 'unknown failure'}; " \
