@@ -403,8 +403,14 @@ def campaign_progress(total: int, enabled: bool = True) -> Iterator[Callable[[An
         yield hook
 
 
+def _cell_mark(r: Any) -> str:
+    if r.skipped is not None:
+        return f"[{STYLE_WARN}]skip[/]"
+    return f"[{STYLE_OK}]pass[/]" if r.passed else f"[{STYLE_BAD}]FAIL[/]"
+
+
 def _cell_line(r: Any) -> str:
-    mark = f"[{STYLE_OK}]pass[/]" if r.passed else f"[{STYLE_BAD}]FAIL[/]"
+    mark = _cell_mark(r)
     return f"{mark} {esc(r.id)}  [{STYLE_DIM}]{esc(r.observed)}, {r.wall_s:.1f}s[/]"
 
 
@@ -430,7 +436,7 @@ def campaign_summary(result: Any) -> None:
         _long(table, "bundle")
     for c in result.cells:
         obs = c.observed + (f" ({c.confidence:.2f})" if c.confidence is not None else "")
-        mark = f"[{STYLE_OK}]pass[/]" if c.passed else f"[{STYLE_BAD}]FAIL[/]"
+        mark = _cell_mark(c)
         outcome = f"[{OUTCOME_STYLE.get(c.outcome, STYLE_WARN)}]{c.outcome}[/]"
         expect = esc(c.expect.replace("|", " | "))
         if wide:
@@ -442,13 +448,17 @@ def campaign_summary(result: Any) -> None:
     con.print(_fit(con, table, {"cell": 16, "expected": 10, "observed": 10, "bundle": 12,
                                 "expected / observed": 16}))
     style = STYLE_OK if result.failed == 0 else STYLE_BAD
-    con.print(f"[{style}]{result.passed} of {len(result.cells)} cells behaved as expected[/] "
-              f"in {result.wall_s:.0f}s")
+    skipped = f", {result.skipped} skipped on this machine" if result.skipped else ""
+    con.print(f"[{style}]{result.passed} of {len(result.cells)} cells behaved as expected[/]"
+              f"{skipped} in {result.wall_s:.0f}s")
     roots = sorted({str(Path(c.bundle).parent) for c in result.cells if c.bundle})
     if roots:
         con.print(f"bundles under {esc(', '.join(roots))}", soft_wrap=True)
     for c in result.cells:
         if not c.passed:
+            if c.skipped is not None:
+                con.print(f"  [{STYLE_WARN}]{esc(c.id)}[/]: {esc(c.detail)}", soft_wrap=True)
+                continue
             con.print(f"  [{STYLE_BAD}]{esc(c.id)}[/]: {esc(c.detail)}"
                       + (f" [{STYLE_DIM}]{esc(c.error)}[/]" if c.error else ""), soft_wrap=True)
             if c.bundle:

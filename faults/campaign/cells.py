@@ -68,6 +68,9 @@ class CellResult(BaseModel):
     """Where they were held, one line (``rank 1: host_pinned=2``)."""
     properties: dict[str, bool | None] = {}
     """Property campaigns: each property held (true), violated (false) or unchecked (null)."""
+    skipped: str | None = None
+    """Why the cell did not run on this machine (its L3 backend's client is not installed):
+    it neither passed nor failed."""
 
 
 class PropertyViolation(BaseModel):
@@ -118,8 +121,12 @@ class CampaignResult(BaseModel):
         return sum(c.passed for c in self.cells)
 
     @property
+    def skipped(self) -> int:
+        return sum(c.skipped is not None for c in self.cells)
+
+    @property
     def failed(self) -> int:
-        return len(self.cells) - self.passed
+        return len(self.cells) - self.passed - self.skipped
 
 
 CellHook = Callable[[CellSpec, CellResult | None], None]
@@ -266,6 +273,16 @@ def run_and_diagnose(cfg: RuntimeConfig, *, warm: bool, compare: bool, bundle_ro
     """Run ``cfg`` (after a fault-free, switch-free warm-up run when ``warm``) and, if it left
     a bundle, let the doctor name its signature. ``memo``: warm-ups and cache-disabled
     reference runs to reuse (a campaign's)."""
+    from hicache_runtime.l3.backends.mooncake_master import private_store
+
+    # A mooncake cell without a URL gets a store of its own, shared by its warm-up run.
+    with private_store(cfg) as (cfg, _):
+        return _run_and_diagnose(cfg, warm=warm, compare=compare, bundle_root=bundle_root,
+                                 memo=memo)
+
+
+def _run_and_diagnose(cfg: RuntimeConfig, *, warm: bool, compare: bool, bundle_root: Path,
+                      memo: CampaignMemo | None) -> DiagnosedRun:
     from hicache_runtime.launch.run import run
 
     if warm and not (memo is not None and memo.restore(cfg)):
@@ -312,9 +329,17 @@ def _fired(bundle: Path) -> list[FiredFaultRecord]:
 def run_cell(spec: CampaignSpec, cell: CellSpec, work: Path, bundle_root: Path, *,
              memo: CampaignMemo | None = None) -> CellResult:
     """Run one cell (after its warm-up run, if any) and judge it."""
+    from hicache_runtime.l3.registry import unavailable
+
     t0 = time.monotonic()
     try:
         cfg = cell_config(spec, cell, work, bundle_root)
+        missing = unavailable(cfg.storage)
+        if missing is not None:
+            return CellResult(id=cell.id, expect=cell.expect, observed="skipped", passed=False,
+                              outcome="skipped", wall_s=0.0, skipped=missing,
+                              detail=f"skipped: {missing}", faults=list(cell.faults),
+                              properties={p.value: None for p in spec.properties})
         done = run_and_diagnose(cfg, warm=cell.warm, compare=cell.compare,
                                 bundle_root=bundle_root, memo=memo)
     except Exception as exc:  # a cell that cannot even run is a failed cell, not a crash

@@ -57,11 +57,14 @@ def _property_line(p: PropertyResult) -> str:
 def _cells_suite(result: CampaignResult) -> ET.Element:
     suite = ET.Element("testsuite", name=f"hicache-campaign.{result.name}",
                        tests=str(len(result.cells)), failures=str(result.failed), errors="0",
-                       time=f"{result.wall_s:.2f}", timestamp=result.started_at)
+                       skipped=str(result.skipped), time=f"{result.wall_s:.2f}",
+                       timestamp=result.started_at)
     for cell in result.cells:
         case = ET.SubElement(suite, "testcase", classname=f"campaign.{result.name}",
                              name=cell.id, time=f"{cell.wall_s:.2f}")
-        if not cell.passed:
+        if cell.skipped is not None:
+            ET.SubElement(case, "skipped", message=cell.skipped)
+        elif not cell.passed:
             failure = ET.SubElement(case, "failure", message=cell.detail, type=cell.observed)
             failure.text = "\n".join(x for x in (
                 f"expected: {cell.expect}", f"observed: {cell.observed}",
@@ -78,18 +81,19 @@ def markdown(result: CampaignResult) -> str:
     must not split a table cell, nor a newline end the row."""
     lines = [f"# Campaign {md_code(result.name)}", "",
              f"{result.passed} of {len(result.cells)} cells behaved as expected "
-             f"({result.failed} did not), {result.wall_s:.0f} s, started "
+             f"({result.failed} did not{_skipped(result.skipped)}), {result.wall_s:.0f} s, "
+             "started "
              f"{md_escape(result.started_at)}.",
              "", "| cell | expected | observed | outcome | wall s | bundle |",
              "|---|---|---|---|---|---|"]
     for c in result.cells:
-        mark = "pass" if c.passed else "**FAIL**"
+        mark = "skipped" if c.skipped is not None else "pass" if c.passed else "**FAIL**"
         obs = c.observed + (f" ({c.confidence:.2f})" if c.confidence is not None else "")
         bundle = md_code(c.bundle, table=True) if c.bundle else ""
         lines.append(f"| {md_code(c.id, table=True)} | {md_escape(c.expect)} | "
                      f"{md_escape(obs)} {mark} | {md_escape(c.outcome)} | {c.wall_s:.1f} | "
                      f"{bundle} |")
-    failures = [c for c in result.cells if not c.passed]
+    failures = [c for c in result.cells if not c.passed and c.skipped is None]
     if failures:
         lines += ["", "## Cells that did not behave", ""]
         for c in failures:
@@ -98,6 +102,10 @@ def markdown(result: CampaignResult) -> str:
     if result.properties:
         lines += _markdown_properties(result)
     return "\n".join(lines) + "\n"
+
+
+def _skipped(n: int) -> str:
+    return f", {n} skipped on this machine" if n else ""
 
 
 def _markdown_properties(result: CampaignResult) -> list[str]:

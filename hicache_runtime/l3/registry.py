@@ -60,6 +60,16 @@ def backend_class(name: str) -> BackendFactory:
     return cls
 
 
+def unavailable(cfg: StorageConfig) -> str | None:
+    """Why this machine cannot run ``cfg``'s backend (its client library or programs are not
+    installed), or None. Asks the class's optional ``unavailable(cfg)``; unknown names are the
+    config's to reject."""
+    if cfg.backend == "none":
+        return None
+    check = getattr(backend_class(cfg.backend), "unavailable", None)
+    return check(cfg) if callable(check) else None
+
+
 def make_backend(cfg: StorageConfig, rank: RankInfo, *, model: str, required: bool = True,
                  faults: FaultInjector | None = None, tracer: Tracer | None = None,
                  step: Callable[[], int] | None = None,

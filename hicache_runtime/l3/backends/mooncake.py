@@ -142,6 +142,19 @@ class MooncakeBackend(StorageBackend):
                    max_backoff_s=cfg.reconnect_backoff_max_s, tracer=tracer,
                    max_payload_bytes=max_payload_bytes)
 
+    @staticmethod
+    def unavailable(cfg: StorageConfig) -> str | None:
+        """Why this machine cannot run the backend (campaign cells skip with it), or None:
+        the client library, and without a URL the programs of a private store."""
+        from hicache_runtime.l3.backends.mooncake_master import mooncake_binary
+
+        if not mc.mooncake_installed():
+            return f"the Mooncake client is not installed ({mc.INSTALL_HINT})"
+        missing = [b for b in ("mooncake_master", "mooncake_client") if not mooncake_binary(b)]
+        if not cfg.url and missing:
+            return f"{', '.join(missing)} not found for a private store ({mc.INSTALL_HINT})"
+        return None
+
     def describe(self) -> str:
         return f"mooncake:{self.target.master} (suffix {self.scheme.suffix})"
 
