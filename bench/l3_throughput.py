@@ -6,7 +6,13 @@ written and read through
 * the ``file`` backend (checksummed envelope, temp file + atomic rename, skip-if-exists check)
   vs raw ``open().write()`` / ``open().read()`` of the same payloads, one file per page;
 * the ``redis`` backend (envelope, pipelined SET NX / GET per batch) vs raw pipelined
-  SET / GET of the same payloads on the same server,
+  SET / GET of the same payloads on the same server;
+* the ``mooncake`` backend (envelope, ``batch_is_exist`` then ``batch_put_from`` of the missing
+  keys, ``batch_get_into``, all through its registered buffers) vs raw zero-copy
+  ``batch_put_from`` / ``batch_get_into`` of the same payloads from and into one registered
+  buffer that already holds them (upstream SGLang's path, the floor), on a throwaway local
+  store (``mooncake_master`` and a segment holder); without the Mooncake client the Mooncake
+  ratios are ``null``,
 
 in batches of ``--batch`` pages. Each side keeps its best of ``--repeat`` rounds (fresh keys
 per round, so writes are never skipped); the two sides alternate within a round so drift hits
@@ -14,29 +20,30 @@ both. Ratios are backend bandwidth / raw bandwidth (1.0 = no overhead). Redis ru
 ``--redis-url`` or, by default, a throwaway local ``redis-server``; without one the Redis
 ratios are ``null``.
 
-Section "TTFT": time to first token of a multi-turn chat workload served with L1/L2/L3 hits
-vs full recompute (the cache-disabled twin), on a model large enough that prefill compute
-dominates (``--ttft-hidden`` x ``--ttft-layers``, float32). The runtime runs with a file L3 and
-pools too small for the working set. Before timing, one untimed pass of the same chats with
-1-token replies stores every chat's opening context in L3 (conversations seen before a restart);
-the timed pass generates full replies, so a first turn finds its context in L3 (or in L1/L2
-once an earlier request brought it back) and each later turn, whose history holds a reply no
-tier has seen, hits about 90% of its prompt (printed as ``ttft_prefix_hit``, with the tokens
-each tier served). Requests enter one at a time (the next once every earlier one has its
-first token), so TTFT measures serving a request, not queueing behind others. TTFT is measured
-per request, from its arrival at the scheduler to the step that appends its first output token,
-without touching the runtime: the workload's ``poll`` is extended to pace and stamp arrivals
-and the engine's step callback stamps first tokens. Cached and recompute passes alternate
-``--ttft-repeat`` times (each cached pass on a fresh copy of the warm L3) and each request
-keeps its best TTFT, which damps noise from a shared machine. Outputs of the two sides must
-be identical. The figure: mean TTFT cached / mean TTFT recompute
-(goal <= 0.2 at ~90% prefix hit).
+Sections "TTFT" and "TTFT, Mooncake": time to first token of a multi-turn chat workload served
+with L1/L2/L3 hits vs full recompute (the cache-disabled twin), on a model large enough that
+prefill compute dominates (``--ttft-hidden`` x ``--ttft-layers``, float32). The runtime runs
+with an L3 (a file store; in the second section a Mooncake store) and pools too small for the
+working set. Before timing, one untimed pass of the same chats with 1-token replies stores every
+chat's opening context in L3 (conversations seen before a restart); the timed pass generates
+full replies, so a first turn finds its context in L3 (or in L1/L2 once an earlier request
+brought it back) and each later turn, whose history holds a reply no tier has seen, hits about
+90% of its prompt (printed as ``ttft_prefix_hit``, with the tokens each tier served). Requests
+enter one at a time (the next once every earlier one has its first token), so TTFT measures
+serving a request, not queueing behind others. TTFT is measured per request, from its arrival at
+the scheduler to the step that appends its first output token, without touching the runtime: the
+workload's ``poll`` is extended to pace and stamp arrivals and the engine's step callback stamps
+first tokens. Cached and recompute passes alternate ``--ttft-repeat`` times (each cached pass on
+a fresh copy of the warm L3: a copied directory, or a restarted Mooncake master warmed again,
+untimed) and each request keeps its best TTFT, which damps noise from a shared machine. Outputs
+of the two sides must be identical. The figure: mean TTFT cached / mean TTFT recompute (goal <=
+0.2 at ~90% prefix hit).
 
 Each section returns a dict merged into the final JSON line, which is always the last line
 printed; more sections append themselves to ``SECTIONS``.
 
 Usage: python bench/l3_throughput.py [--pages N] [--batch B] [--repeat R] [--dir DIR]
-                                     [--redis-url URL | --no-redis]
+                                     [--redis-url URL | --no-redis] [--no-mooncake]
                                      [--ttft-requests N] [--ttft-hidden H] [--ttft-layers L]
                                      [--ttft-prompt P] [--ttft-turn T] [--ttft-repeat R]
                                      [--ttft-device-tokens N] [--ttft-policy POLICY]
@@ -66,6 +73,7 @@ from hicache_runtime.kv.pools import HostKVPool, KVShape
 from hicache_runtime.kv.request import Req
 from hicache_runtime.l3.backend import StorageBackend
 from hicache_runtime.l3.backends.file import FileBackend
+from hicache_runtime.l3.backends.mooncake_master import LocalMooncakeStore
 from hicache_runtime.l3.backends.redis_server import LocalRedisServer, redis_server_binary
 from hicache_runtime.l3.keys import KeyScheme, chain_hashes
 from hicache_runtime.l3.pages import PageCodec
@@ -207,6 +215,67 @@ class RawRedisSide(Side):
         self.client.delete(*["raw:" + k for k in keys])
 
 
+class RawMooncakeSide(Side):
+    """The same payloads through the client's own batched calls, one call per batch: ``bytes``
+    in and out (``put_batch`` / ``get_batch``: the raw ``put`` / ``get`` the backend is held
+    to), or with ``zero_copy`` ``batch_put_from`` / ``batch_get_into`` from and into registered
+    buffers that hold the pages before timing starts (upstream SGLang's path on its host pool:
+    no checksum, no copy, the floor); zero-copy reads come back as views of the read buffer,
+    which is zeroed between rounds (untimed) so a view shows what was read."""
+
+    def __init__(self, url: str, pages: list[bytes], *, zero_copy: bool) -> None:
+        import ctypes
+
+        from hicache_runtime.l3.backends import mooncake_client as mc
+
+        super().__init__("raw mooncake" + (" zero-copy" if zero_copy else ""))
+        self.zero_copy = zero_copy
+        self.client = mc.open_client(mc.parse_url(url))
+        self.sizes = [len(p) for p in pages]
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(pages))]
+        self.src, self.dst = bytearray(b"".join(pages)), bytearray(sum(self.sizes))
+        self.addrs = [ctypes.addressof((ctypes.c_char * len(b)).from_buffer(b))
+                      for b in (self.src, self.dst)]
+        for addr in self.addrs if zero_copy else []:
+            if self.client.register_buffer(addr, len(self.src)) != 0:
+                raise RuntimeError("raw mooncake: register_buffer failed")
+
+    def _slots(self, keys: list[str], base: int,
+               batch: int) -> list[tuple[list[str], list[int], list[int]]]:
+        return [(["raw:" + keys[i] for i in ii], [base + self.offsets[i] for i in ii],
+                 [self.sizes[i] for i in ii]) for ii in batches(list(range(len(keys))), batch)]
+
+    def put(self, keys: list[str], pages: list[bytes], batch: int) -> None:
+        if not self.zero_copy:
+            for ks, ps in zip(batches(keys, batch), batches(pages, batch)):
+                if self.client.put_batch(["raw:" + k for k in ks], ps) != 0:
+                    raise AssertionError("raw mooncake: a put failed")
+            return
+        for ks, ptrs, sizes in self._slots(keys, self.addrs[0], batch):
+            if any(rc != 0 for rc in self.client.batch_put_from(ks, ptrs, sizes)):
+                raise AssertionError("raw mooncake: a put failed")
+
+    def get(self, keys: list[str], batch: int) -> list[bytes | None]:
+        if not self.zero_copy:
+            return [bytes(v) or None for ks in batches(keys, batch)
+                    for v in self.client.get_batch(["raw:" + k for k in ks])]
+        for ks, ptrs, sizes in self._slots(keys, self.addrs[1], batch):
+            if any(n <= 0 for n in self.client.batch_get_into(ks, ptrs, sizes)):
+                raise AssertionError("raw mooncake: a get failed")
+        view = memoryview(self.dst)
+        return [view[o : o + n] for o, n in zip(self.offsets, self.sizes)]  # type: ignore[misc]
+
+    def cleanup(self, keys: list[str]) -> None:
+        self.client.batch_remove(["raw:" + k for k in keys], True)
+        if self.zero_copy:
+            self.dst[:] = bytes(len(self.dst))
+
+    def close(self) -> None:
+        for addr in self.addrs if self.zero_copy else []:
+            self.client.unregister_buffer(addr)
+        self.client.close()
+
+
 def compare(label: str, backend: Side, raw: Side, pages: list[bytes],
             args: argparse.Namespace) -> dict[str, float]:
     """Alternate the two sides for ``args.repeat`` rounds; print and return bandwidths."""
@@ -247,7 +316,43 @@ def backend_bandwidth(args: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(root, ignore_errors=True)
 
     out |= redis_bandwidth(pages, args)
+    out |= mooncake_bandwidth(pages, args)
     return out
+
+
+def mooncake_unavailable() -> str | None:
+    from hicache_runtime.config import StorageConfig
+    from hicache_runtime.l3.backends.mooncake import MooncakeBackend
+
+    return MooncakeBackend.unavailable(StorageConfig(backend="mooncake"))
+
+
+def mooncake_bandwidth(pages: list[bytes], args: argparse.Namespace) -> dict[str, Any]:
+    from hicache_runtime.l3.backends.mooncake import MooncakeBackend
+
+    nulls: dict[str, Any] = {"mooncake_set_ratio": None, "mooncake_get_ratio": None}
+    missing = "--no-mooncake" if args.no_mooncake else mooncake_unavailable()
+    if missing is not None:
+        print(f"mooncake: skipped ({missing})")
+        return nulls
+    # Room for one round of both sides with headroom (the master evicts above 90% full).
+    need_mib = 4 * sum(len(p) for p in pages) // (1 << 20) + 64
+    with LocalMooncakeStore(segment_mib=need_mib) as store:
+        backend = BackendSide(MooncakeBackend(store.url, SCHEME, max_payload_bytes=len(pages[0])))
+        raws = [RawMooncakeSide(store.url, pages, zero_copy=z) for z in (False, True)]
+        try:
+            # Untimed: the holder's segment memory is committed on first write; touch it all.
+            for side in (backend, *raws):
+                side.run(round_keys(len(pages), 999), pages, args.batch)
+                side.best_set = side.best_get = float("inf")
+            out = compare("mooncake", backend, raws[0], pages, args)
+            backend.best_set = backend.best_get = float("inf")
+            zero = compare("mooncake_zero_copy", backend, raws[1], pages, args)
+            return out | {k: v for k, v in zero.items() if "ratio" in k or "raw" in k}
+        finally:
+            backend.backend.close()
+            for raw in raws:
+                raw.close()
 
 
 def redis_bandwidth(pages: list[bytes], args: argparse.Namespace) -> dict[str, Any]:
@@ -280,7 +385,7 @@ def redis_bandwidth(pages: list[bytes], args: argparse.Namespace) -> dict[str, A
 # --- TTFT with L2/L3 hits vs full recompute -------------------------------------------------
 
 
-def ttft_config(args: argparse.Namespace, l3_dir: Path) -> RuntimeConfig:
+def ttft_config(args: argparse.Namespace, l3_dir: Path | None) -> RuntimeConfig:
     """The cached side: a model where prefill compute dominates, multi-turn chats with long
     contexts, L1/L2 smaller than the working set, a file L3 at ``l3_dir``."""
     h = args.ttft_hidden
@@ -388,56 +493,93 @@ def ttft_figures(name: str, ttft: dict[str, float]) -> dict[str, float]:
 
 
 def ttft_section(args: argparse.Namespace) -> dict[str, Any]:
-    """TTFT of a multi-turn workload with L1/L2/L3 hits vs full recompute."""
+    """TTFT of a multi-turn workload with L1/L2/L3 hits (file L3) vs full recompute."""
     if args.no_ttft:
         print("ttft: skipped (--no-ttft)")
         return {"ttft_ratio": None}
     root = Path(tempfile.mkdtemp(prefix="l3-ttft-"))
     try:
         cfg = ttft_config(args, root / "warm")
-        params = layer_params(cfg)
-        print(f"ttft: model {args.ttft_hidden}x{args.ttft_layers} ({params / 1e6:.0f}M layer "
-              f"params, float32), {args.ttft_requests} multi-turn requests, "
-              f"{args.ttft_prompt}-token contexts, {args.ttft_turn}-token turns, one prefill "
-              f"at a time, L1 {args.ttft_device_tokens} / L2 {2 * args.ttft_device_tokens} "
-              f"tokens, file L3, {args.ttft_policy}; best of {args.ttft_repeat}")
-        # Untimed: warms torch, and stores every chat's opening context in L3 (1-token replies,
-        # so later turns of the timed passes extend beyond what L3 holds).
-        timed_run(cfg.with_overrides(**{"workload.max_new_tokens": 1}))
-        cached, ref = TtftSide(), TtftSide()
-        for r in range(args.ttft_repeat):
+        # Untimed: warms torch, and stores every chat's opening context in L3.
+        timed_run(warm_config(cfg))
+
+        def fresh(r: int) -> RuntimeConfig:
             l3_copy = root / f"l3-{r}"
+            shutil.rmtree(root / f"l3-{r - 1}", ignore_errors=True)
             shutil.copytree(root / "warm", l3_copy)  # each cached pass starts from the warm L3
-            passes = [(cached, cfg.with_overrides(**{"storage.path": l3_copy})),
-                      (ref, cfg.reference())]
-            for side, side_cfg in passes if r % 2 == 0 else passes[::-1]:
-                side.add(*timed_run(side_cfg))
-            shutil.rmtree(l3_copy, ignore_errors=True)
-        assert cached.result is not None
-        assert ref.result is not None
-        if compare_outputs(cached.result.reqs, ref.result.reqs):
-            raise AssertionError("ttft: cached outputs differ from the recompute outputs")
-        return ttft_report(cached.best(), ref.best(), cached.result)
+            return cfg.with_overrides(**{"storage.path": l3_copy})
+
+        return ttft_compare(args, "", cfg, fresh, "file L3")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def ttft_report(cached: dict[str, float], ref: dict[str, float],
+def ttft_mooncake_section(args: argparse.Namespace) -> dict[str, Any]:
+    """The same with a Mooncake L3: prefixes served from a real store vs full recompute."""
+    missing = "--no-ttft" if args.no_ttft else "--no-mooncake" if args.no_mooncake \
+        else mooncake_unavailable()
+    if missing is not None:
+        print(f"ttft mooncake: skipped ({missing})")
+        return {"ttft_mooncake_ratio": None}
+    with LocalMooncakeStore(segment_mib=1024) as store:
+        cfg = ttft_config(args, None).with_overrides(**{
+            "storage.backend": "mooncake", "storage.url": store.url, "storage.path": None})
+
+        def fresh(r: int) -> RuntimeConfig:
+            store.restart_master()  # empty, as a copied directory starts from the warm one
+            timed_run(warm_config(cfg))  # untimed (the first one also warms torch)
+            return cfg
+
+        return ttft_compare(args, "mooncake_", cfg, fresh, "Mooncake L3")
+
+
+def warm_config(cfg: RuntimeConfig) -> RuntimeConfig:
+    """The untimed pass: the same chats with 1-token replies store every chat's opening context
+    in L3, so later turns of the timed passes extend beyond what L3 holds."""
+    return cfg.with_overrides(**{"workload.max_new_tokens": 1})
+
+
+def ttft_compare(args: argparse.Namespace, prefix: str, cfg: RuntimeConfig,
+                 fresh: Callable[[int], RuntimeConfig], l3: str) -> dict[str, Any]:
+    """Cached passes (``fresh(r)``: the config of pass ``r``, its L3 warm) and recompute passes,
+    alternating; outputs must match; the figures under ``ttft_<prefix>``."""
+    params = layer_params(cfg)
+    print(f"ttft {prefix.rstrip('_') or 'file'}: model {args.ttft_hidden}x{args.ttft_layers} "
+          f"({params / 1e6:.0f}M layer params, float32), {args.ttft_requests} multi-turn "
+          f"requests, {args.ttft_prompt}-token contexts, {args.ttft_turn}-token turns, one "
+          f"prefill at a time, L1 {args.ttft_device_tokens} / L2 {2 * args.ttft_device_tokens} "
+          f"tokens, {l3}, {args.ttft_policy}; best of {args.ttft_repeat}")
+    cached, ref = TtftSide(), TtftSide()
+    for r in range(args.ttft_repeat):
+        passes: list[tuple[TtftSide, Callable[..., RuntimeConfig]]] = [
+            (cached, lambda r=r: fresh(r)), (ref, cfg.reference)]
+        for side, side_cfg in passes if r % 2 == 0 else passes[::-1]:
+            side.add(*timed_run(side_cfg()))
+    assert cached.result is not None
+    assert ref.result is not None
+    if compare_outputs(cached.result.reqs, ref.result.reqs):
+        raise AssertionError(f"ttft {l3}: cached outputs differ from the recompute outputs")
+    return ttft_report(prefix, cached.best(), ref.best(), cached.result)
+
+
+def ttft_report(prefix: str, cached: dict[str, float], ref: dict[str, float],
                 result: EngineResult) -> dict[str, Any]:
-    """Print and return the TTFT figures (ratios of means and of medians)."""
-    out: dict[str, Any] = {"ttft_requests": len(cached),
-                           "ttft_prefix_hit": round(prefix_hit(result), 3),
-                           "ttft_cached_tokens": result.cached_tokens()}
-    out |= ttft_figures("cached", cached) | ttft_figures("recompute", ref)
-    out["ttft_ratio"] = round(out["ttft_cached_mean_ms"] / out["ttft_recompute_mean_ms"], 3)
-    out["ttft_p50_ratio"] = round(out["ttft_cached_p50_ms"] / out["ttft_recompute_p50_ms"], 3)
-    tiers = ", ".join(f"{k} {v}" for k, v in out["ttft_cached_tokens"].items())
-    print(f"ttft: prefix hit {out['ttft_prefix_hit']:.1%} (tokens from {tiers})")
+    """Print and return the TTFT figures (ratios of means and of medians), keys
+    ``ttft_<prefix>...``."""
+    p = f"ttft_{prefix}"
+    out: dict[str, Any] = {f"{p}requests": len(cached),
+                           f"{p}prefix_hit": round(prefix_hit(result), 3),
+                           f"{p}cached_tokens": result.cached_tokens()}
+    out |= ttft_figures(f"{prefix}cached", cached) | ttft_figures(f"{prefix}recompute", ref)
+    out[f"{p}ratio"] = round(out[f"{p}cached_mean_ms"] / out[f"{p}recompute_mean_ms"], 3)
+    out[f"{p}p50_ratio"] = round(out[f"{p}cached_p50_ms"] / out[f"{p}recompute_p50_ms"], 3)
+    tiers = ", ".join(f"{k} {v}" for k, v in out[f"{p}cached_tokens"].items())
+    print(f"{p.rstrip('_')}: prefix hit {out[f'{p}prefix_hit']:.1%} (tokens from {tiers})")
     for side in ("cached", "recompute"):
-        print(f"ttft {side:9s}: mean {out[f'ttft_{side}_mean_ms']:7.1f} ms   "
-              f"p50 {out[f'ttft_{side}_p50_ms']:7.1f} ms")
-    print(f"ttft ratio (cached / recompute): mean {out['ttft_ratio']:.3f}   "
-          f"p50 {out['ttft_p50_ratio']:.3f}   (goal <= 0.2)")
+        print(f"{p}{side:9s}: mean {out[f'{p}{side}_mean_ms']:7.1f} ms   "
+              f"p50 {out[f'{p}{side}_p50_ms']:7.1f} ms")
+    print(f"{p}ratio (cached / recompute): mean {out[f'{p}ratio']:.3f}   "
+          f"p50 {out[f'{p}p50_ratio']:.3f}   (goal <= 0.2)")
     return out
 
 
@@ -448,8 +590,8 @@ def layer_params(cfg: RuntimeConfig) -> int:
     return m.num_layers * (4 * m.hidden_size * qkv + 3 * m.hidden_size * m.ffn_size)
 
 
-SECTIONS: list[Callable[[argparse.Namespace], dict[str, Any]]] = [backend_bandwidth,
-                                                                   ttft_section]
+SECTIONS: list[Callable[[argparse.Namespace], dict[str, Any]]] = [
+    backend_bandwidth, ttft_section, ttft_mooncake_section]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -466,6 +608,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--redis-url", default=None,
                     help="an existing server (default: start a local redis-server)")
     ap.add_argument("--no-redis", action="store_true")
+    ap.add_argument("--no-mooncake", action="store_true",
+                    help="skip the Mooncake backend (bandwidth and TTFT)")
     ttft = ap.add_argument_group("TTFT (scale down with smaller values)")
     ttft.add_argument("--ttft-requests", type=int, default=12, help="multi-turn requests")
     ttft.add_argument("--ttft-hidden", type=int, default=768, help="model hidden size "
@@ -491,7 +635,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     result: dict[str, Any] = {"bench": "l3_throughput"}
     for section in SECTIONS:
-        if args.ttft_only and section is not ttft_section:
+        if args.ttft_only and section is backend_bandwidth:
             continue
         result |= section(args)
     print(json.dumps(result))

@@ -78,6 +78,11 @@ class _Arena:
         self.mem.close()
 
 
+def _address(data: bytes) -> int:
+    """Where the bytes of an (immutable) bytes object lie; valid while the caller holds it."""
+    return int(ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0)
+
+
 class MooncakeBackend(StorageBackend):
     """Pages in a Mooncake Store. See the module docstring for semantics and outages."""
 
@@ -238,8 +243,14 @@ class MooncakeBackend(StorageBackend):
         return self._call("set", run, [False] * len(object_keys))
 
     def _put(self, client: Any, keys: list[str], pages: list[RawPage]) -> list[int]:
-        """Copy header + payload of each page into this thread's buffer (one memcpy each: a
-        Mooncake object is one contiguous value) and put them in one call."""
+        """Put sealed pages in one call. Over TCP the client reads each page's header and
+        payload where they lie (two parts per object, no staging copy); RDMA reads only
+        registered memory, so there they are first copied into this thread's buffer."""
+        if self.target.protocol == "tcp" and all(type(h) is bytes and type(p) is bytes
+                                                 for h, p in pages):
+            return list(client.batch_put_from_multi_buffers(
+                keys, [[_address(h), _address(p)] for h, p in pages],
+                [[len(h), len(p)] for h, p in pages]))
         sizes = [len(h) + len(p) for h, p in pages]
         arena = self._arena(client, sum(sizes))
         ptrs, off = [], 0
