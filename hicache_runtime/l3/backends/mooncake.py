@@ -8,8 +8,10 @@
 * ``batch_get``: one ``batch_get_into`` per batch, straight into a buffer registered with the
   client (``register_buffer``), one slot of header + largest page per key, so an object bigger
   than any page cannot be read (the client refuses it: a counted corrupt miss);
-* ``batch_set``: ``batch_is_exist`` first and one ``batch_put_from`` of the missing keys only
-  (existing objects are kept: a key names its content), from the same registered buffer;
+* ``batch_set``: ``batch_is_exist`` first and one put of the missing keys only (existing
+  objects are kept: a key names its content): over TCP ``batch_put_from_multi_buffers`` from
+  where each envelope header and payload lie (no staging copy), over RDMA ``batch_put_from``
+  from the registered buffer (RDMA reads registered memory only);
 * keys carry the rank suffix of every backend (``keys.KeyScheme``: per TP rank, or one shared
   object per stage with ``single_writer``, where only TP rank 0 writes), and values are the
   same checksummed envelopes, so corruption is caught the same way as with files or Redis.
