@@ -16,13 +16,15 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
 
+from hicache_runtime.l3.backends.file import FileBackend
+
 if TYPE_CHECKING:
     from hicache_runtime.dist.groups import RankGroups
     from hicache_runtime.engine.rank import RankRuntime
 
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _L3_SUFFIX = ".bin"
-"""File backend objects (``storage/file.py``): one ``<key>.bin`` per page."""
+"""File backend objects (``l3/backends/file.py``): one ``<key>.bin`` per page."""
 
 
 class ResourceSample(BaseModel):
@@ -105,20 +107,20 @@ class RankSampler:
         return sample
 
     def _tree_nodes(self) -> int:
-        tree = getattr(self.rt.cache, "tree", None)
+        tree = self.rt.cache.parts().tree
         return sum(1 for _ in tree.nodes()) if tree is not None else 0
 
     def _l3_keys(self) -> int | None:
-        """The store is shared by every rank: rank 0 counts it, others report None."""
-        l3 = getattr(self.rt.cache, "l3", None)
+        """The store is shared by every rank: rank 0 counts it, others report None. Only a
+        file store can be counted (its objects are files)."""
+        l3 = self.rt.cache.parts().l3
         if l3 is None or self.rt.rank.rank != 0:
             return None
         backend = l3.workers.backend
-        root = getattr(backend, "root", None)
-        if root is None:
+        if not isinstance(backend, FileBackend):
             return None
         try:
-            with os.scandir(root) as entries:
+            with os.scandir(backend.root) as entries:
                 return sum(1 for e in entries if e.name.endswith(_L3_SUFFIX)
                            and backend.scheme.owns(e.name[: -len(_L3_SUFFIX)]))
         except OSError:
