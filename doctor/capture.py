@@ -35,6 +35,7 @@ from hicache_runtime.contracts.bundle import now_iso
 from hicache_runtime.contracts.errors import ConfigError, ToolUnavailable
 from hicache_runtime.contracts.pyspy import dump as pyspy_dump
 from hicache_runtime.contracts.pyspy import find_pyspy
+from hicache_runtime.contracts.run_files import RANK_PYSPY, in_bundle, rank_dir_name
 
 PERMISSION_HINT = (
     "py-spy must be allowed to ptrace the ranks: run the capture as root (sudo -E hicache "
@@ -123,7 +124,7 @@ def capture(targets: list[Target], out: Path, *, logs: Sequence[Path] = (),
 def _dump(cmd: list[str], extra: list[str], t: Target, out: Path, timeout_s: float
           ) -> CaptureTarget:
     rec = CaptureTarget(pid=t.pid, rank=t.rank, tp=t.tp, pp=t.pp, cmdline=t.cmdline[:500])
-    rank_dir = out / f"rank{t.rank}"
+    rank_dir = out / rank_dir_name(t.rank)
     rank_dir.mkdir(exist_ok=True)
     res = pyspy_dump(t.pid, command=cmd, extra=extra, timeout_s=timeout_s)
     if res.timed_out:
@@ -137,8 +138,8 @@ def _dump(cmd: list[str], extra: list[str], t: Target, out: Path, timeout_s: flo
         rec.error = pyspy_error(res.stderr or res.stdout.decode("utf-8", "replace"),
                                 res.returncode or 0)
         return rec
-    (rank_dir / "pyspy.json").write_bytes(res.stdout)
-    rec.pyspy = f"rank{t.rank}/pyspy.json"
+    (rank_dir / RANK_PYSPY).write_bytes(res.stdout)
+    rec.pyspy = in_bundle(t.rank, RANK_PYSPY)
     return rec
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from doctor.evidence import ExitRecord
 
-#: The runtime's own exit codes (``hicache_runtime.launch.rank_process``).
+#: The runtime's own exit codes (``hicache_runtime.contracts.outcome``).
 _HICACHE_CODES = {1: "the rank failed with an exception", 3: "the rank reported a hang "
                   "(a protocol timeout or its step watchdog)"}
 _BY_SIGNAL = {"SIGKILL": "killed", "SIGABRT": "aborted", "SIGSEGV": "crashed (segfault)",

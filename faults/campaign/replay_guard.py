@@ -37,8 +37,9 @@ from pydantic import BaseModel, ValidationError
 
 from faults.spec import FaultKind, FaultSpec
 from hicache_runtime.config import RuntimeConfig, check_run_limits, load_config
-from hicache_runtime.contracts.bundle import MANIFEST, Manifest
+from hicache_runtime.contracts.bundle import Manifest
 from hicache_runtime.contracts.errors import ConfigError, DumpFormatError
+from hicache_runtime.contracts.run_files import MANIFEST
 
 MAX_MANIFEST_BYTES = 4 << 20
 """A genuine manifest is a few KB (a wrong-output one with many mismatches, a few hundred)."""

@@ -30,9 +30,16 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from hicache_runtime.contracts.run_files import (
+    MANIFEST,
+    RANK_EVENTS,
+    RANK_FLIGHT_RECORDER,
+    RANK_STATE,
+    rank_dir_name,
+)
+
 BUNDLE_SCHEMA_VERSION = "1.1"
 BUNDLE_KIND = "hicache-crash-bundle"
-MANIFEST = "manifest.json"
 
 
 class RunOutcome(str, Enum):
@@ -170,10 +177,10 @@ def bundle_json_schema() -> dict[str, Any]:
     """JSON Schema of every bundle file that has one, keyed by file name."""
     return {
         "schema_version": BUNDLE_SCHEMA_VERSION,
-        "manifest.json": Manifest.model_json_schema(),
-        "state.json": RankState.model_json_schema(),
-        "events.jsonl": TraceEvent.model_json_schema(),
-        "flight_recorder.json": {"type": "array", "items": FlightRecord.model_json_schema()},
+        MANIFEST: Manifest.model_json_schema(),
+        RANK_STATE: RankState.model_json_schema(),
+        RANK_EVENTS: TraceEvent.model_json_schema(),
+        RANK_FLIGHT_RECORDER: {"type": "array", "items": FlightRecord.model_json_schema()},
     }
 
 
@@ -209,7 +216,7 @@ def new_bundle_dir(root: Path, outcome: RunOutcome) -> Path:
 
 
 def rank_dir(bundle: Path, rank: int) -> Path:
-    path = bundle / f"rank{rank}"
+    path = bundle / rank_dir_name(rank)
     path.mkdir(parents=True, exist_ok=True)
     return path
 

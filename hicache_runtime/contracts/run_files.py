@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from hicache_runtime.contracts.bundle import MANIFEST
-
+MANIFEST = "manifest.json"
+"""A bundle's manifest, at its root."""
 CONFIG = "config.json"
 CAPS = "caps.json"
 DUMP = "DUMP"
@@ -45,6 +45,8 @@ RANK_PYSPY = "pyspy.json"
 RANK_PYSPY_ERR = "pyspy.err.txt"
 RANK_TORCH_FR = "torch_fr.pkl"
 RANK_LOG = "log.txt"
+RANK_STORAGE_CLIENT_LOG = "storage-client.log"
+"""The L3 client library's own log lines (a backend that keeps them, e.g. Mooncake's glog)."""
 
 
 RANK_DIRS = "rank*"
@@ -100,6 +102,10 @@ class RunDir:
     def manifest(self) -> Path:
         """The manifest of the bundle written in place (``torchrun``, no launcher)."""
         return self.bundle / MANIFEST
+
+    def samples(self, rank: int) -> Path:
+        """The rank's resource samples (``observability.sample_every``), one JSON line each."""
+        return self.path / f"rank{rank}.samples.jsonl"
 
     def log(self, rank: int) -> Path:
         return self.path / f"rank{rank}.log"

@@ -25,6 +25,15 @@ from hicache_runtime.contracts.bundle import (
     write_json,
     write_text,
 )
+from hicache_runtime.contracts.run_files import (
+    RANK_DUMP_ERRORS,
+    RANK_EVENTS,
+    RANK_FLIGHT_RECORDER,
+    RANK_STACKS,
+    RANK_STATE,
+    RANK_STORAGE_CLIENT_LOG,
+    RANK_TRACEBACK,
+)
 from hicache_runtime.engine.rank import RankRuntime
 
 _T = TypeVar("_T")
@@ -46,23 +55,23 @@ def dump_rank(bundle: Path, rt: RankRuntime, outcome: RunOutcome, step: int,
 
     if exc is not None:
         attempt("traceback", lambda: write_text(
-            d / "traceback.txt", "".join(traceback.format_exception(exc))))
+            d / RANK_TRACEBACK, "".join(traceback.format_exception(exc))))
     if outcome is not RunOutcome.HEALTHY:
         # A rank that finished cleanly has nothing on its stacks worth the risk: the all-thread
         # walk (faulthandler's, unlocked) segfaulted healthy ranks at their final dump on a
         # loaded machine (about 1 in 100 runs), before the final barrier.
-        attempt("stacks", lambda: _stacks(d / "stacks.txt"))
-    attempt("events", lambda: _events(d / "events.jsonl", rt))
+        attempt("stacks", lambda: _stacks(d / RANK_STACKS))
+    attempt("events", lambda: _events(d / RANK_EVENTS, rt))
     attempt("flight_recorder", lambda: write_json(
-        d / "flight_recorder.json", rt.sync.flight_records()))
-    attempt("state", lambda: write_json(d / "state.json", rank_state(rt, step, extra)))
+        d / RANK_FLIGHT_RECORDER, rt.sync.flight_records()))
+    attempt("state", lambda: write_json(d / RANK_STATE, rank_state(rt, step, extra)))
     try:
         _storage_client_log(d, rt)
     except Exception as err:  # as for every file above: the dump goes on
         problems.append(f"storage client log: {type(err).__name__}: {err}")
     error = None if exc is None else f"{type(exc).__name__}: {exc}".splitlines()[0]
     if problems:
-        write_text(d / "dump_errors.txt", "\n".join(problems) + "\n")
+        write_text(d / RANK_DUMP_ERRORS, "\n".join(problems) + "\n")
     return RankEntry(rank=rt.rank.rank, tp_rank=rt.rank.tp_rank, pp_rank=rt.rank.pp_rank,
                      pid=os.getpid(), outcome=outcome, error=error, step=step, files=files)
 
@@ -105,7 +114,7 @@ def _storage_client_log(d: Path, rt: RankRuntime) -> None:
     read = getattr(backend, "client_log", None)
     text = read() if callable(read) else None
     if text:
-        write_text(d / "storage-client.log", text)
+        write_text(d / RANK_STORAGE_CLIENT_LOG, text)
 
 
 def _stacks(path: Path) -> str:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
 
+from hicache_runtime.contracts.run_files import RunDir
 from hicache_runtime.l3.backends.file import FileBackend
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ class ResourceSample(BaseModel):
 
 
 def samples_path(run_dir: Path, rank: int) -> Path:
-    return run_dir / f"rank{rank}.samples.jsonl"
+    return RunDir(run_dir).samples(rank)
 
 
 def read_samples(run_dir: Path, rank: int) -> list[ResourceSample]:

@@ -210,8 +210,13 @@ def test_pyspy_that_fails_keeps_its_own_message(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(pyspy.find_pyspy() is None, reason="py-spy is not installed")
 def test_pyspy_dumps_a_live_python_process(tmp_path: Path) -> None:
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # The child says when its interpreter is up: py-spy attached to a process still loading
+    # its interpreter cannot find it (the test raced that on a loaded machine).
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import time; print('ready', flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
     try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
         res = pyspy.dump(child.pid, timeout_s=30)
     finally:
         child.kill()
