@@ -216,7 +216,8 @@ def test_pyspy_dumps_a_live_python_process(tmp_path: Path) -> None:
                               "import time; print('ready', flush=True); time.sleep(60)"],
                              stdout=subprocess.PIPE, text=True)
     try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "ready"
         res = pyspy.dump(child.pid, timeout_s=30)
     finally:
         child.kill()
