@@ -71,9 +71,6 @@ class FaultInjector:
         """Whether any spec can fire at ``point`` on this rank (checked once, at start-up)."""
         return point in self._by_point
 
-    def of_kind(self, kind: FaultKind) -> list[FaultSpec]:
-        return [s for _, s in self._specs if s.kind is kind]
-
     def fire(self, point: FaultPoint, *, step: int, rid: str | None = None,
              kinds: set[FaultKind] | None = None, pool: str | None = None) -> list[FaultSpec]:
         """The specs that fire at this visit of ``point`` (usually zero or one). ``pool``

@@ -68,10 +68,6 @@ class EngineResult:
     wall_s: float
 
     @property
-    def outputs(self) -> dict[str, list[int]]:
-        return {rid: list(r.output_ids) for rid, r in self.reqs.items()}
-
-    @property
     def completed(self) -> int:
         return sum(1 for r in self.reqs.values() if r.status is ReqStatus.FINISHED)
 

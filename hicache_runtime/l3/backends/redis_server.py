@@ -154,11 +154,6 @@ class LocalRedisServer:
                 self._proc.stderr.close()
             self._proc = None
 
-    def restart(self, timeout_s: float = 10.0) -> LocalRedisServer:
-        """Kill (if running) and start again on the same port."""
-        self.kill()
-        return self.start(timeout_s)
-
     def close(self) -> None:
         self.kill()
         if self._own_dir:
