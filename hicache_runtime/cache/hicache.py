@@ -408,6 +408,9 @@ class HiCache(PrefixCache):
     def parts(self) -> CacheParts:
         return CacheParts(self.device, self.tree, self.host, self.pins, self.l3)
 
+    def counters(self) -> dict[str, Any]:
+        return self.stats.as_dict()
+
     def shutdown(self) -> None:
         if self.l3 is not None:
             self.l3.shutdown()

@@ -146,6 +146,10 @@ class PrefixCache(ABC):
         """The page-holding parts, for accounting (read-only use)."""
         return CacheParts(self.device)
 
+    def counters(self) -> dict[str, Any]:
+        """The cache's raw counters for the run's stats (a cache without tiers counts none)."""
+        return {}
+
     def idle(self) -> bool:
         """True when no transfer or background work is in flight."""
         return True

@@ -17,8 +17,7 @@ from hicache_runtime.kv.request import Req
 
 def rank_stats(rt: RankRuntime) -> dict[str, Any]:
     """A rank's raw cache counters (what ``RankCacheStats`` reads)."""
-    counters = getattr(rt.cache, "stats", None)  # a cache without tiers counts nothing
-    stats: dict[str, Any] = counters.as_dict() if counters is not None else {}
+    stats = rt.cache.counters()
     l3 = rt.cache.parts().l3
     if l3 is not None:
         stats["l3"] = {**l3.stats, "backend": l3.workers.backend.stats().as_dict()}
