@@ -1,5 +1,6 @@
 """The Mooncake Store backend against a real ``mooncake_master`` and segment holder on loopback:
-the backend contract, URLs, hostile objects, a full store, and the master killed and restarted.
+the backend contract, URLs, hostile objects, a full store, a stalled segment holder (slow
+transfers) and one whose lease expired, and the master killed and restarted.
 
 Every test that needs the store skips (with the reason) where the Mooncake client is not
 installed; the URL tests need nothing.
@@ -7,6 +8,7 @@ installed; the URL tests need nothing.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -288,3 +290,51 @@ def test_registry_builds_it_from_the_config(store: LocalMooncakeStore) -> None:
     assert b.scheme.suffix == "_tiny-x_1_2_2_0"
     assert b.max_payload_bytes == 4096
     b.close()
+
+
+@needs_mooncake
+def test_paused_holder_is_a_slow_transfer_not_a_failure(
+        make: Callable[..., StorageBackend], store: LocalMooncakeStore) -> None:
+    """Reads from a segment whose holder stalls wait for it and come back whole."""
+    b = make()
+    b.clear()
+    keys = hashes(4, seed=13)
+    b.batch_set(keys, [payload_for(k, 64 << 10) for k in keys])
+    store.pause_holder()
+    resume = threading.Timer(1.0, store.resume_holder)
+    resume.start()
+    try:
+        t0 = time.monotonic()
+        assert b.batch_get(keys) == [payload_for(k, 64 << 10) for k in keys]
+        assert time.monotonic() - t0 >= 0.5
+    finally:
+        resume.join()
+        store.resume_holder()
+    s = b.stats()
+    assert (s.errors, s.outages, s.misses) == (0, 0, 0)
+
+
+@needs_mooncake
+def test_expired_holder_lease_loses_its_pages_softly(tmp_path: Path) -> None:
+    """The holder misses its heartbeats past the client TTL: the master drops its segment and
+    the pages in it. Reads miss, nothing fails or counts as an outage; once the holder is back
+    and remounted, backups store again."""
+    from hicache_runtime.l3.backends.mooncake import MooncakeBackend
+
+    with LocalMooncakeStore(segment_mib=64, workdir=tmp_path / "ttl", client_ttl_s=2) as short:
+        b = MooncakeBackend(short.url, SCHEME)
+        keys = hashes(4, seed=17)
+        b.batch_set(keys, [payload_for(k) for k in keys])
+        short.pause_holder()
+        try:
+            assert wait_until(lambda: b.batch_exists(keys) == 0, timeout_s=30.0)
+            assert b.batch_get(keys) == [None] * 4
+        finally:
+            short.resume_holder()
+        short.wait_ready()
+        assert wait_until(lambda: b.batch_set(keys, [payload_for(k) for k in keys]) == [True] * 4)
+        assert b.batch_get(keys) == [payload_for(k) for k in keys]
+        s = b.stats()
+        assert s.outages == 0
+        assert b.healthy
+        b.close()

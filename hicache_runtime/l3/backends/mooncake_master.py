@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -60,8 +61,11 @@ class LocalMooncakeStore:
     """
 
     def __init__(self, *, segment_mib: int = DEFAULT_SEGMENT_MIB,
-                 workdir: Path | None = None) -> None:
+                 workdir: Path | None = None, client_ttl_s: int | None = None) -> None:
         self.segment_mib = segment_mib
+        self.client_ttl_s = client_ttl_s
+        """How long the master keeps a client (and its segment) without a heartbeat; None:
+        the master's default (10 s). Tests shorten it to expire the holder's lease quickly."""
         self._own_dir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="hicache-mooncake-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -128,7 +132,8 @@ class LocalMooncakeStore:
             "-enable_http_metadata_server=true", "-http_metadata_server_host", "127.0.0.1",
             "-http_metadata_server_port", str(self.http_port),
             "-metrics_port", str(self.admin_port), "-metrics_host", "127.0.0.1",
-            "-enable_metric_reporting=false"])
+            "-enable_metric_reporting=false",
+            *(["-client_ttl", str(self.client_ttl_s)] if self.client_ttl_s else [])])
         deadline = time.monotonic() + timeout_s
         while self._admin("/get_all_segments") is None:
             if not self.master_running:
@@ -152,6 +157,17 @@ class LocalMooncakeStore:
                 raise StorageUnavailable(f"the Mooncake store was not ready in {timeout_s:g} s "
                                          f"(logs in {self.workdir})")
             time.sleep(_POLL_S)
+
+    def pause_holder(self) -> None:
+        """SIGSTOP the segment holder: transfers to its segment wait, and past the client TTL
+        the master expires its lease (its segment and every object in it)."""
+        if self._holder is not None and self._holder.poll() is None:
+            os.kill(self._holder.pid, signal.SIGSTOP)
+
+    def resume_holder(self) -> None:
+        """SIGCONT the segment holder (it remounts its segment if its lease expired)."""
+        if self._holder is not None and self._holder.poll() is None:
+            os.kill(self._holder.pid, signal.SIGCONT)
 
     def kill_master(self) -> None:
         """SIGKILL the master (a crash: no clean shutdown) and wait for it to exit."""
