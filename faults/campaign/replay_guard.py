@@ -205,14 +205,17 @@ def guard_config(raw: dict[str, Any], *, storage_url: str | None = None) -> Guar
                                                "URL does not apply")
         storage = "none (no L3)"
     elif storage_url is not None:
-        changes.update({"storage.backend": "redis", "storage.url": storage_url})
-        storage = f"redis at {redact(storage_url)} (from --storage-url)"
+        backend = "mooncake" if storage_url.startswith("mooncake://") else "redis"
+        changes.update({"storage.backend": backend, "storage.url": storage_url})
+        storage = f"{backend} at {redact(storage_url)} (from --storage-url)"
     else:
         changes.update({"storage.backend": "file", "storage.url": None})
         storage = "a private file store under the output directory"
-        if st.backend == "redis":
-            notes.append(f"the bundle's run used Redis at {redact(st.url or '')}; not "
-                         "contacted (pass --storage-url to replay against a Redis server)")
+        if st.backend in ("redis", "mooncake"):
+            used, target = {"redis": ("Redis", "a Redis server"),
+                            "mooncake": ("a Mooncake store", "one")}[st.backend]
+            notes.append(f"the bundle's run used {used} at {redact(st.url or '')}; not "
+                         f"contacted (pass --storage-url to replay against {target})")
     return GuardedConfig(cfg=cfg.with_overrides(**changes), notes=tuple(notes),
                          storage=storage)
 

@@ -1,5 +1,6 @@
-"""The Mooncake campaign (``faults/campaigns/mooncake.yaml``), and how a campaign skips cells
-whose L3 backend this machine cannot run: with the reason, neither passed nor failed."""
+"""The Mooncake campaign (``faults/campaigns/mooncake.yaml``), how a campaign skips cells whose
+L3 backend this machine cannot run (with the reason, neither passed nor failed), and what a
+replay of a Mooncake bundle runs against."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from faults.campaign.cells import run_campaign
 from faults.campaign.plan import CampaignSpec, CellSpec, load_campaign
+from faults.campaign.replay_guard import guard_config
 from faults.campaign.reports import junit_xml, markdown
 from hicache_runtime.config import StorageConfig
 from hicache_runtime.contracts import l3_backends
@@ -75,3 +77,15 @@ def test_mooncake_campaign_behaves_as_expected(tmp_path: Path) -> None:
         return
     assert result.skipped == 0
     assert result.failed == 0, [(c.id, c.detail, c.error) for c in result.cells if not c.passed]
+
+
+def test_replaying_a_mooncake_bundle_uses_a_file_store_or_the_given_master() -> None:
+    url = "mooncake://127.0.0.1:50051?metadata=http://127.0.0.1:8080/metadata"
+    raw = {"storage": {"backend": "mooncake", "url": url}, "cache": {"host_tokens": 768}}
+    plain = guard_config(raw)
+    assert plain.cfg.storage.backend == "file"
+    assert any("used a Mooncake store at mooncake://127.0.0.1:50051" in n for n in plain.notes)
+    given = guard_config(raw, storage_url=url.replace("50051", "50061"))
+    assert (given.cfg.storage.backend, given.cfg.storage.url) == (
+        "mooncake", url.replace("50051", "50061"))
+    assert given.storage.startswith("mooncake at mooncake://127.0.0.1:50061")
