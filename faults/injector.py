@@ -72,9 +72,12 @@ class FaultInjector:
         return point in self._by_point
 
     def fire(self, point: FaultPoint, *, step: int, rid: str | None = None,
-             kinds: set[FaultKind] | None = None, pool: str | None = None) -> list[FaultSpec]:
+             kinds: set[FaultKind] | None = None, pool: str | None = None,
+             chunk: int | None = None) -> list[FaultSpec]:
         """The specs that fire at this visit of ``point`` (usually zero or one). ``pool``
-        names the storage objects a storage call touches ("kv" or a sidecar pool)."""
+        names the storage objects a storage call touches ("kv" or a sidecar pool); ``chunk``
+        is the 0-based chunk of a chunked prefill that has just run (a spec with ``chunk=``
+        fires only after that one)."""
         candidates = self._by_point.get(point)
         if not candidates:
             return []
@@ -87,6 +90,8 @@ class FaultInjector:
                 if not spec.matches_step(step) or not spec.matches_request(rid):
                     continue
                 if not spec.matches_pool(pool):
+                    continue
+                if spec.chunk is not None and spec.chunk != chunk:
                     continue
                 if spec.count is not None and self._fired_count[idx] >= spec.count:
                     continue

@@ -28,6 +28,7 @@ class FaultKind(str, Enum):
     STORAGE_ERROR = "storage-error"
     STORAGE_CORRUPT = "storage-corrupt"
     MID_PREFETCH_ABORT = "mid-prefetch-abort"
+    CHUNKED_ABORT = "chunked-abort"
     HOST_ALLOC_FAIL = "host-alloc-fail"
     RANK_KILL = "rank-kill"
     CRASH = "crash"
@@ -155,6 +156,13 @@ KINDS: Mapping[FaultKind, KindEntry] = _kinds(
               "other ranks with the next requests, wherever their own prefetch IO is by then.",
               (_P.PREFETCH_BATCH,),
               (Param("batch", int, "prefetch batch, 0-based", "any batch"),)),
+    KindEntry(FaultKind.CHUNKED_ABORT,
+              "Aborts the request between two chunks of its chunked prefill, once chunk "
+              "`chunk` has run; like any client abort it enters through rank 0 (in the middle "
+              "of rank 0's step) and reaches the other ranks with the next step's requests.",
+              (_P.PREFILL_CHUNK,),
+              (Param("chunk", int, "the chunk it follows, 0-based (0: between the first and "
+                     "the second)", "any chunk"),)),
     KindEntry(FaultKind.HOST_ALLOC_FAIL,
               "Makes host (L2) page allocation fail on the selected ranks.",
               (_P.HOST_ALLOC,)),

@@ -28,6 +28,8 @@ class FaultPoint(str, Enum):
     """An L3 page write."""
     PREFETCH_BATCH = "prefetch.batch"
     """The prefetch IO thread is about to read one batch of pages."""
+    PREFILL_CHUNK = "prefill.chunk"
+    """A chunk of a chunked prefill has been applied; the request waits for its next chunk."""
     CACHE_EVENTS = "cache.events"
     """Start of ``check_hicache_events`` on the scheduler thread."""
     FORWARD = "model.forward"

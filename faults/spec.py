@@ -49,6 +49,7 @@ class FaultSpec(BaseModel):
     pages: int | None = Field(None, ge=1)
     at: int | None = Field(None, ge=0)
     batch: int | None = Field(None, ge=0)
+    chunk: int | None = Field(None, ge=0)
     point: FaultPoint | None = None
     pool: str | None = None
 
@@ -114,7 +115,7 @@ class FaultSpec(BaseModel):
             parts.append(f"p={self.p:g}")
         if self.count is not None:
             parts.append(f"count={self.count}")
-        for name in ("ms", "mode", "pages", "at", "batch", "pool"):
+        for name in ("ms", "mode", "pages", "at", "batch", "chunk", "pool"):
             value = getattr(self, name)
             if value is not None:
                 parts.append(f"{name}={value:g}" if isinstance(value, float) else f"{name}={value}")

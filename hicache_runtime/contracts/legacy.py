@@ -46,6 +46,9 @@ class LegacySwitch(str, Enum):
     ABORT_FREES_IN_FLIGHT = "abort-frees-in-flight"
     """Aborting a request frees its prefetch host pages while the IO thread's batch in flight
     still lands in them."""
+    ABORT_CHUNKED_ON_THE_SPOT = "abort-chunked-on-the-spot"
+    """An abort of a request between two chunks of its prefill tears it down where and when
+    it arrives (rank 0, mid-step) instead of riding the next step's plan to every rank."""
 
     @property
     def upstream_fix(self) -> str:
@@ -136,6 +139,9 @@ REGISTRY: Mapping[LegacySwitch, SwitchEntry] = _entries(
     SwitchEntry(LegacySwitch.ABORT_FREES_IN_FLIGHT, ("#31296", "#31668"), ("0.5.13",), (
         Exposure(("mid-prefetch-abort:batch=0",), ("prefetch-abort-use-after-free",), tp=2,
                  config={**_FILE_L3, "workload.requests": 64}),
+    )),
+    SwitchEntry(LegacySwitch.ABORT_CHUNKED_ON_THE_SPOT, ("#28086",), ("0.5.13",), (
+        Exposure(("chunked-abort:chunk=0",), ("collective-shape-mismatch",), tp=2),
     )),
 )
 

@@ -7,7 +7,9 @@ only through the sync protocols. Iteration ``i`` of every rank, for micro-batch 
 
 1. the step's new requests and aborts come in: a lone rank polls its workload; with peers, rank
    0 polls and its requests and aborts reach every rank together with the step's agreed drain
-   counts (``step_sync``);
+   counts (``step_sync``). That message is the step's plan: an abort takes effect only
+   through it, at the same point of the same step on every rank; one that arrives on rank 0
+   in the middle of a step (a ``chunked-abort`` fault) waits for the next step's plan;
 2. the results of slot ``s``'s previous batch are applied: the last stage sent its sampled
    tokens round the ring (last -> PP0 -> PP1 ...), so every stage applies the same tokens at
    the same point of its own sequence (with one stage a batch's tokens are applied as soon as
@@ -42,6 +44,7 @@ from faults.spec import FaultKind
 from hicache_runtime.cache.accounting import check_at_drain
 from hicache_runtime.contracts.errors import InjectedFault, InvariantViolation
 from hicache_runtime.contracts.events import Ev
+from hicache_runtime.contracts.legacy import LegacySwitch
 from hicache_runtime.engine.rank import RankRuntime
 from hicache_runtime.engine.workload import Workload
 from hicache_runtime.kv.request import Req, ReqStatus
@@ -84,10 +87,13 @@ class EngineResult:
 
 
 class RequestMessage(TypedDict, total=False):
-    """What rank 0 tells every rank at the start of a step (sent pickled, as a plain dict)."""
+    """What rank 0 tells every rank at the start of a step (sent pickled, as a plain dict):
+    the step's plan."""
 
     reqs: list[Req]
     aborts: list[str]
+    """Abort intents: every rank applies them at this step (``Scheduler.abort``), whichever
+    thread or step they arrived in on rank 0."""
     stop: bool
 
 
@@ -125,6 +131,11 @@ class Engine:
     local_tokens: dict[int, list[int]] = field(default_factory=dict)
     """Last stage: sampled tokens of each slot's in-flight batch until they are applied (one
     round later with several stages, in the same step with one)."""
+    intents: list[str] = field(default_factory=list)
+    """Rank 0: aborts that arrived in the middle of a step, for the next step's plan."""
+    chunks_run: dict[str, int] = field(default_factory=dict)
+    """Rank 0, with a ``chunked-abort`` fault armed: chunks run so far of each request in
+    chunked prefill."""
 
     def run(self) -> EngineResult:
         finished: dict[str, Req] = {}
@@ -151,12 +162,14 @@ class Engine:
         prev = sched.slots[slot].in_flight
         if prev is not None:
             sched.process_result(prev, self._result_tokens(prev))
+            self._chunk_boundaries(prev)
         self._fault_point(FaultPoint.CACHE_EVENTS)
         batch = sched.next_batch(self.step, slot, intake.agreed)
         if batch is not None:
             self._run_stage(batch)
             if rt.rank.pp_size == 1:
                 sched.process_result(batch, self.local_tokens.pop(slot))
+                self._chunk_boundaries(batch)
         for req in sched.finished:
             finished[req.rid] = req
         sched.finished.clear()
@@ -200,11 +213,50 @@ class Engine:
 
     def _poll(self, finished: dict[str, Req]) -> StepInput:
         """Rank 0 (or the only rank): the workload's arrivals and client aborts of this step,
-        then the aborts other threads asked for."""
+        then the aborts other threads asked for, after the ones that arrived in the middle of
+        the previous step. All of them go into this step's plan."""
         reqs = self.workload.poll(self.step, finished)
-        aborts = self.workload.aborts(self.step)
+        arrived = [(rid, "client") for rid in self.workload.aborts(self.step)]
         inbox = self.rt.aborts.take()
-        return StepInput(reqs, aborts + [rid for rid, _ in inbox], [done for _, done in inbox])
+        arrived += [(rid, "thread") for rid, _ in inbox]
+        aborts, self.intents = self.intents, []
+        aborts += [rid for rid, source in arrived if self._abort_arrived(rid, source, self.step)]
+        return StepInput(reqs, aborts, [done for _, done in inbox])
+
+    def _abort_arrived(self, rid: str, source: str, apply_step: int) -> bool:
+        """An abort arrived on rank 0; True when it is to ride the plan of ``apply_step``.
+        ``abort-chunked-on-the-spot`` tears a request between two chunks of its prefill down
+        here instead, on this rank only, and tells no one."""
+        legacy = LegacySwitch.ABORT_CHUNKED_ON_THE_SPOT in self.rt.cfg.legacy
+        if legacy and self.rt.scheduler.abort_on_the_spot(rid):
+            self.rt.tracer.emit(Ev.ABORT_RECEIVED, rid=rid, source=source, deferred=False,
+                                apply_step=self.step)
+            return False
+        self.rt.tracer.emit(Ev.ABORT_RECEIVED, rid=rid, source=source,
+                            deferred=apply_step > self.step, apply_step=apply_step)
+        return True
+
+    def _chunk_boundaries(self, batch: ScheduleBatch) -> None:
+        """Rank 0, with a ``chunked-abort`` fault armed: the ``prefill.chunk`` fault point
+        after each chunk of a chunked prefill. The abort arrives here, in the middle of the
+        step, where the other ranks are elsewhere: it waits in ``intents`` for the next step's
+        plan (or, with ``abort-chunked-on-the-spot``, tears the request down now)."""
+        faults = self.rt.faults
+        if faults is None or self.rt.rank.rank != 0 \
+                or not faults.armed(FaultPoint.PREFILL_CHUNK):
+            return
+        for req, sample in zip(batch.reqs, batch.forward.sample):
+            if sample:
+                self.chunks_run.pop(req.rid, None)
+                continue
+            index = self.chunks_run.get(req.rid, 0)
+            self.chunks_run[req.rid] = index + 1
+            if req.done or not faults.fire(FaultPoint.PREFILL_CHUNK, step=self.step,
+                                           rid=req.rid, kinds={FaultKind.CHUNKED_ABORT},
+                                           chunk=index):
+                continue
+            if self._abort_arrived(req.rid, "fault", self.step + 1):
+                self.intents.append(req.rid)
 
     def _exchange_requests(self, finished: dict[str, Req]) -> StepInput:
         """Rank 0 polls (and decides whether the run is over); every rank gets the same message,
@@ -228,6 +280,8 @@ class Engine:
         for req in intake.reqs:
             all_reqs[req.rid] = req
             sched.add_request(req)
+        if intake.aborts:
+            self.rt.tracer.emit(Ev.PLAN_ABORTS, rids=list(intake.aborts))
         for rid in intake.aborts:
             sched.abort(rid)
         for applied in intake.applied:

@@ -81,6 +81,9 @@ class Scheduler:
         self.slots = [MicroBatchSlot() for _ in range(num_slots)]
         self._cur = 0
         self.finished: list[Req] = []
+        self.pending_aborts: list[str] = []
+        """Requests between two chunks of their prefill whose abort the step's plan carried;
+        torn down at the start of the step's batch formation."""
 
     # The slot being formed; batch formation below only ever touches this one.
     @property
@@ -111,12 +114,21 @@ class Scheduler:
         self.cache.on_enqueue(req)
 
     def abort(self, rid: str) -> bool:
-        """Abort ``rid`` wherever it is; returns False if it is unknown or already done."""
+        """Receive the abort of ``rid`` carried by the step's plan: every rank calls this at
+        the same point of the step (``engine/loop.py``). Returns False if the request is
+        unknown or already done.
+
+        A waiting request holds no KV and leaves the queue at once, as does a running one
+        outside the pipeline. A request whose batch is in the pipeline is finished when that
+        batch comes back. One between two chunks of its prefill is never torn down here: it
+        is recorded (``pending_aborts``) and torn down at the start of the step's batch
+        formation (:meth:`next_batch`), where every rank tears down the same request before
+        forming the same batch (SGLang's ``_pending_chunked_abort_req``)."""
         for req in self.waiting:
             if req.rid == rid:
                 self.waiting.remove(req)
                 self.cache.on_abort(req)
-                return self._finish(req, ReqStatus.ABORTED, "client abort")
+                return self._abort_finish(req, "waiting")
         for slot in self.slots:
             for req in slot.reqs():
                 if req.rid != rid:
@@ -125,12 +137,54 @@ class Scheduler:
                     req.abort_pending = True  # finished when its batch's result comes back
                     return True
                 if req is slot.chunked_req:
-                    slot.chunked_req = None
-                else:
-                    slot.running.remove(req)
+                    self.pending_aborts.append(rid)
+                    return True
+                slot.running.remove(req)
                 self.cache.cache_finished_req(req)
-                return self._finish(req, ReqStatus.ABORTED, "client abort")
+                return self._abort_finish(req, "running")
         return False
+
+    def abort_on_the_spot(self, rid: str) -> bool:
+        """``abort-chunked-on-the-spot``: where an abort arrives (rank 0, possibly in the middle
+        of its step), a request between two chunks of its prefill and outside the pipeline
+        is torn down there and then, on this rank only. Returns True when it was (the abort
+        then goes no further); anything else takes the plan like every abort."""
+        for slot in self.slots:
+            req = slot.chunked_req
+            if req is None or req.rid != rid:
+                continue
+            if slot.in_flight is not None and req in slot.in_flight.reqs:
+                return False
+            slot.chunked_req = None
+            self.cache.cache_finished_req(req)
+            return self._abort_finish(req, "chunked", on_the_spot=True)
+        return False
+
+    def _apply_pending_aborts(self) -> None:
+        """Tear down the chunked requests whose abort was recorded: the first thing of a
+        batch formation, a point every rank passes in the same state."""
+        pending, self.pending_aborts = self.pending_aborts, []
+        for rid in pending:
+            for slot in self.slots:
+                req = slot.chunked_req
+                if req is None or req.rid != rid:
+                    continue
+                # nothing forms a batch between the abort and here, so it is still outside
+                # the pipeline
+                assert slot.in_flight is None or req not in slot.in_flight.reqs
+                slot.chunked_req = None
+                self.cache.cache_finished_req(req)
+                self._abort_finish(req, "chunked", deferred=True)
+
+    def _abort_finish(self, req: Req, where: str, *, deferred: bool = False,
+                      on_the_spot: bool = False) -> bool:
+        """Finish an aborted request whose KV is already released; ``where`` it was (waiting,
+        chunked: between two chunks of its prefill, running), whether it waited for a batch
+        formation or its batch's return (``deferred``), and whether it was torn down where the
+        abort arrived instead (``on_the_spot``, the legacy path)."""
+        self.tracer.emit(Ev.ABORT_APPLIED, rid=req.rid, where=where, deferred=deferred,
+                         on_the_spot=on_the_spot)
+        return self._finish(req, ReqStatus.ABORTED, "client abort")
 
     @property
     def has_work(self) -> bool:
@@ -161,6 +215,7 @@ class Scheduler:
         self._cur = slot
         if self.slots[slot].in_flight is not None:
             raise InvariantViolation(f"slot {slot} still has a batch in flight")
+        self._apply_pending_aborts()
         self.cache.check_events(agreed)
         batch = self._prefill_batch(step) or self._decode_batch(step)
         # Start queued load-backs even when no batch runs now: a load whose request was not
@@ -353,12 +408,13 @@ class Scheduler:
         return finished
 
     def _abort_now(self, slot: MicroBatchSlot, req: Req) -> None:
+        where = "chunked" if req is slot.chunked_req else "running"
         if req in slot.running:
             slot.running.remove(req)
         if req is slot.chunked_req:
             slot.chunked_req = None
         self.cache.cache_finished_req(req)
-        self._finish(req, ReqStatus.ABORTED, "client abort")
+        self._abort_finish(req, where, deferred=True)
 
     def _finish(self, req: Req, status: ReqStatus, reason: str | None,
                 step: int | None = None) -> bool:
