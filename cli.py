@@ -141,7 +141,7 @@ def run(
     requests: Annotated[int | None, typer.Option(
         help="Requests in the workload.", show_default=_dflt("workload.requests"))] = None,
     workload: Annotated[str | None, typer.Option(
-        help="multi_turn | shared_prefix | long_context | mixed",
+        help="multi_turn | shared_prefix | long_context (or long-context) | mixed",
         show_default=_dflt("workload.kind"))] = None,
     seed: Annotated[int | None, typer.Option(help="Seed of the workload and faults.",
                                              show_default=_dflt("seed"))] = None,
@@ -194,6 +194,9 @@ def run(
         show_default=_dflt("observability.protocol_timeout_s"))] = None,
     consensus_check: Annotated[bool, typer.Option(
         help="Hash decisions that must agree and compare them across ranks.")] = False,
+    enable_dynamic_chunking: Annotated[bool, typer.Option(
+        help="PP only: size continuation chunks of long prefills for equal forward latency, "
+             "from a latency profile PP0 takes at start-up.")] = False,
     compare: Annotated[bool, typer.Option(
         help="Compare outputs with a cache-disabled run.")] = True,
     torchrun_dir: Annotated[Path | None, typer.Option(
@@ -223,6 +226,7 @@ def run(
         "storage.required": False if storage_optional else None,
         "observability.protocol_timeout_s": protocol_timeout,
         "observability.consensus_check": True if consensus_check else None,
+        "scheduler.enable_dynamic_chunking": True if enable_dynamic_chunking else None,
     }
     data.update({k: v for k, v in overrides.items() if v is not None})
     if fault:

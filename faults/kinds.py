@@ -23,6 +23,7 @@ class FaultKind(str, Enum):
 
     STAGE_LAG = "stage-lag"
     DMA_LAG = "dma-lag"
+    COMPUTE_LAG = "compute-lag"
     STORAGE_SHORTFALL = "storage-shortfall"
     STORAGE_LATENCY = "storage-latency"
     STORAGE_ERROR = "storage-error"
@@ -104,6 +105,8 @@ class KindEntry:
 
 DEFAULT_LAG_MS = 20.0
 """The lag of a lag-type fault without ``ms=``."""
+COMPUTE_LAG_TOKENS = 1024
+"""``compute-lag``'s ``ms`` is per this many tokens a forward computes."""
 
 _P = FaultPoint
 _MS = Param("ms", float, "milliseconds", f"{DEFAULT_LAG_MS:g}")
@@ -128,6 +131,12 @@ KINDS: Mapping[FaultKind, KindEntry] = _kinds(
     KindEntry(FaultKind.DMA_LAG,
               "Delays the completion of each L1<->L2 copy job by `ms` on the selected ranks.",
               (_P.COPY_COMPLETE,), (_MS,)),
+    KindEntry(FaultKind.COMPUTE_LAG,
+              "Slows each forward on the selected ranks by `ms` per 1024 tokens it computes "
+              "(a slower accelerator); the dynamic-chunking latency profile's forwards, at "
+              "start-up, are step 0.",
+              (_P.FORWARD,), (Param("ms", float, "milliseconds per 1024 tokens",
+                                    f"{DEFAULT_LAG_MS:g}"),)),
     KindEntry(FaultKind.STORAGE_SHORTFALL,
               "L3 misses `pages` pages: `mode=short` cuts the tail of an existence answer, "
               "`mode=holes` fails reads of pages from page `at` on while later pages still "

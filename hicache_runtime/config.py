@@ -182,6 +182,13 @@ class SchedulerConfig(BaseModel):
     schedule_policy: Literal["fcfs", "lpm"] = "fcfs"
     decode_reserve_ratio: float = Field(0.5, ge=0, le=1)
     """Fraction of running requests' remaining decode tokens kept free when admitting prefills."""
+    enable_dynamic_chunking: bool = False
+    """PP only: size continuation chunks of a long prefill for equal forward latency
+    (``engine/chunking.py``) from a latency profile PP0 takes at start-up and shares."""
+    dynamic_chunking_samples: int = Field(128, ge=2, le=1024)
+    """Chunk sizes the start-up profile times (upstream's 128), from 1.25 x
+    ``chunked_prefill_size`` down, each a page multiple and taken once: fewer when the pages
+    leave fewer distinct sizes (40 at the defaults, a fraction of a second on one CPU core)."""
 
 
 class WorkloadConfig(BaseModel):
@@ -200,6 +207,12 @@ class WorkloadConfig(BaseModel):
     long pauses let prefixes age out of L1 and L2, which is what L3 is for."""
     abort_fraction: float = Field(0.0, ge=0, le=1)
     """Fraction of requests a client aborts at a seeded step after arrival."""
+
+    @field_validator("kind", mode="before")
+    @classmethod
+    def _dashed_kind(cls, kind: object) -> object:
+        # ``--workload long-context`` reads as the command-line spelling of long_context.
+        return kind.replace("-", "_") if isinstance(kind, str) else kind
 
 
 class ObservabilityConfig(BaseModel):
@@ -253,6 +266,10 @@ class RuntimeConfig(BaseModel):
                 _at("scheduler.chunked_prefill_size", f"{s.chunked_prefill_size} is not a "
                     f"multiple of page_size {c.page_size}")
             )
+        if s.enable_dynamic_chunking and t.pp < 2:
+            raise ValueError(_at("scheduler.enable_dynamic_chunking", "needs pipeline "
+                                 "parallelism (pp > 1): chunk sizes are sized to even out "
+                                 "the stages"))
         if self.storage.backend == "redis" and not self.storage.url:
             raise ValueError(_at("storage.url", "the redis backend needs redis://host:port/db"))
         if self.storage.single_writer and t.tp > 1 and not m.kv_replicated:

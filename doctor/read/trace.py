@@ -4,7 +4,7 @@ From events the doctor keeps two things per rank:
 
 * **decisions** — events whose values must be identical on every rank (the batch a step runs,
   the prefix a request was admitted with, an eviction, an agreed vote, a drain count, a prefetch
-  settlement), reduced to the attributes that must agree (``DECISIONS``);
+  settlement, a dynamic chunk size), reduced to the attributes that must agree (``DECISIONS``);
 * **notable events** — aborts, prefetch lifecycle, skipped backups, fired faults, consensus and
   integrity checks, the batch a downstream stage received (``pp.recv``), host capacities — which
   the fact analyzers read.
@@ -35,6 +35,7 @@ DECISIONS: dict[str, tuple[str | None, tuple[str, ...]]] = {
     Ev.VOTE: ("site", ("agreed",)),
     Ev.PREFETCH_HIT: ("rid", ("agreed",)),
     Ev.PREFETCH_SETTLE: ("rid", ("tokens", "pages", "completed", "committed")),
+    Ev.CHUNK_SIZE: ("rid", ("history", "size")),
 }
 NOTABLE = frozenset({
     Ev.REQ_ABORT, Ev.PREFETCH_SUBMIT, Ev.PREFETCH_ACK, Ev.PREFETCH_SETTLE, Ev.PREFETCH_HIT,
@@ -45,7 +46,8 @@ NOTABLE = frozenset({
 _SAMPLE_ATTRS = {"rss_mb": "rss_mb", "rss": "rss_mb", "pending_sends": "pending_sends",
                  "host_free": "host_free"}
 #: Decisions about one request: comparable across ranks only if its arrival is traced.
-REQUEST_KEYED = frozenset({Ev.REQ_ADMIT, Ev.MATCH, Ev.PREFETCH_HIT, Ev.PREFETCH_SETTLE})
+REQUEST_KEYED = frozenset({Ev.REQ_ADMIT, Ev.MATCH, Ev.PREFETCH_HIT, Ev.PREFETCH_SETTLE,
+                           Ev.CHUNK_SIZE})
 _WANTED = {k.encode() for k in (*DECISIONS, *NOTABLE, Ev.REQ_ARRIVE)}
 _SAMPLE_BYTES = tuple(f'"{a}"'.encode() for a in _SAMPLE_ATTRS)
 _KIND = b'"kind":'

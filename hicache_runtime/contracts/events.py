@@ -61,6 +61,8 @@ class Ev:
     HOST_CAPACITY = "sync.host_capacity"
     PP_RECV = "pp.recv"
     PP_SEND = "pp.send"
+    CHUNK_PROFILE = "sched.chunk_profile"
+    CHUNK_SIZE = "sched.chunk_size"
 
 
 EventRecord = tuple[int, int, str, str, int, dict[str, Any]]

@@ -43,6 +43,9 @@ class LegacySwitch(str, Enum):
     WALLCLOCK_LRU = "wallclock-lru"
     """LRU ordered by time.monotonic() instead of a logical clock, one stamp taken when the
     rank finds its own copy finished."""
+    PER_RANK_CHUNK_TIMING = "per-rank-chunk-timing"
+    """Dynamic chunking: every rank times its own stage at start-up and fits its own latency
+    model, dropping the samples PP0 broadcast."""
     ABORT_FREES_IN_FLIGHT = "abort-frees-in-flight"
     """Aborting a request frees its prefetch host pages while the IO thread's batch in flight
     still lands in them."""
@@ -96,6 +99,11 @@ def _entries(*entries: SwitchEntry) -> Mapping[LegacySwitch, SwitchEntry]:
 
 
 _FILE_L3 = {"storage.backend": "file", "cache.host_tokens": 768}
+#: Long prompts chunked several times under dynamic chunking; a short profile (16 sizes).
+_DYNAMIC_CHUNKING = {"scheduler.enable_dynamic_chunking": True,
+                     "scheduler.dynamic_chunking_samples": 16, "workload.kind": "long_context",
+                     "workload.long_context_tokens": 768, "cache.device_tokens": 2048,
+                     "workload.requests": 8, "observability.consensus_check": True}
 
 REGISTRY: Mapping[LegacySwitch, SwitchEntry] = _entries(
     SwitchEntry(LegacySwitch.LOCAL_ACK_DRAIN, ("#27285",), ("0.5.5",), (
@@ -135,6 +143,16 @@ REGISTRY: Mapping[LegacySwitch, SwitchEntry] = _entries(
         Exposure(("dma-lag:rank=1,ms=100",), ("lru-clock-divergence",), tp=2,
                  config={"cache.device_tokens": 1024, "cache.host_tokens": 512,
                          "observability.consensus_check": True}),
+    )),
+    SwitchEntry(LegacySwitch.PER_RANK_CHUNK_TIMING, ("#37669", "#37675"),
+                ("0.5.12", "0.5.13", "0.5.14", "0.5.15", "0.5.16"), (
+        # PP0's start-up forwards (step 0) are slowed per token: its own fit leans linear and
+        # keeps continuation chunks near the base; PP1's stays quadratic and cuts them small.
+        # PP1 fails on PP0's first continuation chunk, unless the consensus check names the
+        # divergent chunk decision first.
+        Exposure(("compute-lag:pp=0,steps=0-0,ms=1000",),
+                 ("prefix-length-mismatch", "rank-divergence-detected"), pp=2,
+                 config=_DYNAMIC_CHUNKING),
     )),
     SwitchEntry(LegacySwitch.ABORT_FREES_IN_FLIGHT, ("#31296", "#31668"), ("0.5.13",), (
         Exposure(("mid-prefetch-abort:batch=0",), ("prefetch-abort-use-after-free",), tp=2,

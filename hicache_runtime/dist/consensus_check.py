@@ -137,4 +137,5 @@ DECISION_ATTRS: dict[str, tuple[str, ...]] = {
     Ev.WRITE_SKIP: ("node", "tokens"),
     Ev.PREFETCH_SETTLE: ("rid", "completed", "inserted"),
     Ev.REQ_ADMIT: ("rid", "prefix", "device_hit", "host_hit", "storage_hit"),
+    Ev.CHUNK_SIZE: ("rid", "history", "size"),
 }

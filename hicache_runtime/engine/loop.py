@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
+from faults.kinds import COMPUTE_LAG_TOKENS
 from faults.points import FaultPoint
 from faults.spec import FaultKind
 from hicache_runtime.cache.accounting import check_at_drain
@@ -50,6 +51,7 @@ from hicache_runtime.engine.workload import Workload
 from hicache_runtime.kv.request import Req, ReqStatus
 
 if TYPE_CHECKING:
+    from faults.injector import FaultInjector
     from hicache_runtime.dist.consensus_check import ConsensusChecker
     from hicache_runtime.dist.groups import RankGroups
     from hicache_runtime.dist.protocols import DrainCounts
@@ -60,6 +62,24 @@ _IDLE_SLEEP_S = 0.0005
 """Sleep when a step had nothing to run but work is pending (background copies/IO)."""
 _DRAIN_POLL_S = 0.01
 """Pause between two agreed drain rounds while transfers are still in flight."""
+
+
+def act_at(faults: FaultInjector | None, point: FaultPoint, step: int, tokens: int = 0) -> None:
+    """Act on the faults that fire at a scheduler-thread point of ``step``; ``tokens``: what
+    the forward about to run computes (``model.forward``; the start-up profile's is step 0)."""
+    if faults is None or not faults.armed(point):
+        return
+    for spec in faults.fire(point, step=step):
+        if spec.kind is FaultKind.STAGE_LAG:
+            time.sleep(spec.lag_s)
+        elif spec.kind is FaultKind.COMPUTE_LAG:
+            time.sleep(spec.lag_s * tokens / COMPUTE_LAG_TOKENS)
+        elif spec.kind is FaultKind.CRASH:
+            raise InjectedFault(f"injected crash at {point.value} (step {step})")
+        elif spec.kind is FaultKind.HANG:
+            threading.Event().wait()
+        elif spec.kind is FaultKind.RANK_KILL:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass
@@ -195,19 +215,8 @@ class Engine:
         if self.sampler is not None:
             self.sampler(self.step)
 
-    def _fault_point(self, point: FaultPoint) -> None:
-        faults = self.rt.faults
-        if faults is None or not faults.armed(point):
-            return
-        for spec in faults.fire(point, step=self.step):
-            if spec.kind is FaultKind.STAGE_LAG:
-                time.sleep(spec.lag_s)
-            elif spec.kind is FaultKind.CRASH:
-                raise InjectedFault(f"injected crash at {point.value} (step {self.step})")
-            elif spec.kind is FaultKind.HANG:
-                threading.Event().wait()
-            elif spec.kind is FaultKind.RANK_KILL:
-                os.kill(os.getpid(), signal.SIGKILL)
+    def _fault_point(self, point: FaultPoint, tokens: int = 0) -> None:
+        act_at(self.rt.faults, point, self.step, tokens)
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -293,7 +302,7 @@ class Engine:
         rt, rank = self.rt, self.rt.rank
         fwd = batch.forward
         hidden = None if rank.is_first_stage else self._recv_activation(fwd)
-        self._fault_point(FaultPoint.FORWARD)
+        self._fault_point(FaultPoint.FORWARD, tokens=fwd.num_tokens)
         out = rt.model.forward(fwd, rt.device_pool, hidden)
         if not rank.is_last_stage:
             self._send_activation(batch, out)

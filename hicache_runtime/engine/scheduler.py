@@ -29,6 +29,7 @@ from hicache_runtime.config import SchedulerConfig
 from hicache_runtime.contracts.errors import InvariantViolation
 from hicache_runtime.contracts.events import Ev
 from hicache_runtime.dist.protocols import DrainCounts
+from hicache_runtime.engine.chunking import LatencyModel
 from hicache_runtime.engine.model import ForwardBatch
 from hicache_runtime.kv.request import Req, ReqStatus
 from hicache_runtime.telemetry.tracer import Tracer
@@ -81,6 +82,8 @@ class Scheduler:
         self.slots = [MicroBatchSlot() for _ in range(num_slots)]
         self._cur = 0
         self.finished: list[Req] = []
+        self.chunk_model: LatencyModel | None = None
+        """Dynamic chunking's latency model (:meth:`use_chunk_model`); None: fixed chunks."""
         self.pending_aborts: list[str] = []
         """Requests between two chunks of their prefill whose abort the step's plan carried;
         torn down at the start of the step's batch formation."""
@@ -284,12 +287,30 @@ class Scheduler:
     def _num_running(self) -> int:
         return sum(len(s.running) + (s.chunked_req is not None) for s in self.slots)
 
+    def use_chunk_model(self, model: LatencyModel | None) -> None:
+        """Dynamic chunking: size continuation chunks with ``model`` (None: fixed chunks).
+        Every rank gets the same model at start-up (``engine/profile.py``)."""
+        self.chunk_model = model
+
+    def _chunk_limit(self, req: Req, start: int) -> int:
+        """The most tokens the next chunk of ``req`` may take: the fixed chunk size, or, for
+        a continuation under dynamic chunking, the size the latency model gives its history
+        (a pure function of it: every rank cuts the same chunk). Each such decision is an
+        ``Ev.CHUNK_SIZE`` event."""
+        base = self.cfg.chunked_prefill_size
+        if self.chunk_model is None or req is not self.chunked_req:
+            return base
+        size = self.chunk_model.next_chunk(start, base, self.page_size,
+                                           self.cache.device.capacity_tokens)
+        self.tracer.emit(Ev.CHUNK_SIZE, rid=req.rid, history=start, size=size, base=base)
+        return size
+
     def _grant(self, req: Req, start: int, rem_prefill: int,
                rem_total: int) -> tuple[int, int] | None:
         """Allocate slots for the next chunk of ``req`` starting at ``start``; returns
         (tokens computed, tokens allocated) or None when it does not fit."""
         extend = req.seq_len - start
-        chunk = min(extend, rem_prefill, self.cfg.chunked_prefill_size)
+        chunk = min(extend, rem_prefill, self._chunk_limit(req, start))
         if chunk < extend:
             chunk -= chunk % self.page_size
         if chunk <= 0:

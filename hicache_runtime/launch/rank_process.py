@@ -60,6 +60,7 @@ from hicache_runtime.dist.groups import RankGroups, TPComm, create_groups
 from hicache_runtime.dist.protocols import DistributedSync
 from hicache_runtime.engine.evidence import dump_rank
 from hicache_runtime.engine.loop import Engine, EngineResult
+from hicache_runtime.engine.profile import setup_chunking
 from hicache_runtime.engine.rank import RankRuntime, build_rank, make_tracer
 from hicache_runtime.engine.samples import RankSampler, samples_path
 from hicache_runtime.engine.workload import Workload
@@ -201,6 +202,10 @@ def run_rank(run_dir: Path, rank: RankInfo, cfg: RuntimeConfig) -> int:
                         consensus_join_s=cfg.observability.protocol_timeout_s + _JOIN_S)
     outcome, error, result = RunOutcome.HEALTHY, None, None
     try:
+        if cfg.scheduler.enable_dynamic_chunking:
+            # start-up, watched: a profile stuck in a forward is a stall like any other
+            setup_chunking(rt, groups.world)
+            watchdog.beat()
         result = engine.run()
         # Keep the evidence of a clean run too: outputs may still turn out wrong when the
         # launcher compares them with the reference.
