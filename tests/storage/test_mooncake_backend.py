@@ -8,6 +8,7 @@ installed; the URL tests need nothing.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -338,3 +339,16 @@ def test_expired_holder_lease_loses_its_pages_softly(tmp_path: Path) -> None:
         assert s.outages == 0
         assert b.healthy
         b.close()
+
+
+@needs_mooncake
+def test_a_store_that_fails_to_start_leaves_nothing_running(tmp_path: Path) -> None:
+    """The holder refuses a segment under the client's minimum (16 MiB): start fails, and the
+    master it had already started is stopped too."""
+    bad = LocalMooncakeStore(segment_mib=1, workdir=tmp_path / "bad")
+    with pytest.raises(StorageUnavailable, match="segment holder"):
+        bad.start(timeout_s=20.0)
+    assert not bad.master_running
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", bad.rpc_port), timeout=1).close()
+    bad.close()

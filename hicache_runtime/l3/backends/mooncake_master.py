@@ -104,7 +104,15 @@ class LocalMooncakeStore:
     def start(self, timeout_s: float = 30.0) -> LocalMooncakeStore:
         """Start the master (if not running) and the holder (if not running); return once the
         holder's segment is mounted. Ports this object picked that someone took meanwhile are
-        replaced (before the first start only)."""
+        replaced (before the first start only). A start that fails stops what it started (no
+        master is left running without its holder)."""
+        try:
+            return self._start(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout_s: float) -> LocalMooncakeStore:
         for attempt in range(_PORT_TRIES):
             try:
                 self.start_master(timeout_s)
@@ -180,10 +188,14 @@ class LocalMooncakeStore:
         self.start_master(timeout_s)
         self.wait_ready(timeout_s)
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Kill the holder and the master (by pid); the ports and the directory stay."""
         _kill(self._holder)
         self._holder = None
         self.kill_master()
+
+    def close(self) -> None:
+        self.stop()
         if self._own_dir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
