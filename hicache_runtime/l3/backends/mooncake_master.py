@@ -17,6 +17,7 @@ Not thread-safe: one owner starts and stops it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
@@ -214,7 +215,8 @@ class LocalMooncakeStore:
         env = {k: v for k, v in os.environ.items() if k != "MC_LOG_DIR"}
         with log.open("ab") as out:
             return subprocess.Popen([binary, *args], stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, cwd=self.workdir, env=env)
+                                    stdin=subprocess.DEVNULL, cwd=self.workdir, env=env,
+                                    preexec_fn=_die_with_owner)
 
     def _admin(self, path: str) -> str | None:
         """GET on the master's admin port; None when it does not answer."""
@@ -224,6 +226,13 @@ class LocalMooncakeStore:
                 return str(resp.read().decode(errors="replace"))
         except OSError:
             return None
+
+
+def _die_with_owner() -> None:
+    """In the child: SIGKILL when the process (thread) that started it dies (Linux), so a
+    store outlives no owner that was killed before it could stop it."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _kill(proc: subprocess.Popen[bytes] | None) -> None:
