@@ -264,9 +264,10 @@ def default_log_dir() -> Path | None:
     return path
 
 
-_KEEP_LOG_FILES = 96
+_KEEP_LOG_FILES = 300
 """Newest glog files kept in the default log directory (three per process: INFO, WARNING,
-ERROR); older ones are deleted when a process opens the directory."""
+ERROR, so the last hundred processes'); older ones are deleted when a process opens it. Ranks
+of runs on one machine share the directory: a live process's file is far newer than these."""
 
 
 def _prune(path: Path) -> None:
