@@ -138,6 +138,12 @@ def run(
                                            show_default=_dflt("topology.tp"))] = None,
     pp: Annotated[int | None, typer.Option(help="Pipeline stages.",
                                            show_default=_dflt("topology.pp"))] = None,
+    dp: Annotated[int | None, typer.Option(
+        help="Data-parallel groups, each a tp x pp grid; a DP controller routes the requests.",
+        show_default=_dflt("topology.dp"))] = None,
+    dp_policy: Annotated[str | None, typer.Option(
+        help="round-robin | shortest-queue: how the DP controller picks a group.",
+        show_default=_dflt("topology.dp_policy"))] = None,
     requests: Annotated[int | None, typer.Option(
         help="Requests in the workload.", show_default=_dflt("workload.requests"))] = None,
     workload: Annotated[str | None, typer.Option(
@@ -212,7 +218,8 @@ def run(
 
     data: dict[str, Any] = _read_config(config) if config else {}
     overrides = {
-        "topology.tp": tp, "topology.pp": pp, "workload.requests": requests,
+        "topology.tp": tp, "topology.pp": pp, "topology.dp": dp,
+        "topology.dp_policy": dp_policy, "workload.requests": requests,
         "workload.kind": workload, "seed": seed,
         "cache.device_tokens": device_tokens, "cache.host_tokens": host_tokens,
         "cache.page_size": page_size, "cache.write_policy": write_policy,
@@ -239,6 +246,9 @@ def run(
         from hicache_runtime.config import check_run_limits
 
         check_run_limits(cfg, memory=False)
+        if cfg.topology.dp > 1:
+            raise ConfigError("topology.dp", "DP groups are started by the DP controller of "
+                              "'hicache run'; torchrun starts one group's ranks")
         torchrun_dir.mkdir(parents=True, exist_ok=True)
         (torchrun_dir / "config.json").write_text(cfg.model_dump_json(indent=1))
         print(f"torchrun --nproc-per-node {cfg.topology.world_size} "
@@ -266,7 +276,7 @@ def _check_machine(cfg: Any) -> None:
 
     if torch.cuda.is_available():
         accelerator = True
-        if cfg.topology.world_size == 1:  # the rank runs in this process: ask the device
+        if cfg.topology.grid_size == 1:  # the rank runs in this process: ask the device
             device_free = int(torch.cuda.mem_get_info()[0])
     check_run_limits(cfg, accelerator=accelerator, device_free=device_free)
 

@@ -80,15 +80,26 @@ class ModelConfig(BaseModel):
 
 
 class TopologyConfig(BaseModel):
-    """Tensor- and pipeline-parallel sizes; one rank process per (tp, pp) pair."""
+    """Tensor-, pipeline- and data-parallel sizes; one rank process per (dp, pp, tp) triple."""
 
     model_config = _FROZEN
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
+    dp: int = Field(1, ge=1)
+    """DP groups: each a whole ``tp × pp`` grid with its own cache and its own process-group
+    world, fed requests by the DP controller (``launch/dp_controller.py``)."""
+    dp_policy: Literal["round-robin", "shortest-queue"] = "round-robin"
+    """How the DP controller picks a group for a request (``launch/dp_routing.py``)."""
 
     @property
     def world_size(self) -> int:
+        """Ranks of one DP group: the size of its torch.distributed world."""
         return self.tp * self.pp
+
+    @property
+    def grid_size(self) -> int:
+        """Rank processes of the whole run, every DP group's."""
+        return self.dp * self.world_size
 
 
 class CacheConfig(BaseModel):
@@ -292,10 +303,13 @@ class RuntimeConfig(BaseModel):
         return load_config(data)
 
     def reference(self) -> RuntimeConfig:
-        """The cache-disabled twin: same model, topology, workload and seed; no faults."""
+        """The cache-disabled twin: same model, TP × PP topology, workload and seed; no
+        faults. One DP group: which group serves a request must not change its tokens, so the
+        run of every request in one group is the reference for any ``dp``."""
         return self.with_overrides(
             **{"cache.enable_prefix_cache": False, "storage.backend": "none", "faults": (),
-               "legacy": frozenset(), "observability.trace_path": None}
+               "legacy": frozenset(), "observability.trace_path": None,
+               "topology.dp": 1, "topology.dp_policy": "round-robin"}
         )
 
 
@@ -424,7 +438,7 @@ def memory_need(cfg: RuntimeConfig) -> MemoryNeed:
     host = host if c.enable_hicache and c.enable_prefix_cache else 0
     h, d = m.hidden_size, m.num_heads * m.head_dim
     weights = (2 * m.vocab_size * h + layers * (4 * h * d + 3 * h * m.ffn_size)) * elem
-    n = t.world_size
+    n = t.grid_size
     return MemoryNeed(device_pools=n * c.device_tokens * per_token,
                       host_pools=n * host * per_token, weights=n * weights)
 
@@ -440,9 +454,9 @@ def check_run_limits(cfg: RuntimeConfig, *, memory: bool = True, accelerator: bo
     field.
     """
     t = cfg.topology
-    if t.world_size > MAX_WORLD_SIZE:
-        raise ConfigError("topology", f"tp={t.tp} pp={t.pp} is {t.world_size} rank processes; "
-                                      f"a run starts at most {MAX_WORLD_SIZE}")
+    if t.grid_size > MAX_WORLD_SIZE:
+        raise ConfigError("topology", f"tp={t.tp} pp={t.pp} dp={t.dp} is {t.grid_size} rank "
+                                      f"processes; a run starts at most {MAX_WORLD_SIZE}")
     data = cfg.model_dump(mode="python")
     for dotted, cap in RUN_LIMITS.items():
         section, _, name = dotted.partition(".")

@@ -94,22 +94,25 @@ def _crossed_findings(evidence: Evidence) -> list[CollectiveFinding]:
 
 def _communicators(evidence: Evidence) -> dict[str, Rings]:
     """Rings per communicator; a stage-local group gets its stage in the key when the ranks
-    that recorded it sit on more than one stage."""
+    that recorded it sit on more than one stage, and every group its DP group when the ranks
+    belong to several (each DP group is a world of its own: same names, other members)."""
     stages: dict[str, set[int | None]] = defaultdict(set)
     for ev in evidence.ranks.values():
         for group in ev.collectives:
             stages[group].add(ev.pp)
+    several_dp = len({ev.dp for ev in evidence.ranks.values() if ev.dp is not None}) > 1
     out: dict[str, Rings] = defaultdict(dict)
     for ev in evidence.ranks.values():
         for group, ring in ev.collectives.items():
-            out[_key(group, ev, stages[group])][ev.rank] = {c.seq: c for c in ring}
+            out[_key(group, ev, stages[group], several_dp)][ev.rank] = {c.seq: c for c in ring}
     return out
 
 
-def _key(group: str, ev: RankEvidence, stages: set[int | None]) -> str:
+def _key(group: str, ev: RankEvidence, stages: set[int | None], several_dp: bool) -> str:
+    where = [f"DP{ev.dp}"] if several_dp and ev.dp is not None else []
     if group in _STAGE_LOCAL and len(stages) > 1 and ev.pp is not None:
-        return f"{group} (PP{ev.pp})"
-    return group
+        where.append(f"PP{ev.pp}")
+    return f"{group} ({' '.join(where)})" if where else group
 
 
 def _numbered(group: str) -> bool:

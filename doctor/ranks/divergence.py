@@ -32,13 +32,22 @@ def all_divergences(evidence: Evidence) -> list[Divergence]:
         keys |= set(ev.decisions)
     found: list[_Found] = []
     for kind, key in sorted(keys):
-        per_rank = _comparable(evidence, kind, key)
-        if len(per_rank) < 2:
-            continue
-        hit = _first_mismatch(kind, key, per_rank)
-        if hit is not None:
-            found.append(hit)
+        for per_rank in _by_dp_group(evidence, _comparable(evidence, kind, key)):
+            if len(per_rank) < 2:
+                continue
+            hit = _first_mismatch(kind, key, per_rank)
+            if hit is not None:
+                found.append(hit)
     return [f[0] for f in sorted(found, key=functools.cmp_to_key(_earlier))]
+
+
+def _by_dp_group(evidence: Evidence, per_rank: dict[int, list[Decision]]
+                 ) -> list[dict[int, list[Decision]]]:
+    """Ranks that must agree are those of one DP group: each group runs its own requests."""
+    groups: dict[int | None, dict[int, list[Decision]]] = {}
+    for r, seq in per_rank.items():
+        groups.setdefault(evidence.ranks[r].dp, {})[r] = seq
+    return list(groups.values())
 
 
 def _comparable(evidence: Evidence, kind: str, key: str) -> dict[int, list[Decision]]:

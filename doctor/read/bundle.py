@@ -82,7 +82,7 @@ def read_manifest(raw: bytes, name: str, sink: EvidenceBuilder) -> None:
             from None
     src = SourceRef(name, None)
     sink.set_outcome(m.outcome.value, src)
-    for key in ("tp", "pp"):
+    for key in ("tp", "pp", "dp"):
         if key in m.topology:
             sink.topology.set(key, int(m.topology[key]), name)
     if "world_size" in m.topology:
@@ -164,9 +164,10 @@ def _mismatch(raw: dict[str, Any]) -> dict[str, object]:
 
 
 def _rank_entry(r: dict[str, Any], src: SourceRef, sink: EvidenceBuilder, index: int) -> None:
-    tp, pp = r.get("tp_rank"), r.get("pp_rank")
+    tp, pp, dp = r.get("tp_rank"), r.get("pp_rank"), r.get("dp_rank")
     slot = sink.slot(RankHint(rank=r["rank"], tp=tp if _valid_rank(tp) else None,
-                              pp=pp if _valid_rank(pp) else None))
+                              pp=pp if _valid_rank(pp) else None,
+                              dp=dp if _valid_rank(dp) else None))
     slot.kinds.add("bundle")
     if r.get("pid"):
         slot.pid = r["pid"]

@@ -87,7 +87,8 @@ def _file_event(ev: dict[str, Any], src: SourceRef, hint: RankHint,
     kind, attrs = ev.get("kind"), ev.get("attrs")
     if not isinstance(kind, str) or not isinstance(attrs, dict) or not sink.retain(nbytes):
         return False
-    own = RankHint(rank=_int(ev.get("rank")), tp=_int(ev.get("tp")), pp=_int(ev.get("pp")))
+    own = RankHint(rank=_int(ev.get("rank")), tp=_int(ev.get("tp")), pp=_int(ev.get("pp")),
+                   dp=_int(ev.get("dp")))
     slot = sink.slot(own.merged(hint))
     slot.kinds.add("trace")
     step = _int(ev.get("step")) or 0
@@ -128,7 +129,7 @@ def read_state(data: Any, name: str, hint: RankHint, sink: EvidenceBuilder) -> N
     if not isinstance(data, dict):
         return
     own = RankHint(rank=_int(data.get("rank")), tp=_int(data.get("tp_rank")),
-                   pp=_int(data.get("pp_rank")))
+                   pp=_int(data.get("pp_rank")), dp=_int(data.get("dp_rank")))
     slot = sink.slot(own.merged(hint))
     slot.kinds.add("state")
     slot.state, slot.state_source = data, SourceRef(name, None)

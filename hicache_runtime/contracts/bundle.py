@@ -38,7 +38,7 @@ from hicache_runtime.contracts.run_files import (
     rank_dir_name,
 )
 
-BUNDLE_SCHEMA_VERSION = "1.1"
+BUNDLE_SCHEMA_VERSION = "1.2"
 BUNDLE_KIND = "hicache-crash-bundle"
 
 
@@ -72,6 +72,9 @@ class RankEntry(BaseModel):
     rank: int
     tp_rank: int
     pp_rank: int
+    dp_rank: int | None = None
+    """Added in 1.2: the rank's DP group in a run of several (``rank`` is then its rank in the
+    whole grid); None with one group."""
     pid: int | None = None
     outcome: RunOutcome
     exit_code: int | None = None

@@ -63,6 +63,9 @@ class Ev:
     PP_SEND = "pp.send"
     CHUNK_PROFILE = "sched.chunk_profile"
     CHUNK_SIZE = "sched.chunk_size"
+    DP_ROUTE = "dp.route"
+    DP_CONTROL = "dp.control"
+    DP_RECEIVE = "dp.receive"
 
 
 EventRecord = tuple[int, int, str, str, int, dict[str, Any]]

@@ -47,7 +47,7 @@ from hicache_runtime.contracts.errors import InjectedFault, InvariantViolation
 from hicache_runtime.contracts.events import Ev
 from hicache_runtime.contracts.legacy import LegacySwitch
 from hicache_runtime.engine.rank import RankRuntime
-from hicache_runtime.engine.workload import Workload
+from hicache_runtime.engine.workload import Intake
 from hicache_runtime.kv.request import Req, ReqStatus
 
 if TYPE_CHECKING:
@@ -137,7 +137,7 @@ class Engine:
     """Runs one rank to completion. Scheduler thread = the thread calling :meth:`run`."""
 
     rt: RankRuntime
-    workload: Workload
+    workload: Intake
     """Polled by rank 0 only (the only rank of a single-rank run)."""
     on_step: Callable[[int, int, int], None] | None = None
     """Called after each step with (step, finished, total) (progress bars)."""

@@ -5,18 +5,45 @@ turn arrives a few steps after the previous turn finished, its prompt being the 
 (previous prompt + reply + a new user message). That is what makes prefixes recur and exercises
 every tier. The same config and seed always yield the same stream, whatever the cache does,
 as long as outputs are the same.
+
+The step loop reads its requests through :class:`Intake`: a run of one DP group polls its
+:class:`Workload` itself; with several DP groups the DP controller owns the workload and each
+group's entry rank polls the controller's feed instead (``launch/dp_intake.py``).
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from hicache_runtime.config import WorkloadConfig
 from hicache_runtime.kv.request import Req
 
 #: Token 0 is never generated as input, so a zeroed (corrupt) page shows up in attention.
 _FIRST_TOKEN = 1
+
+
+class Intake(Protocol):
+    """Where a rank's step loop takes its new requests and client aborts from (polled once per
+    step by the rank that reads the request stream)."""
+
+    @property
+    def total(self) -> int:
+        """Requests the whole stream will have (progress reports)."""
+        ...
+
+    def poll(self, step: int, finished: dict[str, Req]) -> list[Req]:
+        """Requests arriving at ``step``; ``finished`` maps rid -> finished request."""
+        ...
+
+    def aborts(self, step: int) -> list[str]:
+        """Client aborts due at ``step``."""
+        ...
+
+    def exhausted(self) -> bool:
+        """True once no request will arrive any more."""
+        ...
 
 
 @dataclass

@@ -6,18 +6,22 @@ when it is wrong:
 
 * a generate request goes to exactly **one** DP group (two groups would compute it twice and
   answer twice): :meth:`Router.route`;
-* a global message (profiling, blocking) goes to **every** worker (one left out is a rank with
-  different state);
+* a global message goes to **every** worker (one left out is a rank with different state):
+  upstream's profiling and blocking; here the request to dump evidence when a run fails;
 * an abort-type control message goes to **each TP group's rank 0** only; the group's own
   broadcast channel copies it to its peers (sending it to every rank would deliver it twice and
-  fork the message sequence): :func:`recipients`.
+  fork the message sequence): :func:`recipients`. Here the TP group that takes a DP group's
+  messages is its first stage's: later stages get requests and aborts from PP0 in the step
+  exchange, as upstream's later stages get them from the previous stage, so a DP group has one
+  entry rank (PP0, TP0) and a control message reaches one rank per DP group.
 
 Load for the shortest-queue policy comes from a shared-memory snapshot each group's leader
 writes (:class:`LoadBoard`): lock-free for the writer, free to read, and a few milliseconds
 stale. Staleness is paid for twice over: every dispatch adds a speculative +1 to the chosen
 group locally, and the real snapshot is re-read at most every :data:`REFRESH_S`. Without the
 speculative count a burst reads the same stale snapshot for every request and lands the whole
-burst on one group.
+burst on one group. The leader writes its scheduler step next to its load: the controller's
+clock for the request stream is the step every group has reached.
 
 A request that already names its group (``routed_dp_rank``, set by an external router, as in
 prefill/decode disaggregation) goes straight there: the local policy is only the fallback.
@@ -30,13 +34,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
+from typing import NamedTuple
 
 from hicache_runtime.contracts.errors import ConfigError
 
 #: The most a routing decision trusts a snapshot before reading it again.
 REFRESH_S = 0.020
-_SLOT = struct.Struct("<qq")  # (load, monotonic ns when written) per DP group
+_SLOT = struct.Struct("<qqq")  # (load, step, monotonic ns when written) per DP group
 
 
 class Policy(str, Enum):
@@ -46,19 +51,33 @@ class Policy(str, Enum):
 
 class MessageKind(str, Enum):
     GENERATE = "generate"  # one DP group
-    GLOBAL = "global"  # every worker (profile, block)
-    CONTROL = "control"  # each TP group's rank 0 (abort and the like)
+    GLOBAL = "global"  # every worker (the dump request)
+    CONTROL = "control"  # each DP group's entry rank (aborts, end of the stream)
+
+
+class Slot(NamedTuple):
+    """One DP group's entry on the board: its load, its leader's step, when it was written
+    (monotonic ns; 0 until the leader first writes)."""
+
+    load: int
+    step: int
+    written_ns: int
 
 
 class LoadBoard:
     """Per-DP-group load in shared memory: group leaders write, the controller reads.
 
-    Each slot is (load, write time); a slot is written with one ``pack_into`` and read with one
-    ``unpack_from``, so a reader sees either the old or the new pair of one writer. The
-    controller creates the board (``create=True``) and unlinks it; ranks attach by name.
+    Each slot is (load, step, write time); a slot is written with one ``pack_into`` and read
+    with one ``unpack_from``, so a reader sees either the old or the new triple of one writer.
+    The controller creates the board (``create=True``) and unlinks it; ranks attach by name.
     """
 
-    def __init__(self, groups: int, name: str | None = None, *, create: bool = False) -> None:
+    def __init__(self, groups: int, name: str | None = None, *, create: bool = False,
+                 track: bool = True) -> None:
+        """``track=False``: attach without leaving the segment registered with this process's
+        resource tracker. A process that does not share the creator's tracker (a rank process
+        the controller started) must attach so: its own tracker would unlink the segment when
+        it exits, from under the controller and every other group (CPython gh-82300)."""
         if groups <= 0:
             raise ConfigError("dp", "a load board needs at least one DP group")
         self.groups = groups
@@ -67,16 +86,24 @@ class LoadBoard:
         self._owner = create
         if create:
             self._shm.buf[:size] = bytes(size)
+        elif not track:
+            resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
 
     @property
     def name(self) -> str:
         return self._shm.name
 
-    def publish(self, group: int, load: int) -> None:
-        _SLOT.pack_into(self._shm.buf, group * _SLOT.size, int(load), time.monotonic_ns())
+    def publish(self, group: int, load: int, step: int = 0) -> None:
+        _SLOT.pack_into(self._shm.buf, group * _SLOT.size, int(load), int(step),
+                        time.monotonic_ns())
 
-    def snapshot(self) -> list[tuple[int, int]]:
-        return [_SLOT.unpack_from(self._shm.buf, g * _SLOT.size) for g in range(self.groups)]
+    def snapshot(self) -> list[Slot]:
+        return [Slot(*_SLOT.unpack_from(self._shm.buf, g * _SLOT.size))
+                for g in range(self.groups)]
+
+    def loads(self) -> list[int]:
+        """Every group's load (the router's ``read_loads``)."""
+        return [slot.load for slot in self.snapshot()]
 
     def close(self) -> None:
         self._shm.close()
@@ -151,14 +178,15 @@ class Router:
 
 def recipients(kind: MessageKind, *, dp: int, pp: int, tp: int,
                group: int | None = None) -> list[int]:
-    """Global ranks that receive a message. Ranks are numbered ``dp_rank * pp * tp +
-    pp_rank * tp + tp_rank``; a generate request goes to its group's first stage (PP0), whose
-    TP peers receive it over the group's own broadcast."""
+    """Grid ranks that receive a message. Ranks are numbered ``dp_rank * pp * tp +
+    pp_rank * tp + tp_rank``; a generate request goes to its group's entry rank (PP0, TP0),
+    whose peers receive it over the group's own step exchange; a control message goes to every
+    group's entry rank (see the module notes)."""
     per_group = pp * tp
     if kind is MessageKind.GLOBAL:
         return list(range(dp * per_group))
     if kind is MessageKind.CONTROL:
-        return [d * per_group + p * tp for d in range(dp) for p in range(pp)]
+        return [d * per_group for d in range(dp)]
     if group is None or not 0 <= group < dp:
         raise ValueError("a generate request needs its DP group")
     return [group * per_group]

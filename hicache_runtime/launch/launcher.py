@@ -1,5 +1,9 @@
 """The built-in spawner: ``tp * pp`` rank processes on one machine, watched to the end.
 
+This is one DP group's world. A run of several DP groups is started by the DP controller
+(:mod:`hicache_runtime.launch.dp_controller`), which starts one such world per group with
+:func:`start_ranks` and watches them all.
+
 It starts every rank with an ``env://`` rendezvous (the same entry point ``torchrun`` uses),
 then waits. When a rank fails (an exception, a hang seen by its watchdog or a protocol timeout,
 or a process that simply died), the side channel (``<run>/DUMP``) makes every rank dump its
@@ -34,7 +38,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -62,8 +66,8 @@ from hicache_runtime.launch.threads import torch_threads
 
 _POLL_S = 0.05
 _KILL_GRACE_S = 3.0
-_SELF_EXIT_S = 3.0
-_STARTUP_ALLOWANCE_S = 60.0
+SELF_EXIT_S = 3.0
+STARTUP_ALLOWANCE_S = 60.0
 _STORE_TIMEOUT_S = 120.0
 _INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -111,7 +115,7 @@ def launch(cfg: RuntimeConfig, *, bundle_root: Path, caps: dict[str, int] | None
     """Run ``cfg`` as ``tp * pp`` processes; returns when every rank has exited. The caller
     must ``cleanup()`` the result. Raising (an interrupt included), it leaves no rank and no
     run directory behind."""
-    with _signals_interrupt() as quiet:
+    with signals_interrupt() as quiet:
         run_dir = Path(tempfile.mkdtemp(prefix="hicache-run-"))
         run = RunDir(run_dir)
         procs: dict[int, subprocess.Popen[bytes]] = {}
@@ -121,17 +125,17 @@ def launch(cfg: RuntimeConfig, *, bundle_root: Path, caps: dict[str, int] | None
             if caps is not None:
                 run.caps.write_text(json.dumps(caps), encoding="utf-8")
             start = time.monotonic()
-            store = _rendezvous_store(cfg.topology.world_size)
+            store = rendezvous_store(cfg.topology.world_size)
             try:
-                procs = _start_ranks(cfg, run_dir, store.port)
+                procs = start_ranks(cfg, run_dir, store.port)
                 failed = _monitor(procs, run_dir, cfg, progress)
                 request: DumpRequest | None = None
                 if failed:
                     bundle, request = _collect_bundle(procs, run_dir, cfg, bundle_root)
                 else:
-                    _kill_all(procs)
+                    kill_all(procs)
             finally:
-                _kill_all(procs)
+                kill_all(procs)
                 del store  # the ranks are gone: nobody talks to it any more
             results, unreadable = read_results(run_dir, procs)
             outcome = request.outcome if request is not None else RunOutcome.HEALTHY
@@ -141,12 +145,12 @@ def launch(cfg: RuntimeConfig, *, bundle_root: Path, caps: dict[str, int] | None
                 r, why = min(unreadable.items())
                 outcome, error = RunOutcome.CRASH, f"rank {r}: {why}"
                 bundle = write_run_bundle(run_dir, cfg, bundle_root, outcome, error,
-                                          _exits(procs), {}, [])
+                                          exits_of(procs), {}, [])
             return LaunchResult(outcome, error, bundle, results, time.monotonic() - start,
-                                run_dir, cfg, _codes(procs), unreadable)
+                                run_dir, cfg, codes_of(procs), unreadable)
         except BaseException as exc:
             quiet()  # a second Ctrl-C must not cut the cleanup short
-            _kill_all(procs)
+            kill_all(procs)
             kept = bundle or _salvage_bundle(run_dir, cfg, bundle_root, procs, exc)
             shutil.rmtree(run_dir, ignore_errors=True)
             if isinstance(exc, Interrupted):
@@ -157,14 +161,14 @@ def launch(cfg: RuntimeConfig, *, bundle_root: Path, caps: dict[str, int] | None
             raise
 
 
-def _rendezvous_store(world: int) -> dist.TCPStore:
+def rendezvous_store(world: int) -> dist.TCPStore:
     """The run's rendezvous store, on a port the kernel picked and this process holds."""
     return dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                          timeout=timedelta(seconds=_STORE_TIMEOUT_S))
 
 
 @contextlib.contextmanager
-def _signals_interrupt() -> Iterator[Callable[[], None]]:
+def signals_interrupt() -> Iterator[Callable[[], None]]:
     """While ranks run, turn SIGINT/SIGTERM/SIGHUP into :class:`Interrupted` in this thread
     (only where the handler is still the default: an application's own handler is kept), so
     the cleanup runs. Yields ``quiet``: once called (cleanup began), or after the first
@@ -209,7 +213,7 @@ def _salvage_bundle(run_dir: Path, cfg: RuntimeConfig, bundle_root: Path,
     try:
         return write_run_bundle(run_dir, cfg, bundle_root,
                                 request.outcome if request else RunOutcome.CRASH, reason,
-                                _exits(procs), {}, [])
+                                exits_of(procs), {}, [])
     except (OSError, ValueError):
         return None
 
@@ -217,25 +221,32 @@ def _salvage_bundle(run_dir: Path, cfg: RuntimeConfig, bundle_root: Path,
 # --- processes ---------------------------------------------------------------------------------
 
 
-def _start_ranks(cfg: RuntimeConfig, run_dir: Path,
-                 port: int) -> dict[int, subprocess.Popen[bytes]]:
+def start_ranks(cfg: RuntimeConfig, run_dir: Path, port: int, *, first_device: int = 0,
+                env: Mapping[str, str] | None = None, entry_env: Mapping[str, str] | None = None,
+                entry_fds: tuple[int, ...] = ()) -> dict[int, subprocess.Popen[bytes]]:
+    """Start one world of ``tp * pp`` ranks on the rendezvous at ``port``. A DP controller
+    starts one world per DP group: ``first_device`` is the group's first rank in the grid
+    (devices are picked by it), ``env`` goes to every rank, ``entry_env`` and the open file
+    descriptors ``entry_fds`` to the group's entry rank (rank 0) only."""
     world = cfg.topology.world_size
     run = RunDir(run_dir)
     procs: dict[int, subprocess.Popen[bytes]] = {}
     for r in range(world):
-        env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "HICACHE_LAUNCHER": "1", "HICACHE_STORE": "launcher",
-               "TORCH_FR_BUFFER_SIZE": "2000", "OMP_NUM_THREADS": str(torch_threads()),
-               "PYTHONUNBUFFERED": "1"}
-        env.pop("HICACHE_SELF_PYSPY", None)
+        rank_env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(first_device + r),
+                    "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port), "HICACHE_LAUNCHER": "1",
+                    "HICACHE_STORE": "launcher", "TORCH_FR_BUFFER_SIZE": "2000",
+                    "OMP_NUM_THREADS": str(torch_threads()), "PYTHONUNBUFFERED": "1",
+                    **(env or {}), **((entry_env or {}) if r == 0 else {})}
+        rank_env.pop("HICACHE_SELF_PYSPY", None)
         log = run.log(r).open("wb")
         try:
             procs[r] = subprocess.Popen(
                 [sys.executable, "-m", "hicache_runtime.launch.rank_process",
                  "--run-dir", str(run_dir)],
-                env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
-                start_new_session=True)
+                env=rank_env, stdout=log, stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent, start_new_session=True,
+                pass_fds=entry_fds if r == 0 else ())
         finally:
             log.close()
     return procs
@@ -252,7 +263,7 @@ def _monitor(procs: dict[int, subprocess.Popen[bytes]], run_dir: Path, cfg: Runt
     """Wait for the run to end; True when it failed (the DUMP side channel is then set)."""
     obs = cfg.observability
     stale_after = obs.watchdog_timeout_s + obs.protocol_timeout_s + 10.0
-    last_change, last_progress = time.monotonic() + _STARTUP_ALLOWANCE_S, None
+    last_change, last_progress = time.monotonic() + STARTUP_ALLOWANCE_S, None
     while True:
         codes = {r: p.poll() for r, p in procs.items()}
         if all(c == 0 for c in codes.values()):
@@ -277,7 +288,7 @@ def _monitor(procs: dict[int, subprocess.Popen[bytes]], run_dir: Path, cfg: Runt
         time.sleep(_POLL_S)
 
 
-def _kill_all(procs: dict[int, subprocess.Popen[bytes]]) -> None:
+def kill_all(procs: dict[int, subprocess.Popen[bytes]]) -> None:
     """Stop every rank and whatever it started (each rank leads its own process group)."""
     for p in procs.values():
         if p.poll() is None:
@@ -303,7 +314,7 @@ def _signal_group(p: subprocess.Popen[bytes], sig: signal.Signals) -> None:
         p.send_signal(sig)
 
 
-def _wait_exit(procs: dict[int, subprocess.Popen[bytes]], timeout_s: float) -> None:
+def wait_exit(procs: dict[int, subprocess.Popen[bytes]], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     for p in procs.values():
         try:
@@ -312,11 +323,11 @@ def _wait_exit(procs: dict[int, subprocess.Popen[bytes]], timeout_s: float) -> N
             return
 
 
-def _codes(procs: dict[int, subprocess.Popen[bytes]]) -> dict[int, int | None]:
+def codes_of(procs: dict[int, subprocess.Popen[bytes]]) -> dict[int, int | None]:
     return {r: p.poll() for r, p in procs.items()}
 
 
-def _exits(procs: dict[int, subprocess.Popen[bytes]]) -> dict[int, RankExit]:
+def exits_of(procs: dict[int, subprocess.Popen[bytes]]) -> dict[int, RankExit]:
     """How each rank ended, for its bundle entry (``returncode`` is None while it runs)."""
     return {r: RankExit(r, p.returncode, p.pid) for r, p in procs.items()}
 
@@ -357,12 +368,12 @@ def _collect_bundle(procs: dict[int, subprocess.Popen[bytes]], run_dir: Path,
     # Ranks unwind once their dump is done (the listener interrupts them); give them a moment
     # to exit on their own, so exit codes say how each ended. Ranks stuck inside a collective
     # do not return until its timeout; those are stopped (-15 after a complete dump).
-    _wait_exit(procs, _SELF_EXIT_S)
-    _kill_all(procs)
+    wait_exit(procs, SELF_EXIT_S)
+    kill_all(procs)
     request = read_dump(run_dir) or DumpRequest(by=-1, outcome=RunOutcome.CRASH,
                                                 reason="unknown failure", t=time.time())
     dest = write_run_bundle(run_dir, cfg, bundle_root, request.outcome, request.reason,
-                            _exits(procs), dumps, [])
+                            exits_of(procs), dumps, [])
     return dest, request
 
 

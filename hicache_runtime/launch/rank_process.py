@@ -65,6 +65,7 @@ from hicache_runtime.engine.rank import RankRuntime, build_rank, make_tracer
 from hicache_runtime.engine.samples import RankSampler, samples_path
 from hicache_runtime.engine.workload import Workload
 from hicache_runtime.launch.bundles import write_manifest_in_place
+from hicache_runtime.launch.dp_intake import controller_feed, dp_rank_from_env
 from hicache_runtime.launch.results import rank_result
 from hicache_runtime.launch.side_channel import (
     DumpRequest,
@@ -178,7 +179,10 @@ def run_rank(run_dir: Path, rank: RankInfo, cfg: RuntimeConfig) -> int:
     caps = _read_json(RunDir(run_dir).caps) or {}
     workload = Workload(cfg.workload, cfg.model.vocab_size, cfg.seed,
                         client_aborts=not caps, caps=caps)
-    engine = Engine(rt, workload, groups=groups, consensus=consensus,
+    # a DP group's entry rank reads the DP controller's stream instead of its own workload
+    feed = controller_feed(cfg.topology.dp, rank.rank, tracer, workload.total,
+                           lambda: rt.scheduler.has_work)
+    engine = Engine(rt, feed or workload, groups=groups, consensus=consensus,
                     on_step=progress_writer(run_dir) if rank.rank == 0 else None)
     if cfg.observability.sample_every:
         engine.sampler = RankSampler(rt, groups, samples_path(run_dir, rank.rank),
@@ -341,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"error: WORLD_SIZE={world} but the config wants "
                          f"tp*pp={cfg.topology.world_size}\n")
         return 2
-    rank = RankInfo.of(int(os.environ["RANK"]), cfg.topology.tp, cfg.topology.pp)
+    rank = RankInfo.of(int(os.environ["RANK"]), cfg.topology.tp, cfg.topology.pp,
+                       dp_rank_from_env(), cfg.topology.dp)
     if torch.cuda.is_available():  # one GPU per local rank, shared round-robin if fewer
         local = int(os.environ.get("LOCAL_RANK", rank.rank))
         torch.cuda.set_device(local % torch.cuda.device_count())

@@ -10,8 +10,11 @@
 
 Every non-healthy outcome leaves a bundle whose manifest validates against ``bundle.Manifest``.
 
-``run_multi`` launches ``tp * pp`` rank processes and reads back each rank's result. Both paths
-end the same way: every rank's :class:`~hicache_runtime.contracts.rank_result.RankResult`
+``run_multi`` launches ``tp * pp`` rank processes and reads back each rank's result; with several
+DP groups (``topology.dp``) the DP controller starts every group's ranks and routes the
+requests (:mod:`hicache_runtime.launch.dp_controller`), results are keyed by grid rank and the
+run's requests are those of every group's entry rank; the reference is one group's run. Both
+paths end the same way: every rank's :class:`~hicache_runtime.contracts.rank_result.RankResult`
 (built in process for a single rank) is summarised by one builder, and a healthy run is judged
 against its cache-disabled reference by one verdict.
 """
@@ -269,9 +272,9 @@ class ReferenceMemo:
 
 def run(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn | None = None,
         bundle_root: Path | None = None, references: ReferenceMemo | None = None) -> RunSummary:
-    """Run ``cfg``: in this process for one rank, as ``tp * pp`` processes otherwise.
+    """Run ``cfg``: in this process for one rank, as ``dp * tp * pp`` processes otherwise.
     ``references``: reuse (and keep) cache-disabled reference runs across calls."""
-    if cfg.topology.world_size == 1:
+    if cfg.topology.grid_size == 1:
         return run_single(cfg, compare=compare, progress=progress, bundle_root=bundle_root,
                           references=references)
     return run_multi(cfg, compare=compare, progress=progress, bundle_root=bundle_root,
@@ -281,17 +284,23 @@ def run(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn | None
 def run_multi(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn | None = None,
               bundle_root: Path | None = None,
               references: ReferenceMemo | None = None) -> RunSummary:
-    """Launch the ranks, then (if healthy) the cache-disabled reference of the same topology;
-    judge outputs (every rank must also agree with rank 0) and summarise."""
+    """Launch the ranks, then (if healthy) the cache-disabled reference of the same TP × PP
+    topology; judge outputs (every rank must also agree with its DP group's rank 0) and
+    summarise."""
+    from hicache_runtime.launch.dp_controller import launch_dp
     from hicache_runtime.launch.launcher import launch
 
     bundle_root = bundle_root or cfg.observability.bundle_dir or DEFAULT_BUNDLE_ROOT
-    res = launch(cfg, bundle_root=bundle_root, progress=progress)
+    start = launch_dp if cfg.topology.dp > 1 else launch
+    res = start(cfg, bundle_root=bundle_root, progress=progress)
     try:
         summary = _summary(cfg, res.outcome, res.error, res.bundle, res.wall_s, res.results)
         if res.outcome is RunOutcome.HEALTHY and compare:
 
             def reference(caps: dict[str, int]) -> tuple[dict[str, Req], float]:
+                if cfg.reference().topology.grid_size == 1:  # one DP group of one rank
+                    one = run_reference(cfg, aborted=caps)
+                    return one.reqs, one.wall_s
                 ref = launch(cfg.reference(), bundle_root=bundle_root, caps=caps)
                 try:
                     if ref.outcome is not RunOutcome.HEALTHY:
@@ -407,8 +416,9 @@ def _judge(summary: RunSummary, cfg: RuntimeConfig, results: dict[int, RankResul
            reference: ReferenceRun, bundle_as: BundleAs,
            references: ReferenceMemo | None) -> None:
     """Compare a healthy run's outputs with its reference (run, or reused from
-    ``references``) and with rank 0's; record the verdict in ``summary``."""
-    reqs = _reqs_of(results.get(0))
+    ``references``) and each rank's with its DP group's rank 0; record the verdict in
+    ``summary``."""
+    reqs = _run_reqs(results, cfg)
     caps = {rid: len(r.output_ids) for rid, r in reqs.items()
             if r.status is ReqStatus.ABORTED and r.abort_reason == "client abort"}
     key = ReferenceMemo.key(cfg, caps)
@@ -423,8 +433,7 @@ def _judge(summary: RunSummary, cfg: RuntimeConfig, results: dict[int, RankResul
         if references is not None:
             references.put(key, *kept)
     summary.reference_wall_s = kept[1]
-    summary.mismatches = compare_outputs(reqs, kept[0]) + _rank_disagreements(
-        results, cfg.topology.world_size)
+    summary.mismatches = compare_outputs(reqs, kept[0]) + _rank_disagreements(results, cfg)
     summary.output_match = not summary.mismatches
     if summary.mismatches:
         summary.outcome = RunOutcome.WRONG_OUTPUT
@@ -444,13 +453,32 @@ def _reference_failed(summary: RunSummary, ref: _ReferenceFailed) -> None:
         summary.bundle = str(ref.bundle)
 
 
-def _rank_disagreements(results: dict[int, RankResult], world: int) -> list[Mismatch]:
-    """Every rank must produce rank 0's outputs (TP ranks sample the same tokens); a rank
-    without a result has none."""
-    first = _outputs(results.get(0))
-    return [Mismatch(rid="*", index=-1, expected=[], got=[],
-                     note=f"rank {r} produced different outputs than rank 0")
-            for r in range(1, world) if _outputs(results.get(r)) != first]
+def _rank_disagreements(results: dict[int, RankResult], cfg: RuntimeConfig) -> list[Mismatch]:
+    """Every rank must produce its DP group's rank 0's outputs (TP ranks sample the same
+    tokens); a rank without a result has none."""
+    out = []
+    for lead in _entry_ranks(cfg):
+        first = _outputs(results.get(lead))
+        whose = f"rank {lead}" if cfg.topology.dp == 1 else \
+            f"rank {lead} (its DP group's rank 0)"
+        out += [Mismatch(rid="*", index=-1, expected=[], got=[],
+                         note=f"rank {r} produced different outputs than {whose}")
+                for r in range(lead + 1, lead + cfg.topology.world_size)
+                if _outputs(results.get(r)) != first]
+    return out
+
+
+def _entry_ranks(cfg: RuntimeConfig) -> list[int]:
+    """Grid ranks of every DP group's rank 0 (the rank that reads the group's requests)."""
+    return [d * cfg.topology.world_size for d in range(cfg.topology.dp)]
+
+
+def _run_reqs(results: dict[int, RankResult], cfg: RuntimeConfig) -> dict[str, Req]:
+    """The run's requests: every DP group's, as its rank 0 finished them."""
+    out: dict[str, Req] = {}
+    for lead in _entry_ranks(cfg):
+        out.update(_reqs_of(results.get(lead)))
+    return out
 
 
 def compare_outputs(got: dict[str, Req], ref: dict[str, Req]) -> list[Mismatch]:
@@ -500,31 +528,32 @@ def _outputs(result: RankResult | None) -> dict[str, list[int]]:
 
 def _summary(cfg: RuntimeConfig, outcome: RunOutcome, error: str | None, bundle: Path | None,
              wall: float, results: dict[int, RankResult]) -> RunSummary:
-    """The run's summary before any verdict: rank 0's requests, every rank's counters (zero
-    for a rank without a result), faults and page accounting; ``error`` (else the first
-    rank's) says what went wrong."""
-    reqs = _reqs_of(results.get(0))
+    """The run's summary before any verdict: rank 0's requests (every DP group's rank 0's),
+    every rank's counters (zero for a rank without a result), faults and page accounting;
+    ``error`` (else the first rank's) says what went wrong. ``steps`` is the most any DP
+    group's rank 0 ran."""
+    reqs = _run_reqs(results, cfg)
     cached = {"device": 0, "host": 0, "storage": 0}
     for r in reqs.values():
         for k in cached:
             cached[k] += r.cached.get(k, 0)
     errors = [f"rank {r}: {x.error}" for r, x in sorted(results.items()) if x.error]
-    r0 = results.get(0)
+    t = cfg.topology
+    steps = max((results[r].steps for r in _entry_ranks(cfg) if r in results), default=0)
     return RunSummary(
         outcome=outcome, requests=cfg.workload.requests,
         completed=sum(1 for r in reqs.values() if r.status is ReqStatus.FINISHED),
         aborted=sum(1 for r in reqs.values() if r.status is ReqStatus.ABORTED),
         output_match=None, cached_tokens=CachedTokens(**cached),
-        steps=r0.steps if r0 is not None else 0, wall_s=round(wall, 3),
-        topology={"tp": cfg.topology.tp, "pp": cfg.topology.pp},
+        steps=steps, wall_s=round(wall, 3),
+        topology={"tp": t.tp, "pp": t.pp, **({"dp": t.dp} if t.dp > 1 else {})},
         legacy=sorted(s.value for s in cfg.legacy), faults=[f.compact() for f in cfg.faults],
         faults_fired=sum(len(x.faults_fired) for x in results.values()),
         bundle=str(bundle) if bundle else None,
         error=error or (errors[0] if errors else None),
         cache_stats=CacheStats.of({r: results[r].stats if r in results else {}
-                                   for r in range(cfg.topology.world_size)}),
-        leaks=LeakCheck.of({r: x.drain for r, x in results.items()},
-                           cfg.topology.world_size))
+                                   for r in range(t.grid_size)}),
+        leaks=LeakCheck.of({r: x.drain for r, x in results.items()}, t.grid_size))
 
 
 def _write_bundle(root: Path, cfg: RuntimeConfig, rt: RankRuntime, outcome: RunOutcome,
