@@ -198,8 +198,8 @@ class SchedulerConfig(BaseModel):
     (``engine/chunking.py``) from a latency profile PP0 takes at start-up and shares."""
     dynamic_chunking_samples: int = Field(128, ge=2, le=1024)
     """Chunk sizes the start-up profile times (upstream's 128), from 1.25 x
-    ``chunked_prefill_size`` down, each a page multiple and taken once: fewer when the pages
-    leave fewer distinct sizes (40 at the defaults, a fraction of a second on one CPU core)."""
+    ``chunked_prefill_size`` down, each a page multiple: fewer when the pages leave fewer
+    distinct sizes (40 at the defaults, under a second on one CPU core)."""
 
 
 class WorkloadConfig(BaseModel):

@@ -99,9 +99,9 @@ def _entries(*entries: SwitchEntry) -> Mapping[LegacySwitch, SwitchEntry]:
 
 
 _FILE_L3 = {"storage.backend": "file", "cache.host_tokens": 768}
-#: Long prompts chunked several times under dynamic chunking; a short profile (16 sizes).
+#: Long prompts chunked several times under dynamic chunking; a short profile (12 sizes).
 _DYNAMIC_CHUNKING = {"scheduler.enable_dynamic_chunking": True,
-                     "scheduler.dynamic_chunking_samples": 16, "workload.kind": "long_context",
+                     "scheduler.dynamic_chunking_samples": 12, "workload.kind": "long_context",
                      "workload.long_context_tokens": 768, "cache.device_tokens": 2048,
                      "workload.requests": 8, "observability.consensus_check": True}
 
@@ -150,7 +150,7 @@ REGISTRY: Mapping[LegacySwitch, SwitchEntry] = _entries(
         # keeps continuation chunks near the base; PP1's stays quadratic and cuts them small.
         # PP1 fails on PP0's first continuation chunk, unless the consensus check names the
         # divergent chunk decision first.
-        Exposure(("compute-lag:pp=0,steps=0-0,ms=1000",),
+        Exposure(("compute-lag:pp=0,steps=0-0,ms=500",),
                  ("prefix-length-mismatch", "rank-divergence-detected"), pp=2,
                  config=_DYNAMIC_CHUNKING),
     )),

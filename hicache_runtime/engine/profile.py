@@ -20,6 +20,7 @@ own, different batch.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -43,6 +44,10 @@ PROBE_MARGIN = 1.25
 """The largest profiled chunk is this many times the base chunk (upstream's probe margin)."""
 SAMPLES_SOURCE = 0
 """The global rank whose samples every rank fits (a PP0 rank)."""
+TIMINGS_PER_SIZE = 3
+"""Forwards timed back to back per size, the fastest kept as its sample: on a shared CPU,
+preemption only ever adds time, and one slow outlier can bend the fit below ``a > 0``
+(upstream times each size once, on a dedicated accelerator)."""
 
 
 class SampleChannel(Protocol):
@@ -68,10 +73,11 @@ def profiled_sizes(rt: RankRuntime) -> list[int]:
 
 
 def time_forwards(rt: RankRuntime, sizes: list[int]) -> LatencyProfile:
-    """Time one real forward of this rank's stage per size, in order: a prefill of that many
+    """Time real forwards of this rank's stage per size, in order: a prefill of that many
     dummy tokens from an empty history, into a scratch pool (the rank's own pool and tree stay
-    untouched). A stage after the first gets zero hidden states, as upstream's proxy tensors.
-    The ``model.forward`` fault point fires before each forward, inside the timed span."""
+    untouched), the fastest of :data:`TIMINGS_PER_SIZE` kept. A stage after the first gets
+    zero hidden states, as upstream's proxy tensors. The ``model.forward`` fault point fires
+    before each forward, inside the timed span."""
     model, device, page = rt.model, rt.device, rt.cfg.cache.page_size
     largest = max(sizes)
     pool = DeviceKVPool(model.kv_shape(), -(-largest // page) * page, page, device)
@@ -85,12 +91,15 @@ def time_forwards(rt: RankRuntime, sizes: list[int]) -> LatencyProfile:
             prefix_lens=[0], sample=[True])
         hidden = None if rt.rank.is_first_stage else torch.zeros(
             (n, rt.cfg.model.hidden_size), dtype=model.dtype, device=device)
-        _synchronize(device)
-        start = time.perf_counter()
-        act_at(rt.faults, FaultPoint.FORWARD, PROFILE_STEP, tokens=n)
-        model.forward(batch, pool, hidden)
-        _synchronize(device)
-        latencies.append(time.perf_counter() - start)
+        fastest = math.inf
+        for _ in range(TIMINGS_PER_SIZE):
+            _synchronize(device)
+            start = time.perf_counter()
+            act_at(rt.faults, FaultPoint.FORWARD, PROFILE_STEP, tokens=n)
+            model.forward(batch, pool, hidden)
+            _synchronize(device)
+            fastest = min(fastest, time.perf_counter() - start)
+        latencies.append(fastest)
     return LatencyProfile(tuple(sizes), tuple(latencies))
 
 

@@ -21,6 +21,7 @@ from hicache_runtime.contracts.topology import RankInfo
 from hicache_runtime.engine.chunking import LatencyModel, chunk_schedule
 from hicache_runtime.engine.profile import (
     SAMPLES_SOURCE,
+    TIMINGS_PER_SIZE,
     profiled_sizes,
     setup_chunking,
     time_forwards,
@@ -150,7 +151,7 @@ def test_compute_lag_slows_the_profiled_forwards_per_token(ranks: list[RankRunti
     for n, t in zip(profile.seq_lens, profile.latencies, strict=True):
         assert t >= 0.1 * n / 1024
     fired = _events(rt, Ev.FAULT)
-    assert len(fired) == len(profile.seq_lens)
+    assert len(fired) == len(profile.seq_lens) * TIMINGS_PER_SIZE
     assert {e["kind"] for e in fired} == {"compute-lag"}
 
 
