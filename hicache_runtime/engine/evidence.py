@@ -110,9 +110,7 @@ def _storage_client_log(d: Path, rt: RankRuntime) -> None:
     them (Mooncake's client logs through glog, outside Python logging); the doctor reads the
     store's failures in its words there."""
     l3 = rt.cache.parts().l3
-    backend = getattr(l3.workers.backend, "inner", l3.workers.backend) if l3 else None
-    read = getattr(backend, "client_log", None)
-    text = read() if callable(read) else None
+    text = l3.workers.backend.client_log() if l3 is not None else None
     if text:
         write_text(d / RANK_STORAGE_CLIENT_LOG, text)
 

@@ -46,6 +46,7 @@ from hicache_runtime.l3 import envelope
 from hicache_runtime.l3.keys import KeyScheme
 
 if TYPE_CHECKING:
+    from hicache_runtime.config import StorageConfig
     from hicache_runtime.telemetry.tracer import Tracer
 
 log = logging.getLogger(__name__)
@@ -201,6 +202,18 @@ class StorageBackend(ABC):
     def healthy(self) -> bool:
         """False while the medium is known to be unavailable (calls fail soft)."""
         return not self._closed
+
+    def client_log(self) -> str | None:
+        """The backend's client library's own log lines, when it keeps them outside Python
+        logging (a crash bundle carries them as ``storage-client.log``); None by default."""
+        return None
+
+    @staticmethod
+    def unavailable(cfg: StorageConfig) -> str | None:
+        """Why this machine cannot run the backend (a client library or program missing), or
+        None; campaign cells skip with the reason. Backends that need nothing keep the
+        default."""
+        return None
 
     def close(self) -> None:
         """Release connections and handles. Idempotent; later calls fail soft."""

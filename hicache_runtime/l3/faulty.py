@@ -126,6 +126,9 @@ class FaultyBackend(StorageBackend):
     def healthy(self) -> bool:
         return self.inner.healthy
 
+    def client_log(self) -> str | None:
+        return self.inner.client_log()
+
     def close(self) -> None:
         self.inner.close()
 

@@ -33,6 +33,8 @@ class BackendFactory(Protocol):
                     tracer: Tracer | None = None,
                     max_payload_bytes: int = ...) -> StorageBackend: ...
 
+    def unavailable(self, cfg: StorageConfig) -> str | None: ...
+
 
 def known_backends() -> list[str]:
     """Registered backend names, sorted (installed plug-ins included)."""
@@ -62,12 +64,11 @@ def backend_class(name: str) -> BackendFactory:
 
 def unavailable(cfg: StorageConfig) -> str | None:
     """Why this machine cannot run ``cfg``'s backend (its client library or programs are not
-    installed), or None. Asks the class's optional ``unavailable(cfg)``; unknown names are the
-    config's to reject."""
+    installed), or None, as the backend class says (``StorageBackend.unavailable``); unknown
+    names are the config's to reject."""
     if cfg.backend == "none":
         return None
-    check = getattr(backend_class(cfg.backend), "unavailable", None)
-    return check(cfg) if callable(check) else None
+    return backend_class(cfg.backend).unavailable(cfg)
 
 
 def make_backend(cfg: StorageConfig, rank: RankInfo, *, model: str, required: bool = True,
