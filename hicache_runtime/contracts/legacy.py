@@ -159,7 +159,9 @@ REGISTRY: Mapping[LegacySwitch, SwitchEntry] = _entries(
                  config={**_FILE_L3, "workload.requests": 64}),
     )),
     SwitchEntry(LegacySwitch.ABORT_CHUNKED_ON_THE_SPOT, ("#28086",), ("0.5.13",), (
-        Exposure(("chunked-abort:chunk=0",), ("collective-shape-mismatch",), tp=2),
+        # A large L1: no eviction follows the teardown before the batches part.
+        Exposure(("chunked-abort:chunk=0",), ("collective-shape-mismatch",), tp=2,
+                 config={"cache.device_tokens": 2048}),
     )),
 )
 
