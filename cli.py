@@ -161,6 +161,9 @@ def run(
     write_policy: Annotated[str | None, typer.Option(
         help="write_through | write_through_selective | write_back",
         show_default=_dflt("cache.write_policy"))] = None,
+    mem_layout: Annotated[str | None, typer.Option(
+        help="Host pool layout: layer_first | page_first | page_first_direct",
+        show_default=_dflt("cache.mem_layout"))] = None,
     max_new_tokens: Annotated[int | None, typer.Option(
         help="Tokens generated per request.", show_default=_dflt("workload.max_new_tokens"))]
     = None,
@@ -223,6 +226,7 @@ def run(
         "workload.kind": workload, "seed": seed,
         "cache.device_tokens": device_tokens, "cache.host_tokens": host_tokens,
         "cache.page_size": page_size, "cache.write_policy": write_policy,
+        "cache.mem_layout": mem_layout,
         "workload.max_new_tokens": max_new_tokens, "observability.trace_path": trace,
         "observability.bundle_dir": bundle_dir,
         "observability.watchdog_timeout_s": watchdog_timeout, "storage.backend": storage,

@@ -120,6 +120,10 @@ class CacheConfig(BaseModel):
     write_through_threshold: int = Field(2, ge=1)
     load_back_threshold: int = Field(10, ge=0)
     """Skip load-back of fewer tokens than this; recompute them instead."""
+    mem_layout: Literal["layer_first", "page_first", "page_first_direct"] = "layer_first"
+    """Host pool memory layout (SGLang ``--hicache-mem-layout``): ``layer_first`` (each layer
+    of a page is its own block), ``page_first`` (a page holds every layer, token by token) or
+    ``page_first_direct`` (a page holds every layer, layer by layer)."""
 
     @model_validator(mode="after")
     def _pages_divide(self) -> CacheConfig:

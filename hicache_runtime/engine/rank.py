@@ -188,7 +188,7 @@ def _host_pool(cfg: RuntimeConfig, shape: KVShape, sync: RankSync,
         def alloc_fault(n: int) -> bool:
             return bool(faults.fire(FaultPoint.HOST_ALLOC, step=tracer.step))
     return HostKVPool(shape, tokens, cfg.cache.page_size, pin=torch.cuda.is_available(),
-                      alloc_fault=alloc_fault)
+                      alloc_fault=alloc_fault, layout=cfg.cache.mem_layout)
 
 
 def _copy_engine(cfg: RuntimeConfig, device: torch.device, tracer: Tracer,

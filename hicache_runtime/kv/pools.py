@@ -1,7 +1,9 @@
 """KV pools: the device pool (L1) and the host pool (L2).
 
-Both hold K and V as ``[layers, slots, heads, head_dim]`` for this rank's layers (its PP stage)
-and heads (its TP shard), and hand out page-aligned slots through a :class:`PageAllocator`.
+Both hold K and V for this rank's layers (its PP stage) and heads (its TP shard), and hand out
+page-aligned slots through a :class:`PageAllocator`. The device pool keeps them as ``[layers,
+slots, heads, head_dim]`` (what attention reads); the host pool in its memory layout
+(``layer_first``, ``page_first`` or ``page_first_direct``, see :mod:`.layouts`).
 
 Index ranges of one request's KV, by tier::
 
@@ -24,6 +26,7 @@ import torch
 
 from hicache_runtime.kv.allocator import PageAllocator
 from hicache_runtime.kv.copy_engine import LayerDoneCounter
+from hicache_runtime.kv.layouts import LAYER_FIRST, buffer_shape, check_layout, page_view
 
 _DTYPES = {
     "float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
@@ -71,21 +74,29 @@ TRAILING_PAGES = "trailing_pages"
 
 
 class KVPool:
-    """K/V buffers plus a page allocator. Subclasses fix where the memory lives."""
+    """K/V buffers plus a page allocator. Subclasses fix where the memory lives.
+
+    ``k``, ``v`` and ``aux[name]`` are the buffers as laid out in memory (``layout``); the
+    ``read_*``/``write_*`` methods and :meth:`page_view` give the same values in a fixed order
+    whatever the layout."""
 
     def __init__(self, shape: KVShape, capacity_tokens: int, page_size: int, name: str,
-                 device: torch.device, pin: bool = False) -> None:
+                 device: torch.device, pin: bool = False, layout: str = LAYER_FIRST) -> None:
+        check_layout(layout)
         self.shape = shape
         self.page_size = page_size
         self.name = name
         self.device = device
-        dims = (shape.num_layers, capacity_tokens, shape.num_heads, shape.head_dim)
-        self.k = torch.zeros(dims, dtype=shape.dtype, device=device, pin_memory=pin)
-        self.v = torch.zeros(dims, dtype=shape.dtype, device=device, pin_memory=pin)
+        self.layout = layout
+
+        def buffer(slot: tuple[int, ...]) -> torch.Tensor:
+            dims = buffer_shape(layout, shape.num_layers, capacity_tokens, page_size, slot)
+            return torch.zeros(dims, dtype=shape.dtype, device=device, pin_memory=pin)
+
+        self.k = buffer((shape.num_heads, shape.head_dim))
+        self.v = buffer((shape.num_heads, shape.head_dim))
         self.aux: dict[str, torch.Tensor] = {
-            name: torch.zeros((shape.num_layers, capacity_tokens, *shape.aux_dims(name)),
-                              dtype=shape.dtype, device=device, pin_memory=pin)
-            for name in shape.sidecars}
+            name: buffer(shape.aux_dims(name)) for name in shape.sidecars}
         self.allocator = PageAllocator(capacity_tokens // page_size, page_size, name)
 
     @property
@@ -102,22 +113,38 @@ class KVPool:
     def free(self, slots: torch.Tensor) -> None:
         self.allocator.free(slots)
 
+    def page_view(self, buf: torch.Tensor) -> torch.Tensor:
+        """One of this pool's buffers as ``[layers, pages, page_size, *slot]`` (no copy)."""
+        return page_view(buf, self.layout, self.page_size)
+
     def read_pages(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V for ``slots`` across all layers: ``[layers, n, heads, dim]`` copies."""
-        idx = slots.to(self.device)
-        return self.k.index_select(1, idx), self.v.index_select(1, idx)
+        return self._gather(self.k, slots), self._gather(self.v, slots)
 
     def write_pages(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        idx = slots.to(self.device)
-        self.k.index_copy_(1, idx, k.to(self.device))
-        self.v.index_copy_(1, idx, v.to(self.device))
+        self._scatter(self.k, slots, k)
+        self._scatter(self.v, slots, v)
 
     def read_aux(self, name: str, slots: torch.Tensor) -> torch.Tensor:
         """Sidecar ``name`` for ``slots`` across all layers (a copy)."""
-        return self.aux[name].index_select(1, slots.to(self.device))
+        return self._gather(self.aux[name], slots)
 
     def write_aux(self, name: str, slots: torch.Tensor, data: torch.Tensor) -> None:
-        self.aux[name].index_copy_(1, slots.to(self.device), data.to(self.device))
+        self._scatter(self.aux[name], slots, data)
+
+    def _gather(self, buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        idx = slots.to(self.device)
+        if self.layout == LAYER_FIRST:
+            return buf.index_select(1, idx)
+        return self.page_view(buf)[:, idx // self.page_size, idx % self.page_size]
+
+    def _scatter(self, buf: torch.Tensor, slots: torch.Tensor, data: torch.Tensor) -> None:
+        idx = slots.to(self.device)
+        if self.layout == LAYER_FIRST:
+            buf.index_copy_(1, idx, data.to(self.device))
+        else:
+            view = self.page_view(buf)
+            view[:, idx // self.page_size, idx % self.page_size] = data.to(self.device)
 
 
 class DeviceKVPool(KVPool):
@@ -159,11 +186,14 @@ class DeviceKVPool(KVPool):
 
 
 class HostKVPool(KVPool):
-    """L2: pinned host memory when a GPU is present. Allocation may be failed by a fault."""
+    """L2: pinned host memory when a GPU is present, in the memory layout asked for
+    (``cache.mem_layout``). Allocation may be failed by a fault."""
 
     def __init__(self, shape: KVShape, capacity_tokens: int, page_size: int, pin: bool,
-                 alloc_fault: Callable[[int], bool] | None = None) -> None:
-        super().__init__(shape, capacity_tokens, page_size, "host", torch.device("cpu"), pin)
+                 alloc_fault: Callable[[int], bool] | None = None,
+                 layout: str = LAYER_FIRST) -> None:
+        super().__init__(shape, capacity_tokens, page_size, "host", torch.device("cpu"), pin,
+                         layout)
         self._alloc_fault = alloc_fault
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:

@@ -283,7 +283,7 @@ class StorageWorkers:
         ps = self.page_size
         slots = op.host_slots[first_page * ps : (first_page + len(keys)) * ps]
         pages = (slots[::ps] // ps).tolist()
-        freed = self.host.k[:, slots].clone()  # what the pages held when the abort freed them
+        freed = self.host.read_pages(slots)[0]  # what the pages held when the abort freed them
         payloads = self.backend.batch_get(keys, info)
         good = next((i for i, p in enumerate(payloads) if p is None or not self.codec.fits(p)),
                     len(payloads))
@@ -293,7 +293,7 @@ class StorageWorkers:
             used = [i for i, p in enumerate(pages) if self.host.allocator.is_used(p)]
             if used and reused_at is None:
                 reused_at = self.tracer.step
-            if any(not torch.equal(self.host.k[:, slots[i * ps : (i + 1) * ps]],
+            if any(not torch.equal(self.host.read_pages(slots[i * ps : (i + 1) * ps])[0],
                                    freed[:, i * ps : (i + 1) * ps]) for i in used):
                 break  # a new owner's data is in: land on top of it
             if reused_at is not None and self.tracer.step >= reused_at + 2:
