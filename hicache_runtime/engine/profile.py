@@ -66,9 +66,10 @@ class ChunkingSetup:
 
 
 def profiled_sizes(rt: RankRuntime) -> list[int]:
-    """The chunk sizes the profile times, largest first."""
+    """The chunk sizes the profile times, largest first (none above the device pool: no
+    chunk of a run can be longer)."""
     sched, page = rt.cfg.scheduler, rt.cfg.cache.page_size
-    top = int(sched.chunked_prefill_size * PROBE_MARGIN)
+    top = min(int(sched.chunked_prefill_size * PROBE_MARGIN), rt.cfg.cache.device_tokens)
     return profile_sizes(max(page, top - top % page), sched.dynamic_chunking_samples, page)
 
 

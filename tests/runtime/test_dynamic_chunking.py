@@ -88,6 +88,8 @@ def test_the_profile_times_real_forwards_of_the_stage(ranks: list[RankRuntime]) 
         assert len(sizes) == 40  # 128 asked for; 40 distinct multiples of the 8-token page
         assert sizes == sorted(sizes, reverse=True)
         assert all(s % 8 == 0 for s in sizes)
+        small = _build(ranks, cfg.with_overrides(**{"cache.device_tokens": 128}), pp_rank)
+        assert profiled_sizes(small)[0] == 128, "no chunk is longer than the device pool"
         profile = time_forwards(rt, sizes)
         assert profile.seq_lens == tuple(sizes)
         assert all(t > 0 for t in profile.latencies)
