@@ -217,6 +217,9 @@ class WorkloadConfig(BaseModel):
     turn_tokens: int = Field(24, ge=1)
     long_context_tokens: int = Field(384, ge=1)
     arrival_gap_steps: int = Field(1, ge=0)
+    burst_sessions: int = Field(0, ge=0)
+    """Bursty arrival: sessions start this many at once, a burst every ``arrival_gap_steps``
+    (0: one independent request after the other, ``arrival_gap_steps`` apart)."""
     revisit_gap_steps: int = Field(40, ge=1)
     """Longest pause before a user comes back (next chat turn, next question on a document):
     long pauses let prefixes age out of L1 and L2, which is what L3 is for."""

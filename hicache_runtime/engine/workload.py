@@ -146,8 +146,11 @@ def _build(cfg: WorkloadConfig, vocab: int, rng: random.Random) -> list[_Plan]:
         made = _SESSIONS[kind](cfg, vocab, rng, session, arrival, cfg.requests - len(plans),
                                systems)
         plans.extend(made)
-        arrival += cfg.arrival_gap_steps * sum(1 for p in made if p.arrival is not None)
         session += 1
+        if cfg.burst_sessions:
+            arrival = session // cfg.burst_sessions * cfg.arrival_gap_steps
+        else:
+            arrival += cfg.arrival_gap_steps * sum(1 for p in made if p.arrival is not None)
     for plan in plans:
         if cfg.abort_fraction and rng.random() < cfg.abort_fraction:
             plan.abort_after = rng.randint(0, 6)

@@ -204,6 +204,7 @@ class DPController:
         self.request: DumpRequest | None = None
         """The failure broadcast to every group, once there is one."""
         self._polled = 0
+        self._ready = False
         self._ended = False
         self._stopped = False
 
@@ -290,10 +291,18 @@ class DPController:
             self._wait()
 
     def _pump(self) -> None:
-        """One round: take the groups' reports, advance the clock, route what is due."""
+        """One round: take the groups' reports, advance the clock, route what is due. Nothing
+        is routed before every group is ready (its entry rank wrote the board once), as
+        upstream's controller waits for every scheduler: a group still starting would take
+        requests it cannot serve yet, and its empty queue would draw the shortest-queue policy
+        to it."""
         for g in self.groups:
             self._read_reports(g)
         board = self.board.snapshot()
+        if not self._ready:
+            self._ready = all(slot.written_ns for slot in board)
+            if not self._ready:
+                return
         live = [board[g.index].step for g in self.groups if g.procs[0].poll() is None]
         if live:
             self.clock = max(self.clock, min(live))

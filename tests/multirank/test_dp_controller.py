@@ -83,22 +83,22 @@ def _bursts(routes: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
 
 
 def test_a_burst_under_shortest_queue_spreads_over_every_group(tmp_path: Path) -> None:
-    """Every request of the stream arrives within the first steps, faster than the board is
-    re-read: only the speculative count keeps a burst off the group that looked emptiest."""
+    """Sessions start six at once, a burst every 10 steps, faster than the board is re-read:
+    only the speculative count keeps a burst off the group that looked emptiest."""
     trace = tmp_path / "t.jsonl"
     cfg = mr_config(**{"topology.dp": 3, "topology.dp_policy": "shortest-queue",
-                       "workload.kind": "shared_prefix", "workload.requests": 24,
-                       "workload.arrival_gap_steps": 0, "observability.trace_path": trace})
+                       "workload.requests": 30, "workload.burst_sessions": 6,
+                       "workload.arrival_gap_steps": 10, "observability.trace_path": trace})
     res = launch_dp(cfg, bundle_root=tmp_path / "bundles")
     try:
         assert res.outcome is RunOutcome.HEALTHY, res.error
     finally:
         res.cleanup()
     routes = _routes(trace)
-    assert len(routes) == 24
+    assert len(routes) == 30
     assert all(r["reason"] == "shortest-queue" for r in routes)
     bursts = _bursts(routes)
-    assert len(bursts[0]) >= 6  # the stream's start: no group has taken a request yet
+    assert len(bursts[0]) >= 6  # the first burst meets every group ready and empty
     assert Counter(r["group"] for r in bursts[0][:6]) == {0: 2, 1: 2, 2: 2}
     for burst in bursts:
         seen = burst[0]["loads"]
@@ -167,10 +167,10 @@ def test_an_external_routing_goes_straight_through(tmp_path: Path) -> None:
 
 
 def test_a_failure_in_one_group_dumps_every_group_into_one_bundle(tmp_path: Path) -> None:
-    """Every request goes to group 0, whose rank crashes at a forward; group 1 never runs a
+    """Every request goes to group 0, whose rank crashes at its first forward; group 1 runs no
     forward, so it fails only because the controller broadcast the dump request."""
     cfg = mr_config(**{"topology.dp": 2, "workload.requests": 8,
-                       "faults": (parse_fault("crash:point=model.forward,step=6"),)})
+                       "faults": (parse_fault("crash:point=model.forward,count=1"),)})
     res = launch_dp(cfg, bundle_root=tmp_path / "bundles", external_router=lambda req: 0)
     try:
         assert res.outcome is RunOutcome.CRASH
