@@ -418,7 +418,7 @@ def test_faults_list_matches_what_the_parser_accepts() -> None:
     kinds = {k["kind"]: k for k in listing["kinds"]}
     assert set(kinds) == {k.value for k in FaultKind}
     sample = {"ms": "5", "mode": "short", "pages": "1", "at": "1", "batch": "1",
-              "point": "scheduler.step", "pool": "kv"}
+              "point": "scheduler.step", "pool": "kv", "chunk": "0"}
     for kind, info in kinds.items():
         assert info["summary"], kind
         params = [p["name"] for p in info["params"]]
