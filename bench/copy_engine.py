@@ -1,11 +1,22 @@
-"""L2<->L1 page copy bandwidth of the copy engine vs a plain torch copy of the same bytes.
+"""L2<->L1 page copy bandwidth of the copy engine, in every host memory layout, against a plain
+torch copy of the same bytes measured in the same run.
 
-The engine copies K and V of every layer for a set of pages between the device pool and the
-host pool (here both in host memory: this machine has no GPU), completing an event per job.
-The baseline is ``dst.copy_(src)`` of one contiguous tensor holding the same number of bytes,
-which is the best a copy can do. Two page mappings are measured: pages allocated in runs (what
-the allocator hands out most of the time) and a shuffled mapping (a fragmented pool).
-Goal: ratio >= 0.70 (in one run).
+The engine copies K and V of every layer of a job's pages between the device pool (layer-first,
+as attention reads it) and the host pool (``layer_first``, ``page_first`` or
+``page_first_direct``); here both pools are in host memory, as on a machine without a GPU. The
+baseline is ``dst.copy_(src)`` of one contiguous tensor of the same number of bytes, the best a
+copy can do; each cell is timed interleaved with it (best of ``--repeat`` each), so a noisy
+machine slows both alike. Page mappings:
+
+* ``runs``: pages as the allocators hand them out, consecutive on both sides;
+* ``scattered``: the job's host pages anywhere in the host pool (shuffled), what L2 looks like
+  after hours of eviction and reuse; device pages as allocated;
+* ``both``: device pages scattered too (a fragmented L1 as well).
+
+Directions: L1->L2 (a write: every layer in one job) and L2->L1 (a load, landing layer by
+layer). Goals, in one run: ``ratio`` (the worst allocator-runs ratio over layouts and
+directions) >= 0.70, and ``ratio_scattered_page_first`` (the worst direction with ``page_first``
+on scattered host pages) >= 0.60.
 
 Usage: python bench/copy_engine.py [--pages N] [--repeat R]
 """
@@ -21,19 +32,38 @@ from collections.abc import Callable
 import torch
 
 from hicache_runtime.kv.copy_engine import CpuCopyEngine, LayerDoneCounter
+from hicache_runtime.kv.layouts import MEM_LAYOUTS
 from hicache_runtime.kv.pools import DeviceKVPool, HostKVPool, KVShape
 
 PAGE = 16
+SHAPE = KVShape(num_layers=8, num_heads=8, head_dim=64, dtype=torch.float16)
+MAPPINGS = ("runs", "scattered", "both")
 
 
-def bandwidth(fn: Callable[[], object], nbytes: int, repeat: int) -> float:
+def timed(fn: Callable[[], object], plain: Callable[[], object], repeat: int
+          ) -> tuple[float, float]:
+    """Best seconds of ``fn`` and of ``plain``, timed one after the other ``repeat`` times."""
     fn()
-    best = float("inf")
+    plain()
+    best, best_plain = float("inf"), float("inf")
     for _ in range(repeat):
         t0 = time.perf_counter()
+        plain()
+        t1 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
+        t2 = time.perf_counter()
+        best_plain, best = min(best_plain, t1 - t0), min(best, t2 - t1)
+    return best, best_plain
+
+
+def mapping(kind: str, pages: int, rng: random.Random) -> tuple[list[int], list[int]]:
+    """Device and host pages of a job of ``pages`` pages out of pools twice that size."""
+    dev, host = list(range(2 * pages)), list(range(2 * pages))
+    if kind in ("scattered", "both"):
+        rng.shuffle(host)
+    if kind == "both":
+        rng.shuffle(dev)
+    return dev[:pages], host[:pages]
 
 
 def main() -> None:
@@ -42,51 +72,65 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=7)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    shape = KVShape(num_layers=8, num_heads=8, head_dim=64, dtype=torch.float16)
     n_tok = args.pages * PAGE
-    device = DeviceKVPool(shape, 2 * n_tok, PAGE, torch.device("cpu"))
-    host = HostKVPool(shape, 2 * n_tok, PAGE, pin=False)
+    nbytes = n_tok * SHAPE.bytes_per_token
+    src_flat = torch.ones(nbytes // 2, dtype=torch.float16)
+    dst_flat = torch.zeros_like(src_flat)
+
+    def plain() -> None:
+        dst_flat.copy_(src_flat)
+
+    device = DeviceKVPool(SHAPE, 2 * n_tok, PAGE, torch.device("cpu"))
     device.k.normal_()
     device.v.normal_()
     engine = CpuCopyEngine(PAGE)
-    counter = LayerDoneCounter(shape.num_layers)
-    nbytes = n_tok * shape.bytes_per_token
-    src_flat = torch.empty(nbytes // 2, dtype=torch.float16)
-    dst_flat = torch.empty_like(src_flat)
-    plain = bandwidth(lambda: dst_flat.copy_(src_flat), nbytes, args.repeat)
-    print(f"plain torch copy: {plain:.2f} GB/s ({nbytes / 1e6:.1f} MB)")
-    results = {}
+    counter = LayerDoneCounter(SHAPE.num_layers)
+    print(f"model: {SHAPE.num_layers} layers x {SHAPE.num_heads} KV heads x head_dim "
+          f"{SHAPE.head_dim}, float16 ({SHAPE.bytes_per_token // SHAPE.num_layers // 2} bytes "
+          f"of K per token and layer); page {PAGE} tokens; a job of {args.pages} pages "
+          f"({nbytes / 2**20:.0f} MiB of K and V) in pools of {2 * args.pages} pages; "
+          f"best of {args.repeat}, each against a plain copy of the same bytes")
+    cells: dict[str, float] = {}
+    plain_best = float("inf")
     rng = random.Random(0)
-    for layout in ("runs", "shuffled"):
-        dev_pages = list(range(2 * args.pages))
-        host_pages = list(range(2 * args.pages))
-        if layout == "shuffled":
-            rng.shuffle(dev_pages)
-            rng.shuffle(host_pages)
-        dev = device.allocator.pages_to_slots(dev_pages[: args.pages])
-        hst = host.allocator.pages_to_slots(host_pages[: args.pages])
+    print(f"{'layout':18s} {'pages':9s} {'L1->L2':>14s} {'L2->L1':>14s}")
+    for layout in MEM_LAYOUTS:
+        host = HostKVPool(SHAPE, 2 * n_tok, PAGE, pin=False, layout=layout)
+        for kind in MAPPINGS:
+            dev_pages, host_pages = mapping(kind, args.pages, rng)
+            d = device.allocator.pages_to_slots(dev_pages)
+            h = host.allocator.pages_to_slots(host_pages)
 
-        def write_job(d: torch.Tensor = dev, h: torch.Tensor = hst) -> None:
-            engine.write(device, host, d, h).synchronize()
+            def write(d: torch.Tensor = d, h: torch.Tensor = h, host: HostKVPool = host) -> None:
+                engine.write(device, host, d, h).synchronize()
 
-        def load_job(d: torch.Tensor = dev, h: torch.Tensor = hst) -> None:
-            engine.load(host, device, h, d, counter)[0].synchronize()
+            def load(d: torch.Tensor = d, h: torch.Tensor = h, host: HostKVPool = host) -> None:
+                engine.load(host, device, h, d, counter)[0].synchronize()
 
-        write = bandwidth(write_job, nbytes, args.repeat)
-        load = bandwidth(load_job, nbytes, args.repeat)
-        assert torch.equal(device.k[:, dev], host.k[:, hst]), "copies must be exact"
-        results[layout] = (write, load)
-        print(f"{layout:9s} L1->L2 {write:.2f} GB/s ({write / plain:.2f}x)   "
-              f"L2->L1 {load:.2f} GB/s ({load / plain:.2f}x)")
+            row = []
+            for direction, job in (("write", write), ("load", load)):
+                best, best_plain = timed(job, plain, args.repeat)
+                plain_best = min(plain_best, best_plain)
+                cells[f"{layout}/{kind}/{direction}"] = round(best_plain / best, 3)
+                row.append(f"{nbytes / best / 1e9:5.2f} GB/s {best_plain / best:.2f}x")
+            k, v = host.read_pages(h)
+            assert torch.equal(k, device.k[:, d]), "copies must be exact"
+            assert torch.equal(v, device.v[:, d]), "copies must be exact"
+            print(f"{layout:18s} {kind:9s} {row[0]:>14s} {row[1]:>14s}")
+        del host
     engine.shutdown()
-    ratio = min(results["runs"]) / plain
-    print(f"ratio (allocator-shaped runs, worst direction) {ratio:.2f} (goal >= 0.70); "
-          f"shuffled pages {min(results['shuffled']) / plain:.2f}")
-    print(json.dumps({"bench": "copy_engine", "ratio": round(ratio, 3),
-                      "ratio_shuffled": round(min(results["shuffled"]) / plain, 3),
-                      "plain_gb_s": round(plain, 2),
-                      "write_gb_s": round(results["runs"][0], 2),
-                      "load_gb_s": round(results["runs"][1], 2)}))
+    ratio = min(v for k, v in cells.items() if "/runs/" in k)
+    scattered_pf = min(v for k, v in cells.items() if k.startswith("page_first/scattered/"))
+    print(f"plain copy: {nbytes / plain_best / 1e9:.2f} GB/s at best")
+    print(f"ratio (allocator runs, worst layout and direction) {ratio:.2f} (goal >= 0.70); "
+          f"scattered page_first (worst direction) {scattered_pf:.2f} (goal >= 0.60)")
+    print(json.dumps({"bench": "copy_engine", "ratio": ratio,
+                      "ratio_scattered_page_first": scattered_pf,
+                      "plain_gb_s": round(nbytes / plain_best / 1e9, 2),
+                      "page_tokens": PAGE, "pages": args.pages,
+                      "model": {"layers": SHAPE.num_layers, "kv_heads": SHAPE.num_heads,
+                                "head_dim": SHAPE.head_dim, "dtype": "float16"},
+                      "cells": cells}))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,14 @@ untimed) and each request keeps its best TTFT, which damps noise from a shared m
 of the two sides must be identical. The figure: mean TTFT cached / mean TTFT recompute (goal <=
 0.2 at ~90% prefix hit).
 
+Section "TTFT, host layouts": the same TTFT comparison with the host pool (L2) in each memory
+layout (``layer_first``, ``page_first``, ``page_first_direct``) on a scattered pool: before each
+pass the host allocator's free pages are handed back in a shuffled order, so every page a run
+takes lies anywhere in the pool (an L2 after hours of eviction and reuse). Each layout warms its
+own L3 (its own payload order); recompute passes are shared. Figures per layout
+(``ttft_scattered_<layout>_ratio``, goal <= 0.2) and ``ttft_scattered_page_first_vs_layer_first``
+(mean cached TTFT of page_first / of layer_first; below 1 is an improvement).
+
 Each section returns a dict merged into the final JSON line, which is always the last line
 printed; more sections append themselves to ``SECTIONS``.
 
@@ -47,13 +55,14 @@ Usage: python bench/l3_throughput.py [--pages N] [--batch B] [--repeat R] [--dir
                                      [--ttft-requests N] [--ttft-hidden H] [--ttft-layers L]
                                      [--ttft-prompt P] [--ttft-turn T] [--ttft-repeat R]
                                      [--ttft-device-tokens N] [--ttft-policy POLICY]
-                                     [--no-ttft | --ttft-only]
+                                     [--no-ttft | --ttft-only] [--no-ttft-layouts]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import shutil
 import statistics
 import tempfile
@@ -69,6 +78,7 @@ from hicache_runtime.config import RuntimeConfig, load_config
 from hicache_runtime.engine.loop import Engine, EngineResult
 from hicache_runtime.engine.rank import build_rank
 from hicache_runtime.engine.workload import Workload
+from hicache_runtime.kv.layouts import MEM_LAYOUTS
 from hicache_runtime.kv.pools import HostKVPool, KVShape
 from hicache_runtime.kv.request import Req
 from hicache_runtime.l3.backend import StorageBackend
@@ -593,8 +603,71 @@ def layer_params(cfg: RuntimeConfig) -> int:
     return m.num_layers * (4 * m.hidden_size * qkv + 3 * m.hidden_size * m.ffn_size)
 
 
+# --- TTFT per host memory layout, on a scattered L2 -----------------------------------------
+
+
+def scattered_run(cfg: RuntimeConfig, seed: int) -> tuple[EngineResult, dict[str, float]]:
+    """``timed_run`` on a scattered L2: the host allocator's free pages are first taken and
+    handed back in a shuffled order, so the run's host pages lie anywhere in the pool."""
+    rt = build_rank(cfg)
+    try:
+        if rt.host_pool is not None:
+            allocator = rt.host_pool.allocator
+            pages = allocator.alloc_pages(allocator.available_pages)
+            assert pages is not None
+            random.Random(seed).shuffle(pages)
+            allocator.free_pages(pages)
+        workload = PacedWorkload(cfg.workload, cfg.model.vocab_size, cfg.seed)
+        result = Engine(rt, workload, on_step=workload.on_step).run()
+        return result, workload.ttft()
+    finally:
+        rt.close()
+
+
+def ttft_layouts_section(args: argparse.Namespace) -> dict[str, Any]:
+    """TTFT with a scattered L2 in each host memory layout (file L3) vs full recompute."""
+    if args.no_ttft or args.no_ttft_layouts:
+        print("ttft layouts: skipped (--no-ttft)" if args.no_ttft else
+              "ttft layouts: skipped (--no-ttft-layouts)")
+        return {"ttft_scattered_page_first_vs_layer_first": None}
+    root = Path(tempfile.mkdtemp(prefix="l3-ttft-layouts-"))
+    try:
+        cfgs = {layout: ttft_config(args, root / f"warm-{layout}").with_overrides(
+            **{"cache.mem_layout": layout}) for layout in MEM_LAYOUTS}
+        for cfg in cfgs.values():  # untimed: each layout stores the opening contexts in L3
+            scattered_run(warm_config(cfg), seed=0)
+        print(f"ttft layouts: model {args.ttft_hidden}x{args.ttft_layers}, "
+              f"{args.ttft_requests} multi-turn requests, L1 {args.ttft_device_tokens} / L2 "
+              f"{2 * args.ttft_device_tokens} tokens (host pages shuffled), file L3, "
+              f"{args.ttft_policy}; best of {args.ttft_repeat}")
+        cached = {layout: TtftSide() for layout in MEM_LAYOUTS}
+        ref = TtftSide()
+        for r in range(args.ttft_repeat):
+            ref.add(*timed_run(cfgs["layer_first"].reference()))
+            for layout, cfg in cfgs.items():
+                l3_copy = root / f"l3-{layout}-{r}"
+                shutil.copytree(root / f"warm-{layout}", l3_copy)
+                fresh = cfg.with_overrides(**{"storage.path": l3_copy})
+                cached[layout].add(*scattered_run(fresh, seed=r + 1))
+                shutil.rmtree(l3_copy, ignore_errors=True)
+        assert ref.result is not None
+        out: dict[str, Any] = {}
+        for layout, side in cached.items():
+            assert side.result is not None
+            if compare_outputs(side.result.reqs, ref.result.reqs):
+                raise AssertionError(f"ttft {layout}: cached outputs differ from recompute")
+            out |= ttft_report(f"scattered_{layout}_", side.best(), ref.best(), side.result)
+        vs = (out["ttft_scattered_page_first_cached_mean_ms"]
+              / out["ttft_scattered_layer_first_cached_mean_ms"])
+        out["ttft_scattered_page_first_vs_layer_first"] = round(vs, 3)
+        print(f"ttft scattered L2: page_first / layer_first cached mean TTFT {vs:.3f}")
+        return out
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 SECTIONS: list[Callable[[argparse.Namespace], dict[str, Any]]] = [
-    backend_bandwidth, ttft_section, ttft_mooncake_section]
+    backend_bandwidth, ttft_section, ttft_mooncake_section, ttft_layouts_section]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -628,6 +701,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ttft.add_argument("--ttft-repeat", type=int, default=2, choices=range(1, 10),
                       metavar="R",
                       help="cached/recompute pass pairs; each request keeps its best TTFT")
+    ttft.add_argument("--no-ttft-layouts", action="store_true",
+                      help="skip the TTFT section per host memory layout")
     only = ap.add_mutually_exclusive_group()
     only.add_argument("--no-ttft", action="store_true", help="skip the TTFT section")
     only.add_argument("--ttft-only", action="store_true", help="run only the TTFT section")

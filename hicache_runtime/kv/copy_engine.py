@@ -582,18 +582,13 @@ def copy_layers(src: KVBuffers, dst: KVBuffers, layers: range, plan: PagePlan,
                    page_view(d_buf, dst.layout, page_size)[part], plan)
 
 
-#: Up to this many runs, slice copies whatever their size.
+#: Up to this many runs, one op per run whatever their size.
 _MAX_SLICE_RUNS = 32
-#: The fixed cost of one copy op (a few microseconds of Python and kernel setup), in the bytes
-#: a CPU copies in that time.
-_OP_COST_BYTES = 48 << 10
-#: Staging chunk and transposition block size: stays in a core's L2 cache.
-_BLOCK_BYTES = 1 << 20
-#: Bandwidth of each way of copying relative to a slice copy, as measured on a CPU (numpy's
-#: indexed assignment walks rows more slowly than torch's copy kernel; staging makes two
-#: passes).
-_SCATTER_SPEED = 0.8
-_STAGED_SPEED = 0.5
+#: A run at least this large amortises the fixed cost of one copy op (a few microseconds of
+#: Python and kernel setup); many smaller runs are batched through staging instead.
+_MIN_RUN_BYTES = 64 << 10
+#: Transposition block and staging chunk: a few pages that stay in a core's caches.
+_BLOCK_BYTES = 2 << 20
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _scratch = threading.local()
@@ -601,13 +596,17 @@ _scratch = threading.local()
 
 def copy_pages(src: torch.Tensor, dst: torch.Tensor, plan: PagePlan) -> None:
     """Copy the plan's pages between two page views (``[layers, pages, page_size, ...]``, any
-    strides, same shape but for the page count).
+    strides, same shape but for the page count), each byte read and written once:
 
-    Four ways, the cheapest for the mapping and page size chosen by a cost of ops and bytes:
-    slice copies of the runs contiguous on both sides; one index copy per run of one side (a
-    gather into each destination run, or a scatter of each source run); or, for pages
-    scattered on both sides and too small to copy one by one, a gather into a cache-sized
-    staging buffer and a scatter from it, a chunk at a time."""
+    * few runs contiguous on both sides (what allocators hand out): a slice copy per run,
+      a cache-sized block of pages at a time when the two sides order a page differently;
+    * the destination in runs: one ``index_select`` into each destination run;
+    * the source in runs, the destination scattered: one indexed assignment of whole pages per
+      source run, or, when the sides order a page differently, through a staging buffer that
+      stays in cache (the transposition happens there, the pages leave it as whole blocks);
+    * scattered on both sides: staging too, a chunk of pages at a time (gathered into the
+      buffer, scattered from it), unless the pages are large enough to copy one run each.
+    """
     if plan.pages == 0:
         return
     page_bytes = src[:, 0].numel() * src.element_size()
@@ -615,24 +614,20 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, plan: PagePlan) -> None:
         _copy_runs(src, dst, plan.runs, page_bytes)
         return
     total = plan.pages * page_bytes
+
+    def few(runs: int) -> bool:
+        return runs <= _MAX_SLICE_RUNS or total >= runs * _MIN_RUN_BYTES
+
     dst_runs, src_by_dst, _ = plan.dst_runs
     src_runs, dst_by_src, _ = plan.src_runs
-    chunks = -(-total // _BLOCK_BYTES)
-    costs = {
-        "slices": len(plan.runs) * _OP_COST_BYTES + total,
-        "gather": len(dst_runs) * _OP_COST_BYTES + total,
-        "scatter": len(src_runs) * _OP_COST_BYTES + total / _SCATTER_SPEED,
-        "staged": 2 * chunks * _OP_COST_BYTES + total / _STAGED_SPEED,
-    }
-    way = min(costs, key=lambda k: costs[k])
-    if way == "slices":
-        _copy_runs(src, dst, plan.runs, page_bytes)
-    elif way == "gather":
+    if len(dst_runs) <= len(src_runs) and few(len(dst_runs)):
         _gather_runs(src, dst, dst_runs, src_by_dst)
-    elif way == "scatter":
+    elif few(len(src_runs)) and _same_order(src, dst):
         _scatter_runs(src, dst, src_runs, dst_by_src)
-    else:
+    elif few(len(src_runs)) or not few(len(dst_runs)):
         _copy_staged(src, dst, plan, page_bytes)
+    else:
+        _gather_runs(src, dst, dst_runs, src_by_dst)
 
 
 def _copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: list[tuple[int, int, int]],
@@ -683,10 +678,15 @@ def _copy_staged(src: torch.Tensor, dst: torch.Tensor, plan: PagePlan, page_byte
     scratch = _scratch_bytes(chunk * page_bytes).view(src.dtype)
     per_page = page_bytes // src.element_size()
     idx = plan.dst.numpy()
+    src_pages = plan.src.tolist()
     for i in range(0, plan.pages, chunk):
         m = min(chunk, plan.pages - i)
         stage = scratch[: m * per_page].view(m, *src_pm.shape[1:])
-        torch.index_select(src_pm, 0, plan.src[i : i + m], out=stage)
+        first = src_pages[i]
+        if src_pages[i : i + m] == list(range(first, first + m)):  # one slice copy
+            stage.copy_(src_pm[first : first + m])
+        else:
+            torch.index_select(src_pm, 0, plan.src[i : i + m], out=stage)
         s_words, d_words = _as_words(stage, dst_pm)
         d_words.numpy()[idx[i : i + m]] = s_words.numpy()
 

@@ -170,14 +170,39 @@ def test_any_page_mapping_copies_exactly_both_ways(layout: str, dtype: torch.dty
     assert torch.equal(got, _logical(host, host.v, host_pages)[part])
 
 
-@pytest.mark.parametrize(("kind", "page_bytes", "way"), [
-    ("runs", 64 << 10, "_copy_runs"),  # allocator runs: a slice copy each
-    ("host", 4 << 10, "_gather_runs"),  # load into a device run: one gather
-    ("both", 4 << 10, "_copy_staged"),  # scattered on both sides, small pages: staging
-    ("both", 256 << 10, "_gather_runs"),  # large pages: one index copy per destination run
+def _views(row_words: int, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer-major source page view and a destination page view over 256 pages of 2 layers x
+    2 tokens x ``row_words`` int64 words; the destination orders a page token-major when
+    ``transposed`` (as a page_first pool does)."""
+    src = torch.arange(2 * 256 * 2 * row_words, dtype=torch.int64).view(2, 256, 2, row_words)
+    if transposed:
+        return src, torch.zeros(256, 2, 2, row_words, dtype=torch.int64).permute(2, 0, 1, 3)
+    return src, torch.zeros_like(src)
+
+
+def _pairs(kind: str, n: int = 96) -> tuple[list[int], list[int]]:
+    """Source and destination pages: ``dst-run`` (source scattered), ``src-run`` (destination
+    scattered), ``both`` (both scattered, the destination in runs of two pages)."""
+    rng = random.Random(7)
+    scattered = rng.sample(range(256), n)
+    if kind == "dst-run":
+        return scattered, list(range(n))
+    if kind == "src-run":
+        return list(range(n)), scattered
+    pairs = rng.sample(range(64), n // 2)  # 4p, 4p + 1: runs of exactly two pages
+    return scattered, [4 * p + i for p in pairs for i in (0, 1)]
+
+
+@pytest.mark.parametrize(("kind", "row_words", "transposed", "way"), [
+    ("runs", 512, True, "_copy_runs"),  # allocator runs: a slice copy each, blocked
+    ("dst-run", 64, False, "_gather_runs"),  # a load into a device run: one gather
+    ("src-run", 64, False, "_scatter_runs"),  # a write to scattered pages: one scatter
+    ("src-run", 2048, True, "_copy_staged"),  # the same into page_first: transposed in cache
+    ("both", 64, False, "_copy_staged"),  # scattered on both sides, small pages
+    ("both", 8192, True, "_gather_runs"),  # large pages: one index copy per destination run
 ])
-def test_the_cheapest_copy_way_is_taken(kind: str, page_bytes: int, way: str,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_mapping_takes_its_copy_way(kind: str, row_words: int, transposed: bool, way: str,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
     taken: list[str] = []
     for name in ("_copy_runs", "_gather_runs", "_scatter_runs", "_copy_staged"):
         original = getattr(copy_engine, name)
@@ -187,33 +212,12 @@ def test_the_cheapest_copy_way_is_taken(kind: str, page_bytes: int, way: str,
             _fn(*args)  # type: ignore[operator]
 
         monkeypatch.setattr(copy_engine, name, spy)
-    pages, n = 256, 96
-    src = torch.arange(pages * page_bytes // 8, dtype=torch.int64).view(1, pages, 1, -1)
-    dst = torch.zeros_like(src)
-    dev_pages, host_pages = _mapping(kind, n, pages)
-    plan = PagePlan.of_pages(torch.tensor(host_pages), torch.tensor(dev_pages))  # a load
-    copy_pages(src, dst, plan)
+    src, dst = _views(row_words, transposed)
+    src_pages, dst_pages = (list(range(96)), list(range(96))) if kind == "runs" \
+        else _pairs(kind)
+    copy_pages(src, dst, PagePlan.of_pages(torch.tensor(src_pages), torch.tensor(dst_pages)))
     assert taken == [way]
-    assert torch.equal(dst[:, dev_pages], src[:, host_pages])
-
-
-def test_a_write_from_a_device_run_to_scattered_host_pages_is_one_scatter(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
-    original = copy_engine._scatter_runs
-
-    def spy(src: torch.Tensor, dst: torch.Tensor, runs: list[tuple[int, int, int]],
-            pages: torch.Tensor) -> None:
-        calls.append(len(runs))
-        original(src, dst, runs, pages)
-
-    monkeypatch.setattr(copy_engine, "_scatter_runs", spy)
-    src = torch.randn(2, 256, 4, 64)
-    dst = torch.zeros_like(src)
-    dev_pages, host_pages = _mapping("host", 96, 256)
-    copy_pages(src, dst, PagePlan.of_pages(torch.tensor(dev_pages), torch.tensor(host_pages)))
-    assert calls == [1]
-    assert torch.equal(dst[:, host_pages], src[:, dev_pages])
+    assert torch.equal(dst[:, dst_pages], src[:, src_pages])
 
 
 @pytest.mark.parametrize("layout", MEM_LAYOUTS)
