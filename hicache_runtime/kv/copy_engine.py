@@ -365,7 +365,7 @@ class CudaCopyEngine(CopyEngine):
         host = page_view(host_buf, layout, self.page_size)
         staging = torch.empty((host.shape[0], plan.pages, *host.shape[2:]), dtype=host.dtype,
                               pin_memory=True)
-        torch.index_select(host, 1, plan.src, out=staging)
+        copy_pages(host, staging, PagePlan.of_pages(plan.src, torch.arange(plan.pages)))
         return staging
 
     def _load_layer(self, host_buf: torch.Tensor, dev: torch.Tensor, layer: int,
@@ -398,8 +398,9 @@ class CudaCopyEngine(CopyEngine):
         else:
             pinned = _blocks_like(host_buf, layout, plan.pages, self.page_size,
                                   torch.device("cpu"), pin=True)
-            torch.index_select(page_view(host_buf, layout, self.page_size), 1, plan.src,
-                               out=page_view(pinned, layout, self.page_size))
+            copy_pages(page_view(host_buf, layout, self.page_size),
+                       page_view(pinned, layout, self.page_size),
+                       PagePlan.of_pages(plan.src, torch.arange(plan.pages)))
             blocks.copy_(pinned, non_blocking=True)
         return page_view(blocks, layout, self.page_size)
 
@@ -589,6 +590,8 @@ _MAX_SLICE_RUNS = 32
 _MIN_RUN_BYTES = 64 << 10
 #: Transposition block and staging chunk: a few pages that stay in a core's caches.
 _BLOCK_BYTES = 2 << 20
+#: Pieces at least this large (a memory page) copy at full speed in any order.
+_MIN_PIECE_BYTES = 4 << 10
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _scratch = threading.local()
@@ -622,7 +625,7 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, plan: PagePlan) -> None:
     src_runs, dst_by_src, _ = plan.src_runs
     if len(dst_runs) <= len(src_runs) and few(len(dst_runs)):
         _gather_runs(src, dst, dst_runs, src_by_dst)
-    elif few(len(src_runs)) and _same_order(src, dst):
+    elif few(len(src_runs)) and not _transposing(src, dst):
         _scatter_runs(src, dst, src_runs, dst_by_src)
     elif few(len(src_runs)) or not few(len(dst_runs)):
         _copy_staged(src, dst, plan, page_bytes)
@@ -635,7 +638,7 @@ def _copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: list[tuple[int, int, 
     # When the two sides order a page's bytes differently (a page_first host pool against the
     # layer-first device pool) the copy is a transposition; done a cache-sized block of pages
     # at a time it keeps streaming reads and writes (about 0.5 -> 0.8 of memcpy on a CPU).
-    block = max(1, _BLOCK_BYTES // page_bytes) if not _same_order(src, dst) else 1 << 62
+    block = max(1, _BLOCK_BYTES // page_bytes) if _transposing(src, dst) else 1 << 62
     for s0, d0, n in runs:
         for off in range(0, n, block):
             b = min(block, n - off)
@@ -724,11 +727,25 @@ def _as_words(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return a2.view(itype), b2.view(itype)
 
 
-def _same_order(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two same-shaped views lay their dimensions out in the same order in memory."""
+def _transposing(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """Whether the two page views order a page's dimensions differently in memory (as a
+    ``page_first`` pool and the device pool do) and the pieces contiguous on both sides at once
+    are smaller than ``_MIN_PIECE_BYTES``: a CPU copies such pieces at a fraction of its
+    bandwidth unless the copy stays within its caches."""
     def order(t: torch.Tensor) -> list[int]:
-        return sorted((d for d in range(t.dim()) if t.shape[d] > 1), key=lambda d: -t.stride(d))
-    return order(a) == order(b)
+        return sorted((d for d in range(t.dim()) if t.shape[d] > 1 and d != 1),
+                      key=lambda d: -t.stride(d))
+
+    dims = order(dst)
+    if order(src) == dims:
+        return False
+    piece, want = dst.element_size(), 1
+    for d in reversed(dims):
+        if src.stride(d) != want or dst.stride(d) != want:
+            break
+        piece *= dst.shape[d]
+        want *= dst.shape[d]
+    return piece < _MIN_PIECE_BYTES
 
 
 def _scratch_bytes(nbytes: int) -> torch.Tensor:

@@ -197,7 +197,7 @@ def _pairs(kind: str, n: int = 96) -> tuple[list[int], list[int]]:
     ("runs", 512, True, "_copy_runs"),  # allocator runs: a slice copy each, blocked
     ("dst-run", 64, False, "_gather_runs"),  # a load into a device run: one gather
     ("src-run", 64, False, "_scatter_runs"),  # a write to scattered pages: one scatter
-    ("src-run", 2048, True, "_copy_staged"),  # the same into page_first: transposed in cache
+    ("src-run", 64, True, "_copy_staged"),  # the same into page_first: transposed in cache
     ("both", 64, False, "_copy_staged"),  # scattered on both sides, small pages
     ("both", 8192, True, "_gather_runs"),  # large pages: one index copy per destination run
 ])
