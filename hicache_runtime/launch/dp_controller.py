@@ -89,14 +89,13 @@ from hicache_runtime.launch.launcher import (
     wait_exit,
 )
 from hicache_runtime.launch.side_channel import DumpRequest, ProgressFn, read_dump, request_dump
+from hicache_runtime.telemetry.perfetto import CONTROLLER_RANK
 from hicache_runtime.telemetry.tracer import Tracer
 
 ExternalRouter = Callable[[Req], int | None]
 """A router in front of the controller (prefill/decode disaggregation, say): the DP group it
 chose for a request (``routed_dp_rank``), or None to leave the choice to the policy."""
 
-CONTROLLER_RANK = -1
-"""The rank the controller's events carry (it is no rank of the grid)."""
 _WAIT_S = 0.002
 """Longest wait for a group's report between two rounds of routing and watching."""
 _POLL_S = 0.05

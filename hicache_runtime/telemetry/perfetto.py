@@ -9,7 +9,9 @@ per-track table (bounded), whatever the input. A line that is not an event (malf
 wrong types, over-long) is skipped and counted; an input without a single event is an error
 (:class:`~hicache_runtime.contracts.errors.DumpFormatError`), not an empty trace.
 
-Output: one process per rank, one track per thread; events with ``dur_ns`` become complete
+Output: one process per rank (and one for the DP controller, whose events carry rank -1, as
+process ``MAX_RANK``: it is no rank of the grid), one track per thread; events with ``dur_ns``
+become complete
 ("X") slices starting at ``t0_ns``, the rest instant ("i") events; times are microseconds from
 the earliest event. Records are in input order (trace viewers sort by time themselves).
 """
@@ -31,6 +33,8 @@ MAX_TRACKS = 4096
 MAX_NAME = 200
 MAX_FILES = 4096
 MAX_RANK = 1 << 16
+CONTROLLER_RANK = -1
+"""The rank the DP controller's events carry."""
 _OVERFLOW_THREAD = "(other threads)"
 
 
@@ -169,7 +173,7 @@ def parse_event(line: bytes) -> TraceEvent | None:
     kind, t_ns, attrs = raw.get("kind"), raw.get("t_ns"), raw.get("attrs", {})
     rank = raw.get("rank", 0)
     if not (isinstance(kind, str) and kind and _is_int(t_ns) and isinstance(attrs, dict)
-            and _is_int(rank) and 0 <= rank < MAX_RANK):
+            and _is_int(rank) and CONTROLLER_RANK <= rank < MAX_RANK):
         return None
     thread = raw.get("thread")
     return TraceEvent(kind=kind[:MAX_NAME], t_ns=t_ns, rank=rank, tp=_opt_int(raw.get("tp")),
@@ -182,19 +186,21 @@ def _records(events: Iterator[TraceEvent], t_base: int) -> Iterator[dict[str, An
     tids: dict[tuple[int, str], int] = {}
     ranks: set[int] = set()
     for ev in events:
-        key = (ev.rank, ev.thread)
+        pid = MAX_RANK if ev.rank == CONTROLLER_RANK else ev.rank  # viewers want pids >= 0
+        key = (pid, ev.thread)
         if key not in tids and len(tids) >= MAX_TRACKS:
-            key = (ev.rank, _OVERFLOW_THREAD)
+            key = (pid, _OVERFLOW_THREAD)
         if key not in tids:
             tids[key] = len(tids) + 1
-            yield _meta("thread_name", ev.rank, tids[key], key[1])
-            if ev.rank not in ranks:
-                ranks.add(ev.rank)
-                label = f"rank {ev.rank} (TP{ev.tp or 0} PP{ev.pp or 0})"
-                yield _meta("process_name", ev.rank, 0, label)
+            yield _meta("thread_name", pid, tids[key], key[1])
+            if pid not in ranks:
+                ranks.add(pid)
+                label = "DP controller" if pid == MAX_RANK \
+                    else f"rank {ev.rank} (TP{ev.tp or 0} PP{ev.pp or 0})"
+                yield _meta("process_name", pid, 0, label)
         args = {k: v for k, v in ev.attrs.items() if k not in ("t0_ns", "dur_ns")}
         args["step"] = ev.step
-        rec: dict[str, Any] = {"name": ev.kind, "cat": ev.kind.split(".")[0], "pid": ev.rank,
+        rec: dict[str, Any] = {"name": ev.kind, "cat": ev.kind.split(".")[0], "pid": pid,
                                "tid": tids[key], "args": args}
         dur = ev.duration_ns
         if dur is not None:

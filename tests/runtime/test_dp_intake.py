@@ -42,6 +42,12 @@ from hicache_runtime.launch.dp_intake import (
     controller_feed,
 )
 from hicache_runtime.launch.dp_routing import LoadBoard
+from hicache_runtime.telemetry.perfetto import (
+    CONTROLLER_RANK,
+    MAX_RANK,
+    export_perfetto,
+    parse_event,
+)
 from hicache_runtime.telemetry.tracer import Tracer
 
 
@@ -183,3 +189,17 @@ def test_one_bundle_numbers_every_group_s_ranks_in_the_grid(tmp_path: Path) -> N
     assert json.loads((bundle / "rank0" / RANK_FLIGHT_RECORDER).read_text())[0]["peer"] == 1
     assert not list(bundle.glob(f"rank*/{RANK_ENTRY}"))
     assert json.loads((bundle / "controller" / RANK_EVENTS).read_text()) == controller[0]
+
+
+def test_the_controller_s_trace_exports_as_a_process_of_its_own(tmp_path: Path) -> None:
+    tracer = Tracer(RankInfo(CONTROLLER_RANK, 0, 0, 1, 1, 0, 2), jsonl_path=tmp_path / "c.jsonl")
+    tracer.emit(Ev.DP_ROUTE, rid="a", group=1, reason="round-robin", loads=[], board=[0, 0])
+    tracer.close()
+    assert parse_event(b'{"kind": "x", "t_ns": 1, "rank": -2, "attrs": {}}') is None
+    stats = export_perfetto([tmp_path / "c.jsonl"], tmp_path / "c.json")
+    assert stats.events == 1
+    records = json.loads((tmp_path / "c.json").read_text())["traceEvents"]
+    names = {r["pid"]: r["args"]["name"] for r in records if r["name"] == "process_name"}
+    assert names == {MAX_RANK: "DP controller"}
+    (route,) = [r for r in records if r["name"] == Ev.DP_ROUTE]
+    assert (route["pid"], route["args"]["group"]) == (MAX_RANK, 1)
