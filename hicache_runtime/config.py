@@ -87,7 +87,8 @@ class TopologyConfig(BaseModel):
     pp: int = Field(1, ge=1)
     dp: int = Field(1, ge=1)
     """DP groups: each a whole ``tp × pp`` grid with its own cache and its own process-group
-    world, fed requests by the DP controller (``launch/dp_controller.py``)."""
+    world, fed requests by the DP controller (``launch/dp_controller.py``). Fault selectors
+    name ranks within a group, so a fault acts in every group."""
     dp_policy: Literal["round-robin", "shortest-queue"] = "round-robin"
     """How the DP controller picks a group for a request (``launch/dp_routing.py``)."""
 

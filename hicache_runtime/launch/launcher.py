@@ -50,7 +50,7 @@ import torch.distributed as dist
 from hicache_runtime.config import RuntimeConfig
 from hicache_runtime.contracts import pyspy
 from hicache_runtime.contracts.bundle import RunOutcome
-from hicache_runtime.contracts.errors import DumpFormatError
+from hicache_runtime.contracts.errors import ConfigError, DumpFormatError
 from hicache_runtime.contracts.outcome import classify_exit, describe_exit
 from hicache_runtime.contracts.rank_result import RankResult, read_rank_result
 from hicache_runtime.contracts.run_files import RANK_DIRS, RunDir, rank_dir_name
@@ -114,7 +114,11 @@ def launch(cfg: RuntimeConfig, *, bundle_root: Path, caps: dict[str, int] | None
            progress: ProgressFn | None = None) -> LaunchResult:
     """Run ``cfg`` as ``tp * pp`` processes; returns when every rank has exited. The caller
     must ``cleanup()`` the result. Raising (an interrupt included), it leaves no rank and no
-    run directory behind."""
+    run directory behind. One DP group: several are the DP controller's
+    (:func:`~hicache_runtime.launch.dp_controller.launch_dp`)."""
+    if cfg.topology.dp > 1:
+        raise ConfigError("topology.dp", f"{cfg.topology.dp} DP groups are started by the DP "
+                          "controller (launch_dp), not by the launcher of one group")
     with signals_interrupt() as quiet:
         run_dir = Path(tempfile.mkdtemp(prefix="hicache-run-"))
         run = RunDir(run_dir)

@@ -42,6 +42,7 @@ from hicache_runtime.launch.dp_intake import (
     controller_feed,
 )
 from hicache_runtime.launch.dp_routing import LoadBoard
+from hicache_runtime.launch.launcher import launch
 from hicache_runtime.telemetry.perfetto import (
     CONTROLLER_RANK,
     MAX_RANK,
@@ -203,3 +204,9 @@ def test_the_controller_s_trace_exports_as_a_process_of_its_own(tmp_path: Path) 
     assert names == {MAX_RANK: "DP controller"}
     (route,) = [r for r in records if r["name"] == Ev.DP_ROUTE]
     assert (route["pid"], route["args"]["group"]) == (MAX_RANK, 1)
+
+
+def test_the_launcher_of_one_group_leaves_several_to_the_controller(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="DP controller"):
+        launch(load_config({"topology.dp": 2}), bundle_root=tmp_path)
+    assert not list(tmp_path.iterdir())
