@@ -5,8 +5,10 @@ The engine copies K and V of every layer of a job's pages between the device poo
 as attention reads it) and the host pool (``layer_first``, ``page_first`` or
 ``page_first_direct``); here both pools are in host memory, as on a machine without a GPU. The
 baseline is ``dst.copy_(src)`` of one contiguous tensor of the same number of bytes, the best a
-copy can do; each cell is timed interleaved with it (best of ``--repeat`` each), so a noisy
-machine slows both alike. Page mappings:
+copy can do. Each cell is timed right after a plain copy, in ``--repeat`` rounds over every
+cell (a new order each round), and keeps its best time and its plain copies' best: a burst of
+load from elsewhere spoils a few samples of many cells rather than every sample of one. Page
+mappings:
 
 * ``runs``: pages as the allocators hand them out, consecutive on both sides;
 * ``scattered``: the job's host pages anywhere in the host pool (shuffled), what L2 looks like
@@ -40,22 +42,6 @@ SHAPE = KVShape(num_layers=8, num_heads=8, head_dim=64, dtype=torch.float16)
 MAPPINGS = ("runs", "scattered", "both")
 
 
-def timed(fn: Callable[[], object], plain: Callable[[], object], repeat: int
-          ) -> tuple[float, float]:
-    """Best seconds of ``fn`` and of ``plain``, timed one after the other ``repeat`` times."""
-    fn()
-    plain()
-    best, best_plain = float("inf"), float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        plain()
-        t1 = time.perf_counter()
-        fn()
-        t2 = time.perf_counter()
-        best_plain, best = min(best_plain, t1 - t0), min(best, t2 - t1)
-    return best, best_plain
-
-
 def mapping(kind: str, pages: int, rng: random.Random) -> tuple[list[int], list[int]]:
     """Device and host pages of a job of ``pages`` pages out of pools twice that size."""
     dev, host = list(range(2 * pages)), list(range(2 * pages))
@@ -69,7 +55,7 @@ def mapping(kind: str, pages: int, rng: random.Random) -> tuple[list[int], list[
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pages", type=int, default=1024)
-    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--repeat", type=int, default=9)
     args = ap.parse_args()
     torch.set_num_threads(1)
     n_tok = args.pages * PAGE
@@ -89,11 +75,11 @@ def main() -> None:
           f"{SHAPE.head_dim}, float16 ({SHAPE.bytes_per_token // SHAPE.num_layers // 2} bytes "
           f"of K per token and layer); page {PAGE} tokens; a job of {args.pages} pages "
           f"({nbytes / 2**20:.0f} MiB of K and V) in pools of {2 * args.pages} pages; "
-          f"best of {args.repeat}, each against a plain copy of the same bytes")
-    cells: dict[str, float] = {}
-    plain_best = float("inf")
+          f"best of {args.repeat} rounds, each cell timed right after a plain copy of the same "
+          f"bytes")
     rng = random.Random(0)
-    print(f"{'layout':18s} {'pages':9s} {'L1->L2':>14s} {'L2->L1':>14s}")
+    jobs: dict[str, Callable[[], object]] = {}
+    checks = []
     for layout in MEM_LAYOUTS:
         host = HostKVPool(SHAPE, 2 * n_tok, PAGE, pin=False, layout=layout)
         for kind in MAPPINGS:
@@ -107,17 +93,45 @@ def main() -> None:
             def load(d: torch.Tensor = d, h: torch.Tensor = h, host: HostKVPool = host) -> None:
                 engine.load(host, device, h, d, counter)[0].synchronize()
 
-            row = []
-            for direction, job in (("write", write), ("load", load)):
-                best, best_plain = timed(job, plain, args.repeat)
-                plain_best = min(plain_best, best_plain)
-                cells[f"{layout}/{kind}/{direction}"] = round(best_plain / best, 3)
-                row.append(f"{nbytes / best / 1e9:5.2f} GB/s {best_plain / best:.2f}x")
-            k, v = host.read_pages(h)
-            assert torch.equal(k, device.k[:, d]), "copies must be exact"
-            assert torch.equal(v, device.v[:, d]), "copies must be exact"
-            print(f"{layout:18s} {kind:9s} {row[0]:>14s} {row[1]:>14s}")
-        del host
+            jobs[f"{layout}/{kind}/write"] = write
+            jobs[f"{layout}/{kind}/load"] = load
+            checks.append((host, d, h))
+    # Rounds over every cell (in a new order each round) rather than all rounds of one cell
+    # after the other: a burst of load from elsewhere hits a few samples of many cells, not
+    # every sample of one.
+    best = dict.fromkeys(jobs, float("inf"))
+    best_plain = dict.fromkeys(jobs, float("inf"))
+    # Untimed first pass, checked: a write copies exactly, and so does a load into device
+    # pages cleared first. (Later rounds copy whatever the pages hold: cells share pages.)
+    for (host, d, h), name in zip(checks, list(jobs)[::2]):
+        jobs[name]()
+        k, v = host.read_pages(h)
+        assert torch.equal(k, device.k[:, d]), f"{name}: copies must be exact"
+        assert torch.equal(v, device.v[:, d]), f"{name}: copies must be exact"
+        device.k[:, d] = 0
+        device.v[:, d] = 0
+        jobs[name.replace("/write", "/load")]()
+        assert torch.equal(device.k[:, d], k), f"{name}: loads must be exact"
+        assert torch.equal(device.v[:, d], v), f"{name}: loads must be exact"
+    order = list(jobs)
+    for _ in range(args.repeat):
+        rng.shuffle(order)
+        for name in order:
+            t0 = time.perf_counter()
+            plain()
+            t1 = time.perf_counter()
+            jobs[name]()
+            t2 = time.perf_counter()
+            best_plain[name] = min(best_plain[name], t1 - t0)
+            best[name] = min(best[name], t2 - t1)
+    cells = {name: round(best_plain[name] / best[name], 3) for name in jobs}
+    print(f"{'layout':18s} {'pages':9s} {'L1->L2':>16s} {'L2->L1':>16s}")
+    for layout in MEM_LAYOUTS:
+        for kind in MAPPINGS:
+            row = [f"{nbytes / best[n] / 1e9:5.2f} GB/s {cells[n]:.2f}x"
+                   for n in (f"{layout}/{kind}/write", f"{layout}/{kind}/load")]
+            print(f"{layout:18s} {kind:9s} {row[0]:>16s} {row[1]:>16s}")
+    plain_best = min(best_plain.values())
     engine.shutdown()
     ratio = min(v for k, v in cells.items() if "/runs/" in k)
     scattered_pf = min(v for k, v in cells.items() if k.startswith("page_first/scattered/"))

@@ -18,8 +18,8 @@ Both are indexed through their page views (``[layers, pages, page_size, ...]``),
 mapping is worked out once (:class:`PagePlan`): pages contiguous on both sides are coalesced
 into runs copied with one slice copy each; otherwise one vectorised index copy per run of one
 side; only a mapping scattered on both sides in small pages goes through a cache-sized staging
-buffer (a gather, then a scatter). A load lands layer by layer, except that a ``page_first``
-host pool lands its first layer alone and the others together (:func:`landing_groups`).
+buffer (a gather, then a scatter). A load lands layer by layer, except that from a page-major
+host pool it lands its first layer alone and the others together (:func:`landing_groups`).
 """
 
 from __future__ import annotations
@@ -534,12 +534,12 @@ def landing_groups(host_layout: str, num_layers: int) -> list[range]:
     """The layer groups a CPU load lands in, in order (each group's layers are reported done
     together once it is copied).
 
-    One layer at a time where one layer of a host page is one block (``layer_first``,
-    ``page_first_direct``). In a ``page_first`` pool one layer of a page is ``page_size``
-    pieces of one token each, and a CPU reads such strided pieces at about half the memory
-    bandwidth it reads blocks at; so the first layer lands alone (attention starts on it) and
-    the rest together, copied as whole-page blocks."""
-    if host_layout == PAGE_FIRST and num_layers > 2:
+    One layer at a time from a ``layer_first`` pool, where one layer of a run of pages is one
+    block. In a page-major pool one layer of a page is a piece of the page's block (one token
+    at a time in ``page_first``, one block per page in ``page_first_direct``), and a CPU reads
+    pieces spread over every page at a fraction of the bandwidth it reads whole blocks at; so
+    the first layer lands alone (attention starts on it) and the rest together."""
+    if host_layout != LAYER_FIRST and num_layers > 2:
         return [range(0, 1), range(1, num_layers)]
     return [range(layer, layer + 1) for layer in range(num_layers)]
 
