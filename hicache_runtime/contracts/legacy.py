@@ -156,7 +156,7 @@ REGISTRY: Mapping[LegacySwitch, SwitchEntry] = _entries(
     )),
     SwitchEntry(LegacySwitch.ABORT_FREES_IN_FLIGHT, ("#31296", "#31668"), ("0.5.13",), (
         Exposure(("mid-prefetch-abort:batch=0",), ("prefetch-abort-use-after-free",), tp=2,
-                 config={**_FILE_L3, "workload.requests": 64}),
+                 config={**_FILE_L3, "workload.requests": 96}),
     )),
     SwitchEntry(LegacySwitch.ABORT_CHUNKED_ON_THE_SPOT, ("#28086",), ("0.5.13",), (
         # A large L1: no eviction follows the teardown before the batches part.
