@@ -47,7 +47,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from subprocess import Popen
 from typing import Any
 
 import torch.distributed as dist
@@ -80,6 +79,7 @@ from hicache_runtime.launch.launcher import (
     STARTUP_ALLOWANCE_S,
     Interrupted,
     LaunchResult,
+    RankProcess,
     exits_of,
     kill_all,
     read_results,
@@ -126,7 +126,7 @@ class _Group:
     """The group's rendezvous store, held until its ranks are gone."""
     conn: Connection | None
     """The controller's end of the group's pipe; None once the entry rank is gone."""
-    procs: dict[int, Popen[bytes]] = field(default_factory=dict)
+    procs: dict[int, RankProcess] = field(default_factory=dict)
     """The group's rank processes by rank in the group."""
 
 
@@ -244,7 +244,7 @@ class DPController:
         self.board.close()
         self.tracer.close()
 
-    def procs(self) -> dict[int, Popen[bytes]]:
+    def procs(self) -> dict[int, RankProcess]:
         """Every rank process by grid rank."""
         return {g.first + r: p for g in self.groups for r, p in g.procs.items()}
 

@@ -54,6 +54,7 @@ from hicache_runtime.contracts.errors import ConfigError, DumpFormatError
 from hicache_runtime.contracts.outcome import classify_exit, describe_exit
 from hicache_runtime.contracts.rank_result import RankResult, read_rank_result
 from hicache_runtime.contracts.run_files import RANK_DIRS, RunDir, rank_dir_name
+from hicache_runtime.launch import zygote
 from hicache_runtime.launch.bundles import RankExit, write_run_bundle
 from hicache_runtime.launch.side_channel import (
     DumpRequest,
@@ -63,6 +64,9 @@ from hicache_runtime.launch.side_channel import (
     request_dump,
 )
 from hicache_runtime.launch.threads import torch_threads
+
+RankProcess = subprocess.Popen[bytes] | zygote.ForkedRank
+"""A rank started cold or forked from the zygote (the same interface)."""
 
 _POLL_S = 0.05
 _KILL_GRACE_S = 3.0
@@ -122,7 +126,7 @@ def launch(cfg: RuntimeConfig, *, bundle_root: Path, caps: dict[str, int] | None
     with signals_interrupt() as quiet:
         run_dir = Path(tempfile.mkdtemp(prefix="hicache-run-"))
         run = RunDir(run_dir)
-        procs: dict[int, subprocess.Popen[bytes]] = {}
+        procs: dict[int, RankProcess] = {}
         bundle: Path | None = None
         try:
             run.config.write_text(cfg.model_dump_json(), encoding="utf-8")
@@ -204,7 +208,7 @@ def signals_interrupt() -> Iterator[Callable[[], None]]:
 
 
 def _salvage_bundle(run_dir: Path, cfg: RuntimeConfig, bundle_root: Path,
-                    procs: dict[int, subprocess.Popen[bytes]],
+                    procs: dict[int, RankProcess],
                     exc: BaseException) -> Path | None:
     """A run stopped while ranks were dumping: keep what they wrote as a bundle (with a
     manifest saying it was interrupted) instead of deleting it with the run directory."""
@@ -227,14 +231,17 @@ def _salvage_bundle(run_dir: Path, cfg: RuntimeConfig, bundle_root: Path,
 
 def start_ranks(cfg: RuntimeConfig, run_dir: Path, port: int, *, first_device: int = 0,
                 env: Mapping[str, str] | None = None, entry_env: Mapping[str, str] | None = None,
-                entry_fds: tuple[int, ...] = ()) -> dict[int, subprocess.Popen[bytes]]:
+                entry_fds: tuple[int, ...] = ()) -> dict[int, RankProcess]:
     """Start one world of ``tp * pp`` ranks on the rendezvous at ``port``. A DP controller
     starts one world per DP group: ``first_device`` is the group's first rank in the grid
     (devices are picked by it), ``env`` goes to every rank, ``entry_env`` and the open file
     descriptors ``entry_fds`` to the group's entry rank (rank 0) only."""
     world = cfg.topology.world_size
     run = RunDir(run_dir)
-    procs: dict[int, subprocess.Popen[bytes]] = {}
+    procs: dict[int, RankProcess] = {}
+    # Forked from a warm zygote where that is safe (no CUDA device): a cold start imports
+    # torch and the runtime, about two seconds of CPU per rank.
+    forking = zygote.usable()
     for r in range(world):
         rank_env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(first_device + r),
                     "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
@@ -243,14 +250,17 @@ def start_ranks(cfg: RuntimeConfig, run_dir: Path, port: int, *, first_device: i
                     "OMP_NUM_THREADS": str(torch_threads()), "PYTHONUNBUFFERED": "1",
                     **(env or {}), **((entry_env or {}) if r == 0 else {})}
         rank_env.pop("HICACHE_SELF_PYSPY", None)
+        argv = [sys.executable, "-m", "hicache_runtime.launch.rank_process",
+                "--run-dir", str(run_dir)]
+        fds = entry_fds if r == 0 else ()
+        if forking:
+            procs[r] = zygote.shared().spawn(argv, rank_env, run.log(r), pass_fds=fds)
+            continue
         log = run.log(r).open("wb")
         try:
             procs[r] = subprocess.Popen(
-                [sys.executable, "-m", "hicache_runtime.launch.rank_process",
-                 "--run-dir", str(run_dir)],
-                env=rank_env, stdout=log, stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent, start_new_session=True,
-                pass_fds=entry_fds if r == 0 else ())
+                argv, env=rank_env, stdout=log, stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent, start_new_session=True, pass_fds=fds)
         finally:
             log.close()
     return procs
@@ -262,7 +272,7 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _monitor(procs: dict[int, subprocess.Popen[bytes]], run_dir: Path, cfg: RuntimeConfig,
+def _monitor(procs: dict[int, RankProcess], run_dir: Path, cfg: RuntimeConfig,
              progress: ProgressFn | None) -> bool:
     """Wait for the run to end; True when it failed (the DUMP side channel is then set)."""
     obs = cfg.observability
@@ -292,7 +302,7 @@ def _monitor(procs: dict[int, subprocess.Popen[bytes]], run_dir: Path, cfg: Runt
         time.sleep(_POLL_S)
 
 
-def kill_all(procs: dict[int, subprocess.Popen[bytes]]) -> None:
+def kill_all(procs: dict[int, RankProcess]) -> None:
     """Stop every rank and whatever it started (each rank leads its own process group)."""
     for p in procs.values():
         if p.poll() is None:
@@ -306,7 +316,7 @@ def kill_all(procs: dict[int, subprocess.Popen[bytes]]) -> None:
             p.wait()
 
 
-def _signal_group(p: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+def _signal_group(p: RankProcess, sig: signal.Signals) -> None:
     """Signal a live rank's process group. Never after the rank was reaped: its pid (and so
     its group id) may then belong to someone else."""
     if p.poll() is not None:
@@ -318,7 +328,7 @@ def _signal_group(p: subprocess.Popen[bytes], sig: signal.Signals) -> None:
         p.send_signal(sig)
 
 
-def wait_exit(procs: dict[int, subprocess.Popen[bytes]], timeout_s: float) -> None:
+def wait_exit(procs: dict[int, RankProcess], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     for p in procs.values():
         try:
@@ -327,11 +337,11 @@ def wait_exit(procs: dict[int, subprocess.Popen[bytes]], timeout_s: float) -> No
             return
 
 
-def codes_of(procs: dict[int, subprocess.Popen[bytes]]) -> dict[int, int | None]:
+def codes_of(procs: dict[int, RankProcess]) -> dict[int, int | None]:
     return {r: p.poll() for r, p in procs.items()}
 
 
-def exits_of(procs: dict[int, subprocess.Popen[bytes]]) -> dict[int, RankExit]:
+def exits_of(procs: dict[int, RankProcess]) -> dict[int, RankExit]:
     """How each rank ended, for its bundle entry (``returncode`` is None while it runs)."""
     return {r: RankExit(r, p.returncode, p.pid) for r, p in procs.items()}
 
@@ -357,7 +367,7 @@ def read_results(run_dir: Path, ranks: Iterable[int]
 # --- evidence ----------------------------------------------------------------------------------
 
 
-def _collect_bundle(procs: dict[int, subprocess.Popen[bytes]], run_dir: Path,
+def _collect_bundle(procs: dict[int, RankProcess], run_dir: Path,
                     cfg: RuntimeConfig, bundle_root: Path) -> tuple[Path, DumpRequest]:
     """py-spy every live rank, wait for the rank dumps, stop everyone, write the manifest."""
     run = RunDir(run_dir)

@@ -21,8 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 ROUNDS = 3
 
 
-def _children(pid: int) -> list[int]:
-    out = []
+def _descendants(pid: int) -> list[int]:
+    """Processes below ``pid`` (ranks are the children of the launcher's zygote)."""
+    parent = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -30,8 +31,13 @@ def _children(pid: int) -> list[int]:
             stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            out.append(int(entry))
+        parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
     return out
 
 
@@ -77,7 +83,7 @@ def test_the_launcher_holds_the_rendezvous_port(bundle_root: Path) -> None:
     def check(step: int, finished: int, total: int) -> None:
         if seen:
             return
-        for pid in _children(os.getpid()):
+        for pid in _descendants(os.getpid()):
             try:
                 env = _environ(pid)
             except OSError:

