@@ -13,7 +13,12 @@ waits for the rank dumps, stops everyone, and writes the bundle manifest
 (:class:`~hicache_runtime.contracts.rank_result.RankResult`): a run whose ranks all exited
 cleanly but whose result cannot be read is a crash that says which file and why.
 
-No orphans: each rank dies with the launcher (``PR_SET_PDEATHSIG``), and the launcher kills
+Ranks are forked from the launcher process's zygote (:mod:`hicache_runtime.launch.zygote`),
+which imported torch and the rank program once; on a machine with a CUDA device they start
+cold (``python -m hicache_runtime.launch.rank_process``).
+
+No orphans: each rank dies with the launcher (``PR_SET_PDEATHSIG``; a forked rank with the
+zygote, which exits when the launcher does), and the launcher kills
 every rank it started (its whole process group) on every exit path. Ranks run in sessions of
 their own, so a Ctrl-C at the terminal reaches only the launcher, which stops them in order.
 SIGINT, SIGTERM and SIGHUP during a launch raise :class:`Interrupted` in the launcher: the ranks
