@@ -27,6 +27,7 @@ MANIFEST = "manifest.json"
 CONFIG = "config.json"
 CAPS = "caps.json"
 DUMP = "DUMP"
+DUMP_TMP = "DUMP.tmp"
 PYSPY_DONE = "PYSPY_DONE"
 PROGRESS = "progress.json"
 PROGRESS_TMP = "progress.tmp"
@@ -80,6 +81,10 @@ class RunDir:
     @property
     def dump(self) -> Path:
         return self.path / DUMP
+
+    @property
+    def dump_tmp(self) -> Path:
+        return self.path / DUMP_TMP
 
     @property
     def pyspy_done(self) -> Path:

@@ -64,6 +64,8 @@ from hicache_runtime.launch.bundles import RankExit, write_run_bundle
 from hicache_runtime.launch.side_channel import (
     DumpRequest,
     ProgressFn,
+    blame_dump,
+    lost_a_peer,
     read_dump,
     read_progress,
     request_dump,
@@ -75,6 +77,7 @@ RankProcess = subprocess.Popen[bytes] | zygote.ForkedRank
 
 _POLL_S = 0.05
 _KILL_GRACE_S = 3.0
+_BLAME_WAIT_S = 1.0
 SELF_EXIT_S = 3.0
 STARTUP_ALLOWANCE_S = 60.0
 _STORE_TIMEOUT_S = 120.0
@@ -288,7 +291,10 @@ def _monitor(procs: dict[int, RankProcess], run_dir: Path, cfg: RuntimeConfig,
         if all(c == 0 for c in codes.values()):
             return False
         dead = {r: c for r, c in codes.items() if c not in (None, 0)}
-        if read_dump(run_dir) is not None:
+        request = read_dump(run_dir)
+        if request is not None:
+            if request.by >= 0 and lost_a_peer(request.reason):
+                _blame_a_dead_rank(procs, run_dir, request.by)
             return True
         if dead:
             r, c = min(dead.items())
@@ -305,6 +311,25 @@ def _monitor(procs: dict[int, RankProcess], run_dir: Path, cfg: RuntimeConfig,
                          f"launcher: no progress from rank 0 for {stale_after:.0f}s")
             return True
         time.sleep(_POLL_S)
+
+
+def _blame_a_dead_rank(procs: dict[int, RankProcess], run_dir: Path, reporter: int) -> None:
+    """A rank reported only a lost peer: if another rank died by a signal (killed, or aborted
+    inside a library) without reporting, that death is the failure, not the lost connection.
+    The reporter and the launcher race to see it, so the launcher looks for such a death for a
+    moment before it takes the report as it is."""
+    deadline = time.monotonic() + _BLAME_WAIT_S
+    while True:
+        dead = {r: c for r, p in procs.items() if r != reporter
+                and (c := p.poll()) is not None and c < 0}
+        if dead:
+            r, c = min(dead.items())
+            blame_dump(run_dir, classify_exit(c, RunOutcome.CRASH),
+                       f"rank {r} exited with code {c}{describe_exit(c)} before reporting")
+            return
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.02)
 
 
 def kill_all(procs: dict[int, RankProcess]) -> None:

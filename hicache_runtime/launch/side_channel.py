@@ -48,6 +48,25 @@ def request_dump(run_dir: Path, rank: int, outcome: RunOutcome, reason: str) -> 
     return True
 
 
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
+"""gloo's words when the process at the other end of a pair is gone."""
+
+
+def lost_a_peer(reason: str) -> bool:
+    """Whether a rank's dump request says only that a peer went away (a consequence)."""
+    return any(m in reason for m in _PEER_LOST)
+
+
+def blame_dump(run_dir: Path, outcome: RunOutcome, reason: str) -> None:
+    """Replace the dump request's outcome and reason with the launcher's (``by`` -1): a rank
+    that died without reporting is the cause of the lost connections its peer reported first.
+    Atomic: a reader sees the old request or the new one."""
+    run = RunDir(run_dir)
+    run.dump_tmp.write_text(json.dumps({"by": -1, "outcome": outcome.value, "reason": reason,
+                                        "t": time.time()}), encoding="utf-8")
+    os.replace(run.dump_tmp, run.dump)
+
+
 def read_dump(run_dir: Path) -> DumpRequest | None:
     """The dump request, once there is one and it is complete (its writer may still be
     writing: then ``None``, like no request yet)."""
