@@ -605,8 +605,9 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, plan: PagePlan) -> None:
       a cache-sized block of pages at a time when the two sides order a page differently;
     * the destination in runs: one ``index_select`` into each destination run;
     * the source in runs, the destination scattered: one indexed assignment of whole pages per
-      source run, or, when the sides order a page differently, through a staging buffer that
-      stays in cache (the transposition happens there, the pages leave it as whole blocks);
+      source run; when the sides order a page differently, a transposing copy per run if the
+      runs are large enough to amortise an op each, else through a staging buffer that stays
+      in cache (the transposition happens there, the pages leave it as whole blocks);
     * scattered on both sides: staging too, a chunk of pages at a time (gathered into the
       buffer, scattered from it), unless the pages are large enough to copy one run each.
     """
@@ -627,6 +628,12 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, plan: PagePlan) -> None:
         _gather_runs(src, dst, dst_runs, src_by_dst)
     elif few(len(src_runs)) and not _transposing(src, dst):
         _scatter_runs(src, dst, src_runs, dst_by_src)
+    elif _transposing(src, dst) and few(len(plan.runs)):
+        # Pages large enough to amortise an op each (a page-major host page is one block of
+        # every layer): transposed straight into place, run by run. Staging would cost a
+        # second pass (0.56 -> 0.8 of a plain copy for a write into a scattered page_first
+        # pool, 128 KiB pages).
+        _copy_runs(src, dst, plan.runs, page_bytes)
     elif few(len(src_runs)) or not few(len(dst_runs)):
         _copy_staged(src, dst, plan, page_bytes)
     else:
@@ -638,11 +645,21 @@ def _copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: list[tuple[int, int, 
     # When the two sides order a page's bytes differently (a page_first host pool against the
     # layer-first device pool) the copy is a transposition; done a cache-sized block of pages
     # at a time it keeps streaming reads and writes (about 0.5 -> 0.8 of memcpy on a CPU).
-    block = max(1, _BLOCK_BYTES // page_bytes) if _transposing(src, dst) else 1 << 62
+    if not _transposing(src, dst):
+        for s0, d0, n in runs:
+            dst[:, d0 : d0 + n].copy_(src[:, s0 : s0 + n])
+        return
+    # Pages first and the rest in the destination's memory order: the copy writes each block
+    # sequentially and gathers its pieces (about 0.72 -> 0.8 of memcpy for 128 KiB pages).
+    src_pm, dst_pm = _page_major(src, dst)
+    block = max(1, _BLOCK_BYTES // page_bytes)
     for s0, d0, n in runs:
+        if n == 1:  # most runs of a scattered pool: an index is cheaper than a slice
+            dst_pm[d0].copy_(src_pm[s0])
+            continue
         for off in range(0, n, block):
             b = min(block, n - off)
-            dst[:, d0 + off : d0 + off + b].copy_(src[:, s0 + off : s0 + off + b])
+            dst_pm[d0 + off : d0 + off + b].copy_(src_pm[s0 + off : s0 + off + b])
 
 
 def _gather_runs(src: torch.Tensor, dst: torch.Tensor, runs: list[tuple[int, int, int]],

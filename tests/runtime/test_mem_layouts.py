@@ -170,13 +170,16 @@ def test_any_page_mapping_copies_exactly_both_ways(layout: str, dtype: torch.dty
     assert torch.equal(got, _logical(host, host.v, host_pages)[part])
 
 
-def _views(row_words: int, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _views(row_words: int, transposed: bool, tokens: int = 2
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer-major source page view and a destination page view over 256 pages of 2 layers x
-    2 tokens x ``row_words`` int64 words; the destination orders a page token-major when
-    ``transposed`` (as a page_first pool does)."""
-    src = torch.arange(2 * 256 * 2 * row_words, dtype=torch.int64).view(2, 256, 2, row_words)
+    ``tokens`` tokens x ``row_words`` int64 words; the destination orders a page token-major
+    when ``transposed`` (as a page_first pool does)."""
+    src = torch.arange(2 * 256 * tokens * row_words, dtype=torch.int64).view(
+        2, 256, tokens, row_words)
     if transposed:
-        return src, torch.zeros(256, 2, 2, row_words, dtype=torch.int64).permute(2, 0, 1, 3)
+        return src, torch.zeros(256, tokens, 2, row_words,
+                                dtype=torch.int64).permute(2, 0, 1, 3)
     return src, torch.zeros_like(src)
 
 
@@ -193,15 +196,19 @@ def _pairs(kind: str, n: int = 96) -> tuple[list[int], list[int]]:
     return scattered, [4 * p + i for p in pairs for i in (0, 1)]
 
 
-@pytest.mark.parametrize(("kind", "row_words", "transposed", "way"), [
-    ("runs", 512, True, "_copy_runs"),  # allocator runs: a slice copy each, blocked
-    ("dst-run", 64, False, "_gather_runs"),  # a load into a device run: one gather
-    ("src-run", 64, False, "_scatter_runs"),  # a write to scattered pages: one scatter
-    ("src-run", 64, True, "_copy_staged"),  # the same into page_first: transposed in cache
-    ("both", 64, False, "_copy_staged"),  # scattered on both sides, small pages
-    ("both", 8192, True, "_gather_runs"),  # large pages: one index copy per destination run
+@pytest.mark.parametrize(("kind", "row_words", "tokens", "transposed", "way"), [
+    ("runs", 512, 2, True, "_copy_runs"),  # allocator runs: a slice copy each, blocked
+    ("dst-run", 64, 2, False, "_gather_runs"),  # a load into a device run: one gather
+    ("src-run", 64, 2, False, "_scatter_runs"),  # a write to scattered pages: one scatter
+    ("src-run", 64, 2, True, "_copy_staged"),  # the same into page_first: transposed in cache
+    ("both", 64, 2, False, "_copy_staged"),  # scattered on both sides, small pages
+    ("both", 8192, 2, True, "_gather_runs"),  # large pages: one index copy per destination run
+    # large page_first pages (128 KiB of 1 KiB rows) written scattered: transposed straight
+    # into place, page by page
+    ("src-run", 128, 64, True, "_copy_runs"),
 ])
-def test_each_mapping_takes_its_copy_way(kind: str, row_words: int, transposed: bool, way: str,
+def test_each_mapping_takes_its_copy_way(kind: str, row_words: int, tokens: int,
+                                         transposed: bool, way: str,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     taken: list[str] = []
     for name in ("_copy_runs", "_gather_runs", "_scatter_runs", "_copy_staged"):
@@ -212,7 +219,7 @@ def test_each_mapping_takes_its_copy_way(kind: str, row_words: int, transposed: 
             _fn(*args)  # type: ignore[operator]
 
         monkeypatch.setattr(copy_engine, name, spy)
-    src, dst = _views(row_words, transposed)
+    src, dst = _views(row_words, transposed, tokens)
     src_pages, dst_pages = (list(range(96)), list(range(96))) if kind == "runs" \
         else _pairs(kind)
     copy_pages(src, dst, PagePlan.of_pages(torch.tensor(src_pages), torch.tensor(dst_pages)))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import struct
+import zlib
+
 import pytest
 import torch
 from hypothesis import given
@@ -130,3 +133,36 @@ def test_object_served_under_another_key_is_caught() -> None:
     blob = envelope.seal("aa_m_0_1", b"kv bytes")
     with pytest.raises(CorruptPage, match="checksum"):
         envelope.unseal("aa_m_1_2", blob)
+
+
+def _version1_blob(key: str, payload: bytes) -> bytes:
+    """An object as releases before envelope version 2 wrote it: zlib's CRC-32 over the key,
+    the version, flags and length fields, and the payload."""
+    crc = zlib.crc32(key.encode())
+    crc = zlib.crc32(struct.pack("<HHQ", 1, 0, len(payload)), crc)
+    crc = zlib.crc32(payload, crc)
+    return struct.pack("<4sHHQII", b"HCL3", 1, 0, len(payload), crc, 0) + payload
+
+
+def test_pages_are_written_with_crc32c() -> None:
+    # The check value of CRC-32C (Castagnoli) for "123456789", as every implementation states it.
+    assert envelope._crc32c(b"123456789", 0) == 0xE3069283
+    header, _ = envelope.seal_parts("k", b"payload")
+    assert struct.unpack_from("<4sH", header) == (b"HCL3", 2)
+
+
+@given(keys_st, st.binary(max_size=1024))
+def test_version1_objects_are_still_read(key: str, payload: bytes) -> None:
+    assert envelope.unseal(key, _version1_blob(key, payload)) == payload
+
+
+def test_version1_damage_and_relabelling_are_caught() -> None:
+    blob = bytearray(_version1_blob("aa_m_0_1", b"kv bytes" * 64))
+    blob[-3] ^= 0x10
+    with pytest.raises(CorruptPage, match="checksum"):
+        envelope.unseal("aa_m_0_1", bytes(blob))
+    # A version-1 object relabelled as version 2 is checked with CRC-32C: it fails.
+    relabelled = bytearray(_version1_blob("aa_m_0_1", b"kv bytes"))
+    relabelled[4:6] = (2).to_bytes(2, "little")
+    with pytest.raises(CorruptPage, match="checksum"):
+        envelope.unseal("aa_m_0_1", bytes(relabelled))

@@ -317,7 +317,7 @@ def _read_parts(path: Path, key: str, limit: int) -> RawPage:
         envelope.check_size(key, st.st_size, limit)
         header = os.pread(fd, envelope.HEADER_SIZE, 0)
         try:
-            length, _crc = envelope.parse_header(key, header)
+            length, _crc, _version = envelope.parse_header(key, header)
         except CorruptPage:
             return header, b""  # ``verify`` rejects the header and says why
         if st.st_size != envelope.HEADER_SIZE + length:
