@@ -59,8 +59,28 @@ def redis_server(tmp_path: Path) -> Iterator[LocalRedisServer]:
         server.close()
 
 
+_TORCH_FREE_RUN = ("tests/test_light_install.py::"
+                   "test_the_doctor_and_catalog_tests_pass_without_torch")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``gpu`` tests skip cleanly on a machine without CUDA."""
+    """The doctor's and the catalog's tests run once: when this session also runs them in a
+    torch-free interpreter (tests/test_light_install.py, as the triage install runs them),
+    they are not run here a second time; alone (``pytest tests/doctor``) they run here.
+    ``gpu`` tests skip cleanly on a machine without CUDA."""
+    if torch is not None and any(item.nodeid == _TORCH_FREE_RUN for item in items):
+        from tests.test_light_install import NEEDS_TORCH_MODULES, NEEDS_TORCH_TESTS
+
+        def torch_free(item: pytest.Item) -> bool:
+            path = item.nodeid.split("::", 1)[0]
+            return path.startswith(("tests/doctor/", "tests/signatures/")) \
+                and path not in NEEDS_TORCH_MODULES \
+                and not any(item.nodeid.startswith(t) for t in NEEDS_TORCH_TESTS)
+
+        twice = [item for item in items if torch_free(item)]
+        if twice:
+            config.hook.pytest_deselected(items=twice)
+            items[:] = [item for item in items if not torch_free(item)]
     if torch is not None and torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

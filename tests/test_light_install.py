@@ -81,7 +81,8 @@ def _no_torch_env(tmp_path: Path) -> dict[str, str]:
 @pytest.mark.slow
 def test_the_doctor_and_catalog_tests_pass_without_torch(tmp_path: Path) -> None:
     """tests/doctor and tests/signatures, slow ones included, in a torch-free interpreter
-    (about 4 minutes on two shared cores)."""
+    (about 2.5 minutes on two shared cores). A session that runs this test does not run them a
+    second time with torch (tests/conftest.py)."""
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
             "-p", "torch_free_check", "tests/doctor", "tests/signatures",
             *(f"--ignore={m}" for m in NEEDS_TORCH_MODULES),
