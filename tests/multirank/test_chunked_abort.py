@@ -100,6 +100,7 @@ def test_on_the_spot_under_pp_breaks_the_next_stage(tmp_path: Path,
                for events in (pp0, pp1)]
     assert all(batches[0].get(st) == rids for st, rids in batches[1].items() if st < at)
     # From the abort on the stages part: PP1 forms a batch PP0 did not, or dies on the first
-    # hidden states of PP0's new batch before it records its own.
+    # hidden states of PP0's new batch before it records its own (its last event is then of
+    # the step before).
     parted = [st for st, rids in batches[1].items() if st >= at and batches[0].get(st) != rids]
-    assert parted or max(e["step"] for e in pp1) >= at
+    assert parted or max(e["step"] for e in pp1) >= at - 1
