@@ -303,6 +303,8 @@ class RankEvidence:
     """Which kinds of artifact covered this rank (log, pyspy, faulthandler, fr, trace...)."""
     trace_start: int | None = None
     """The step of the earliest traced event: above 1, the event ring lost the run's start."""
+    trace_end: int | None = None
+    """The step of the latest traced event."""
     arrived: set[str] = field(default_factory=set)
     """Requests whose arrival is in the trace (their later decisions are all there too)."""
     errors: Bounded[tuple[str, SourceRef]] = field(
@@ -374,6 +376,9 @@ class RankEvidence:
         if other.trace_start is not None:
             self.trace_start = min(self.trace_start if self.trace_start is not None
                                    else other.trace_start, other.trace_start)
+        if other.trace_end is not None:
+            self.trace_end = max(self.trace_end if self.trace_end is not None
+                                 else other.trace_end, other.trace_end)
         self.arrived |= other.arrived
         for site, src in other.sites.items():
             self.add_site(site, src)

@@ -10,6 +10,8 @@ What the analyzers read (the contract with the runtime's event attributes):
   committed pages exceed the leading run of ``pages_ok``; or wrong output after a fired
   ``storage-shortfall`` fault with ``mode=holes``;
 * ``l2.write.skip`` {parent_backed_up: true}: an allocation refused a backup;
+* ``req.abort.applied`` {rid} on a rank but not on a peer of its DP group: the ranks' histories
+  differ from there (an eviction divergence after it is a consequence);
 * ``check.integrity`` {ok: false}, ``consensus.check`` {ok: false} or {divergent},
   ``l3.storage`` {ok: false}, ``thread.died`` {error};
 * samples ``rss_mb`` and ``pending_sends`` (event attributes or log lines) per rank;
@@ -51,16 +53,47 @@ def divergence_fact(d: Divergence) -> Fact | None:
     return _DIVERGENCE_FACT.get(d.kind)
 
 
+def _one_sided_abort_step(ev: Evidence) -> int | None:
+    """The earliest step at which a rank applied an abort that a peer of its DP group, whose
+    trace covers that step (a ring that lost its start, a rank that died, cover less), never
+    applied: from there the ranks' histories differ (a request's pages went back on one rank
+    only)."""
+    applied: dict[int, dict[str, int]] = {}
+    for r in ev.ranks.values():
+        for kind, attrs, _src, step in r.events:
+            if kind == Ev.ABORT_APPLIED and attrs.get("rid") is not None:
+                applied.setdefault(r.rank, {}).setdefault(str(attrs["rid"]), step)
+    first: int | None = None
+    for rank, rids in applied.items():
+        peers = [q for q in ev.ranks.values() if q.rank != rank
+                 and q.dp == ev.ranks[rank].dp and q.trace_end is not None]
+        for rid, step in rids.items():
+            if any(_covers(q.trace_start or 0, q.trace_end or 0, step)
+                   and rid not in applied.get(q.rank, {}) for q in peers):
+                first = step if first is None else min(first, step)
+    return first
+
+
+def _covers(start: int, last: int, step: int) -> bool:
+    """Whether a trace from ``start`` to ``last`` holds all of ``step``'s events (a ring's first
+    step may be partial, unless the ring holds the run from its start)."""
+    return (start <= 1 or start < step) and step <= last
+
+
 def _divergences(ev: Evidence, divs: list[Divergence], facts: FactSet) -> None:
     """One witness per divergence. An eviction that differs only after the ranks' histories
-    already differed (a prefix, hit or drain divergence came first) is a consequence, not
-    ranks evicting differently "from the same history": it supports no eviction fact."""
+    already differed (a prefix, hit or drain divergence came first, or an abort applied on one
+    rank only) is a consequence, not ranks evicting differently "from the same history": it
+    supports no eviction fact."""
     other_first = False
+    one_sided = _one_sided_abort_step(ev)
     for d in divs:  # earliest first
         fact = divergence_fact(d)
         if fact is None:
             continue
-        if fact is Fact.EVICTION_DIVERGENCE and other_first:
+        if fact is Fact.EVICTION_DIVERGENCE and (
+                other_first or (one_sided is not None and d.steps
+                                and one_sided <= min(d.steps.values()))):
             continue
         other_first |= fact is not Fact.EVICTION_DIVERGENCE
         e = d.evidence[0] if d.evidence else None

@@ -41,7 +41,7 @@ NOTABLE = frozenset({
     Ev.REQ_ABORT, Ev.PREFETCH_SUBMIT, Ev.PREFETCH_ACK, Ev.PREFETCH_SETTLE, Ev.PREFETCH_HIT,
     Ev.PREFETCH_TERMINATE, Ev.PREFETCH_REVOKE, Ev.WRITE_SKIP, Ev.FAULT, Ev.CONSENSUS,
     Ev.INTEGRITY, Ev.WATCHDOG, Ev.STORAGE, Ev.VOTE, Ev.WORKER_DIED, Ev.PP_RECV,
-    Ev.HOST_CAPACITY, Ev.PREFETCH_LATE_WRITE,
+    Ev.HOST_CAPACITY, Ev.PREFETCH_LATE_WRITE, Ev.ABORT_APPLIED,
 })
 _SAMPLE_ATTRS = {"rss_mb": "rss_mb", "rss": "rss_mb", "pending_sends": "pending_sends",
                  "host_free": "host_free"}
@@ -94,6 +94,8 @@ def _file_event(ev: dict[str, Any], src: SourceRef, hint: RankHint,
     step = _int(ev.get("step")) or 0
     if slot.trace_start is None or step < slot.trace_start:
         slot.trace_start = step
+    if slot.trace_end is None or step > slot.trace_end:
+        slot.trace_end = step
     if kind == Ev.REQ_ARRIVE and len(slot.arrived) < MAX_ARRIVALS:
         slot.arrived.add(str(attrs.get("rid", "")))
     for attr, sample in _SAMPLE_ATTRS.items():

@@ -140,3 +140,25 @@ def test_evictions_compare_victims(tmp_path: Path) -> None:
     assert d.first_divergence is not None
     assert d.first_divergence.kind == "tree.evict"
     assert "victims" in d.first_divergence.values[0]
+
+
+def _evict_after_abort(tmp: Path, abort_step: int) -> list[str]:
+    """Two TP ranks that evict differently at step 62; rank 0 alone applied an abort at
+    ``abort_step`` (an abort torn down on the spot on one rank); both traces cover it."""
+    for rank, victims in ((0, [15, 17]), (1, [17, 19])):
+        lines = [_event(rank, 1, "req.arrive", rid="r1")]
+        if rank == 0:
+            lines.append(_event(0, abort_step, "req.abort.applied", rid="r1",
+                                on_the_spot=True))
+        lines.append(_event(rank, 62, "tree.evict", want=16, evicted=48, victims=victims))
+        lines.append(_event(rank, 70, "req.arrive", rid="r2"))
+        _trace(tmp, rank, lines)
+    return diagnose([str(tmp)]).fingerprint.facts
+
+
+def test_an_eviction_after_a_one_sided_abort_is_a_consequence(tmp_path: Path) -> None:
+    """The ranks' histories differed from the abort on: their later evictions differ because
+    one rank got the request's pages back, not because their clocks ordered LRU differently."""
+    assert "eviction-divergence" not in _evict_after_abort(tmp_path / "before", 40)
+    # An abort only after the evictions differed takes nothing from them.
+    assert "eviction-divergence" in _evict_after_abort(tmp_path / "after", 65)

@@ -104,3 +104,8 @@ def test_on_the_spot_under_pp_breaks_the_next_stage(tmp_path: Path,
     # the step before).
     parted = [st for st, rids in batches[1].items() if st >= at and batches[0].get(st) != rids]
     assert parted or max(e["step"] for e in pp1) >= at - 1
+    # The stages disagree on the batch: the doctor names that, not the evictions that differ
+    # after the one-sided abort gave PP0 the request's pages back.
+    from doctor.diagnose import diagnose
+
+    assert diagnose([Path(s.bundle or "")]).verdicts[0].signature == "prefix-length-mismatch"
