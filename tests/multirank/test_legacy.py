@@ -177,8 +177,10 @@ def test_abort_frees_in_flight_is_a_use_after_free_not_a_double_free(bundle_root
     """Pre-#31296 the abort gave the prefetch's host pages back while the IO thread still
     wrote them: they went to other nodes' host copies, the late writes landed on top, and the
     outputs that loaded those copies are wrong. No bookkeeping check fires: the abort path
-    frees each page once, and the op's own end frees nothing it already gave back."""
-    cfg = mr_config(**{"topology.tp": 2, "workload.requests": 64, "cache.host_tokens": 768,
+    frees each page once, and the op's own end frees nothing it already gave back. 96 requests,
+    as the switch's registry recipe: with 64 the late writes now and then land only on pages
+    no later request loads."""
+    cfg = mr_config(**{"topology.tp": 2, "workload.requests": 96, "cache.host_tokens": 768,
                        "storage.backend": "file", "storage.path": tmp_path / "l3",
                        "legacy": frozenset({LegacySwitch.ABORT_FREES_IN_FLIGHT}),
                        "faults": (parse_fault("mid-prefetch-abort:batch=0"),)})
