@@ -100,6 +100,9 @@ class RankDumper:
     manifest_written: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
     stop: threading.Event = field(default_factory=threading.Event)
+    failing: threading.Event = field(default_factory=threading.Event)
+    """Set by the main thread when it enters its own failure path: it dumps by itself, and an
+    interrupt then would cut its dump (and its traceback) short."""
 
     @property
     def bundle(self) -> Path:
@@ -140,7 +143,7 @@ class RankDumper:
             self.dump(request.outcome)
             self.finish_without_launcher(request)
             _wait_for(RunDir(self.run_dir).pyspy_done, _PYSPY_WAIT_S, self.stop)
-            if not self.stop.is_set():
+            if not self.stop.is_set() and not self.failing.is_set():
                 interrupt_main_thread()
             return
 
@@ -222,6 +225,7 @@ def run_rank(run_dir: Path, rank: RankInfo, cfg: RuntimeConfig) -> int:
             consensus.check()  # the last round ran at the agreed stop
         _final_barrier(groups)
     except BaseException as exc:
+        dumper.failing.set()  # first: the dump listener must not interrupt this path
         outcome = classify(exc, _comm_timeouts(cfg))
         error = f"{type(exc).__name__}: {exc}".splitlines()[0]
         request_dump(run_dir, rank.rank, outcome, f"rank {rank.rank} ({rank.label}): {error}")
