@@ -33,7 +33,6 @@ another job (gloo's own listeners included) before rank 0 bound it.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -268,16 +267,10 @@ def start_ranks(cfg: RuntimeConfig, run_dir: Path, port: int, *, first_device: i
         try:
             procs[r] = subprocess.Popen(
                 argv, env=rank_env, stdout=log, stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent, start_new_session=True, pass_fds=fds)
+                preexec_fn=zygote.die_with_parent, start_new_session=True, pass_fds=fds)
         finally:
             log.close()
     return procs
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGKILL when the launcher dies (Linux), so no rank outlives it."""
-    with contextlib.suppress(OSError):  # not Linux: the launcher's kill-all still applies
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _monitor(procs: dict[int, RankProcess], run_dir: Path, cfg: RuntimeConfig,

@@ -43,9 +43,12 @@ def request_dump(run_dir: Path, rank: int, outcome: RunOutcome, reason: str) -> 
     except FileExistsError:
         return False
     with os.fdopen(fd, "w") as fh:
-        json.dump({"by": rank, "outcome": outcome.value, "reason": reason,
-                   "t": time.time()}, fh)
+        fh.write(_request_json(rank, outcome, reason))
     return True
+
+
+def _request_json(by: int, outcome: RunOutcome, reason: str) -> str:
+    return DumpRequest(by=by, outcome=outcome, reason=reason, t=time.time()).model_dump_json()
 
 
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
@@ -62,8 +65,7 @@ def blame_dump(run_dir: Path, outcome: RunOutcome, reason: str) -> None:
     that died without reporting is the cause of the lost connections its peer reported first.
     Atomic: a reader sees the old request or the new one."""
     run = RunDir(run_dir)
-    run.dump_tmp.write_text(json.dumps({"by": -1, "outcome": outcome.value, "reason": reason,
-                                        "t": time.time()}), encoding="utf-8")
+    run.dump_tmp.write_text(_request_json(-1, outcome, reason), encoding="utf-8")
     os.replace(run.dump_tmp, run.dump)
 
 

@@ -35,6 +35,7 @@ import atexit
 import contextlib
 import ctypes
 import fcntl
+import functools
 import json
 import os
 import selectors
@@ -202,10 +203,18 @@ class Zygote:
             self._cond.notify_all()
 
 
+def die_with_parent() -> None:
+    """In a child: get SIGKILL when its parent dies (Linux ``PR_SET_PDEATHSIG``), so no rank
+    outlives whoever started it (elsewhere the launcher's kill-all still applies)."""
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 _zygote: Zygote | None = None
 _zygote_lock = threading.Lock()
 
 
+@functools.cache
 def usable() -> bool:
     """Whether ranks may be forked here: Linux with descriptor passing, no CUDA device."""
     if sys.platform != "linux" or not hasattr(socket, "send_fds"):
@@ -285,8 +294,7 @@ def _become_rank(req: dict[str, Any], fds: list[int], zygote_pid: int) -> None:
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        with contextlib.suppress(OSError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        die_with_parent()
         if os.getppid() != zygote_pid:  # the zygote died before the death signal was set
             os._exit(1)
         if req["new_session"]:
