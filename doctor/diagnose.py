@@ -15,6 +15,7 @@ from doctor.facts.derive import derive_facts
 from doctor.facts.factset import FactSet
 from doctor.facts.observation import build_observation
 from doctor.facts.trace import divergence_fact
+from doctor.facts.upstream import mechanisms
 from doctor.ranks.builder import Evidence, EvidenceBuilder
 from doctor.ranks.collectives import align
 from doctor.ranks.divergence import all_divergences
@@ -41,6 +42,7 @@ from doctor.report.model import (
 from doctor.report.narrative import observations
 from hicache_runtime.contracts.bundle import RunOutcome
 from signatures.fact_names import Fact
+from signatures.index import load_index
 from signatures.loader import load_catalog
 from signatures.matching import NEAR_MISS, LookalikeMatch, Score, match_lookalikes, score_all
 from signatures.models import Catalog
@@ -79,10 +81,11 @@ def analyse(ev: Evidence, catalog: Catalog) -> Diagnosis:
     sites = guard("blocked call sites", lambda: blocked_sites(ev, frames), [])
     findings = guard("collective alignment", lambda: align(ev), [])
     divs = guard("decision alignment", lambda: all_divergences(ev), [])
+    mechs = guard("upstream mechanisms", lambda: mechanisms(ev, load_index()), [])
     facts = guard("facts", lambda: derive_facts(ev, frames, rows, sites, findings, divs,
-                                                problems.append), FactSet())
+                                                problems.append, mechs), FactSet())
     first = divs[0] if divs else None
-    obs = guard("observation", lambda: build_observation(ev, frames, facts), None)
+    obs = guard("observation", lambda: build_observation(ev, frames, facts, mechs), None)
     scores = guard("scoring", lambda: score_all(catalog, obs, _causal(first, facts)),
                    []) if obs is not None else []
     looks = guard("look-alikes", lambda: match_lookalikes(catalog, obs),

@@ -32,6 +32,8 @@ MAX_ARRIVALS = 200_000
 MAX_SITES = 256
 MAX_ERROR_LINES = 8
 MAX_EXITS = 64
+MAX_FAILURE_LINES = 256
+"""Distinct failure lines (by upstream template, or by source site) kept per rank."""
 MAX_NAME = 1024
 """Characters kept of a frame's function or file name (a hostile dump may hold 16 MB ones)."""
 MAX_MESSAGE = 4096
@@ -188,6 +190,22 @@ class ExceptionRecord:
 
 
 @dataclass
+class FailureLine:
+    """A line that reports a failure or a warning, and the upstream template it was printed
+    from: ``template`` is the index's id (-1: none matched; ``site`` may still say whose it
+    is). Lines of one template (or one site) count together."""
+
+    template: int
+    similarity: float
+    site: str
+    level: str
+    """What the logger's prefix said: ``error``, ``warning`` or ``""``."""
+    text: str
+    source: SourceRef
+    count: int = 1
+
+
+@dataclass
 class LogHit:
     """A line that matched a catalog log pattern, with the regex's named groups."""
 
@@ -317,6 +335,17 @@ class RankEvidence:
     sites: dict[str, SourceRef] = field(default_factory=dict)
     """Source files that log lines name (``[engine.py:135]``, ``client.cpp:406]``), first
     line of each; at most ``MAX_SITES``."""
+    failure_lines: dict[tuple[int, str], FailureLine] = field(default_factory=dict)
+    """Failure and warning lines by (template id, site); at most ``MAX_FAILURE_LINES``."""
+
+    def add_failure_line(self, fl: FailureLine) -> None:
+        key = (fl.template, fl.site if fl.template < 0 else "")
+        seen = self.failure_lines.get(key)
+        if seen is not None:
+            seen.count += fl.count
+            seen.similarity = max(seen.similarity, fl.similarity)
+        elif len(self.failure_lines) < MAX_FAILURE_LINES:
+            self.failure_lines[key] = fl
 
     def add_site(self, site: str, source: SourceRef) -> None:
         if site not in self.sites and len(self.sites) < MAX_SITES:
@@ -386,6 +415,9 @@ class RankEvidence:
             self.errors.append(item)
         for kv in other.kv_lines:
             self.kv_lines.append(kv)
+        for fl in other.failure_lines.values():
+            self.add_failure_line(FailureLine(fl.template, fl.similarity, fl.site, fl.level,
+                                              fl.text, fl.source, fl.count))
 
 
 @dataclass

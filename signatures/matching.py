@@ -30,13 +30,29 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from signatures.fact_names import Fact
-from signatures.models import Catalog, FactRecogniser, Lookalike, Marker, MarkerKind, Signature
+from signatures.models import (
+    Catalog,
+    FactRecogniser,
+    Lookalike,
+    Marker,
+    MarkerKind,
+    MechanismRecogniser,
+    Signature,
+)
 
 NEAR_MISS = 0.25
 #: Confidence ceilings (see Score.confidence): one kind of evidence never reaches the band in
 #: which a verdict must be right 97 times in 100; nor does a verdict a look-alike contests.
 ONE_KIND_CEILING = 0.7
 CONTESTED_CEILING = 0.65
+#: Partial evidence (a traceback cut before its exception line, frames or a path alone) and a
+#: report that holds a single failure line never reach the certain bands either.
+PARTIAL_CEILING = 0.6
+SINGLE_LINE_CEILING = 0.7
+#: A mechanism seen only in code (frames, a log line's source site) weighs this much of what
+#: it weighs in upstream's own text; both together at most MECHANISM_BOTH of its weight.
+CODE_SHARE = 0.7
+MECHANISM_BOTH = 1.4
 #: Outcome facts say *that* something failed, not *how*: they are not structure.
 _NOT_STRUCTURAL = {Fact.HANG, Fact.CRASH, Fact.WRONG_OUTPUT, Fact.OOM_KILLED}
 
@@ -88,6 +104,28 @@ class ObservedException:
     """It reports a peer's failure (a timeout, a lost connection), not this rank's own."""
     files: list[str] = field(default_factory=list)
     """The files of those frames, aligned with ``in_app``."""
+    truncated: bool = False
+    """Frames of a traceback cut before its exception line: where, but not what, failed."""
+
+
+@dataclass
+class MechanismHit:
+    """A component that failed in a given way, as the upstream index reads the evidence."""
+
+    role: str
+    component: str
+    kind: str
+    """A :class:`signatures.index.failures.FailureKind` value."""
+    strength: float
+    """How sure the reading is (a template's similarity, lower for a caller's frame or a
+    release that lacks the template)."""
+    evidence: EvidenceKind
+    """TEXT: a line or message matched to upstream's template; CODE: a frame or a source site
+    in the component's code."""
+    witness: Witness
+    count: int = 1
+    partial: bool = False
+    """Read from partial evidence (a cut-off traceback's frames, a path alone)."""
 
 
 @dataclass
@@ -110,6 +148,9 @@ class Observation:
     """Every function name on any stack (in-app or not, native included), first witness."""
     files: dict[str, Witness] = field(default_factory=dict)
     """Every frame file and log source location, first witness."""
+    mechanisms: list[MechanismHit] = field(default_factory=list)
+    single_line: bool = False
+    """The inputs hold one failure statement and nothing else (no stack, no second line)."""
 
 
 @dataclass
@@ -122,6 +163,8 @@ class RuleResult:
     why: str
     witnesses: list[Witness] = field(default_factory=list)
     kind: EvidenceKind = EvidenceKind.MESSAGE
+    partial: bool = False
+    """It rests on partial evidence only (see :class:`MechanismHit`)."""
 
     def line(self) -> str:
         sign = f"{self.weight:+.2f}" if self.matched else "  -  "
@@ -136,6 +179,8 @@ class Score:
     rules: list[RuleResult]
     causal: bool = False
     """It rests on a *causal* fact (the first divergence): it explains the others' symptoms."""
+    single_line: bool = False
+    """The observation it was scored on holds one failure statement and nothing else."""
 
     @property
     def named(self) -> bool:
@@ -159,16 +204,29 @@ class Score:
         return any(r.matched and r.kind == EvidenceKind.CONTEST for r in self.rules)
 
     @property
+    def partial(self) -> bool:
+        """Everything that speaks for it is partial evidence (a cut-off traceback's frames, a
+        path alone)."""
+        pos = [r for r in self.rules if r.matched and r.weight > 0]
+        return bool(pos) and all(r.partial for r in pos)
+
+    @property
     def confidence(self) -> float:
         """The score, calibrated: a verdict resting on one kind of evidence (a message and
         nothing else, or frames and nothing else) stays below ``ONE_KIND_CEILING``, one a
-        look-alike contests below ``CONTESTED_CEILING``. Only independent kinds that agree
-        reach the band where a verdict must almost never be wrong."""
+        look-alike contests below ``CONTESTED_CEILING``, one on partial evidence below
+        ``PARTIAL_CEILING`` and one on a single line below ``SINGLE_LINE_CEILING``. Only
+        independent kinds that agree reach the band where a verdict must almost never be
+        wrong."""
         conf = self.score
         if self.lines <= 1:
             conf = min(conf, ONE_KIND_CEILING)
         if self.contested:
             conf = min(conf, CONTESTED_CEILING)
+        if self.partial:
+            conf = min(conf, PARTIAL_CEILING)
+        if self.single_line:
+            conf = min(conf, SINGLE_LINE_CEILING)
         return round(conf, 2)
 
     @property
@@ -202,6 +260,8 @@ def score_all(catalog: Catalog, obs: Observation,
     """
     looks = match_lookalikes(catalog, obs)
     scores = [score_one(sig, catalog, obs, looks) for sig in catalog.signatures]
+    for sc in scores:
+        sc.single_line = obs.single_line
     labels = {f"fact '{f.value}'" for f in causal}
     for s in scores:
         s.causal = any(r.matched and r.weight > 0 and r.recogniser in labels for r in s.rules)
@@ -236,6 +296,11 @@ def match_lookalikes(catalog: Catalog, obs: Observation) -> list[LookalikeMatch]
             if fw:
                 total += fr.weight
                 wits += fw[:1] if fr.weight > 0 else []
+        for mr in look.mechanisms:
+            for r in _mechanism_rules(look.id, mr, obs):
+                if r.matched:
+                    total += r.weight
+                    wits += r.witnesses[:1]
         if total >= look.threshold - 1e-9 and wits:
             out.append(LookalikeMatch(look, min(1.0, total), wits[:4]))
     return sorted(out, key=lambda m: -m.score)
@@ -291,6 +356,8 @@ def score_one(sig: Signature, catalog: Catalog, obs: Observation,
                                 [w] if w else [], kind=EvidenceKind.LEGACY))
     if sig.upstream is not None:
         rules += _upstream_rules(sig, obs)
+    for mr in rec.mechanisms:
+        rules += _mechanism_rules(sig.id, mr, obs)
     for m in looks or []:
         if m.lookalike.excludes_signature(sig.id) and m.lookalike.penalty > 0:
             rules.append(RuleResult(
@@ -300,6 +367,38 @@ def score_one(sig: Signature, catalog: Catalog, obs: Observation,
     total = sum(r.weight for r in rules if r.matched)
     structural = any(r.matched and r.structural and r.weight > 0 for r in rules)
     return Score(sig, max(0.0, min(1.0, total)), structural, rules)
+
+
+def _mechanism_rules(owner: str, mr: MechanismRecogniser, obs: Observation) -> list[RuleResult]:
+    """Two rules from one mechanism recogniser: its failures read in upstream's own text
+    (lines and messages matched to the component's templates), and in code (frames and source
+    sites in the component). Each weighs the recogniser's weight times the strongest reading
+    (code a share of it), half when fewer than ``min_count`` failures were seen; together at
+    most ``MECHANISM_BOTH`` times the weight."""
+    hits = [h for h in obs.mechanisms if h.role in mr.roles and h.kind in mr.kinds]
+    label = f"mechanism {'/'.join(mr.roles)} {'/'.join(mr.kinds)}"
+    out = []
+    room = mr.weight * MECHANISM_BOTH
+    for kind, share, name in ((EvidenceKind.TEXT, 1.0, "upstream text"),
+                              (EvidenceKind.CODE, CODE_SHARE, "code")):
+        mine = sorted((h for h in hits if h.evidence == kind), key=lambda h: -h.strength)
+        if not mine:
+            out.append(RuleResult(owner, f"{label} ({name})", False, round(mr.weight * share, 4),
+                                  True, f"no {'/'.join(mr.roles)} failure of these kinds in "
+                                  f"{name}", kind=kind))
+            continue
+        count = sum(h.count for h in mine)
+        weight = mr.weight * share * mine[0].strength * (1.0 if count >= mr.min_count else 0.5)
+        weight = round(min(weight, room), 4)
+        room -= weight
+        comps = sorted({h.component for h in mine})
+        kinds = ", ".join(sorted({h.kind for h in mine}))
+        why = (f"{count} failure(s) of {', '.join(comps)} ({kinds})"
+               + (f"; fewer than {mr.min_count}" if count < mr.min_count else ""))
+        out.append(RuleResult(owner, f"{label} ({name})", True, weight, True, why,
+                              [h.witness for h in mine[:3]], kind=kind,
+                              partial=all(h.partial for h in mine)))
+    return out
 
 
 def _fact_rule(sig_id: str, fr: FactRecogniser, obs: Observation) -> RuleResult:
@@ -378,17 +477,19 @@ def _frames_rule(sig: Signature, obs: Observation,
     fr = sig.recognisers.frames
     assert fr is not None  # only called when the signature has a frame recogniser
     rules = [_frame_rule(x) for x in fr.any]
-    candidates: list[tuple[list[str], list[str], Witness]] = []
+    candidates: list[tuple[list[str], list[str], Witness, bool]] = []
     if fr.where in ("exception", "any"):
         excs = matched_exc or [e for e in obs.exceptions if not e.secondary]
-        candidates += [(e.in_app, e.files, e.witness) for e in excs]
+        candidates += [(e.in_app, e.files, e.witness, e.truncated) for e in excs]
     if fr.where in ("blocked", "any"):
-        candidates += [(s.in_app, s.files, s.witness) for s in obs.stacks
+        candidates += [(s.in_app, s.files, s.witness, False) for s in obs.stacks
                        if s.kind == StackKind.BLOCKED]
     if fr.where == "any":
-        candidates += [(s.in_app, s.files, s.witness) for s in obs.stacks
+        candidates += [(s.in_app, s.files, s.witness, False) for s in obs.stacks
                        if s.kind == StackKind.EXCEPTION]
-    for funcs, files, wit in candidates:
+    # a whole stack before a cut-off one: the cut-off one only says where, not what
+    candidates.sort(key=lambda c: c[3])
+    for funcs, files, wit, cut in candidates:
         files = files + [""] * (len(funcs) - len(files))
         pairs = list(zip(funcs, files))
         for func, file in pairs[:fr.innermost] if fr.innermost else pairs:
@@ -398,7 +499,9 @@ def _frames_rule(sig: Signature, obs: Observation,
                 w = Witness(f"{name} on the {fr.where if fr.where != 'any' else 'failing'} "
                             f"stack: {wit.text}", wit.file, wit.line, wit.rank)
                 return RuleResult(sig.id, f"in-app frame ({fr.where})", True, fr.weight, True,
-                                  f"{name} is on the stack", [w], kind=EvidenceKind.CODE)
+                                  f"{name} is on the stack"
+                                  + (" (a traceback cut before its exception line)" if cut
+                                     else ""), [w], kind=EvidenceKind.CODE, partial=cut)
     return RuleResult(sig.id, f"in-app frame ({fr.where})", False, fr.weight, True,
                       "none of " + ", ".join(x.strip("^$()|.\\") for x in fr.any[:4])
                       + (" ..." if len(fr.any) > 4 else "") + " on a relevant stack",

@@ -14,7 +14,14 @@ from __future__ import annotations
 import re
 from enum import Enum
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from signatures.fact_names import Fact
 
@@ -49,7 +56,8 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-def _check_regex(value: str) -> str:
+def check_regex(value: str) -> str:
+    """``value`` if it compiles as a regex; ``ValueError`` naming it otherwise."""
     try:
         re.compile(value)
     except re.error as exc:
@@ -67,7 +75,7 @@ class ExceptionRecogniser(_Strict):
     @field_validator("type", "message")
     @classmethod
     def _regex(cls, v: str) -> str:
-        return _check_regex(v)
+        return check_regex(v)
 
 
 class FrameRecogniser(_Strict):
@@ -88,8 +96,8 @@ class FrameRecogniser(_Strict):
     def _regexes(cls, v: list[str]) -> list[str]:
         for x in v:
             func, _, file = x.partition("@")
-            _check_regex(func)
-            _check_regex(file)
+            check_regex(func)
+            check_regex(file)
         return v
 
 
@@ -99,6 +107,37 @@ class LogRecogniser(_Strict):
     pattern: str
     weight: float = Field(ge=-1, le=1)
     min_count: int = Field(1, ge=1, description="how many hits are needed")
+
+
+MECHANISM_ROLES = ("storage", "transfer", "pd", "host-pool", "tree", "pool", "controller",
+                   "comm", "scheduler", "model", "startup")
+MECHANISM_KINDS = ("shape", "capacity", "index", "invariant", "bookkeeping", "timeout",
+                   "config", "io", "crash", "unknown")
+
+
+class MechanismRecogniser(_Strict):
+    """A mechanism: a component (by its role in the component map) that failed in a given way
+    (the failure kind its upstream message states). Fed by the upstream index: a report's line
+    matched to the template that printed it, an exception raised in that component's code, a
+    fatal signal on its stack. ``unknown``: a failure whose kind the evidence does not show (a
+    traceback cut before its exception line)."""
+
+    roles: list[str] = Field(min_length=1)
+    kinds: list[str] = Field(min_length=1)
+    weight: float = Field(gt=0, le=1)
+    min_count: int = Field(1, ge=1, description=(
+        "failures of the mechanism needed for the full weight (lines of one template count "
+        "each time they were printed); fewer give half"))
+
+    @field_validator("roles", "kinds")
+    @classmethod
+    def _known(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        known = MECHANISM_ROLES if info.field_name == "roles" else MECHANISM_KINDS
+        bad = set(v) - set(known)
+        if bad:
+            raise ValueError(f"unknown {info.field_name} {sorted(bad)} (known: "
+                             f"{', '.join(known)})")
+        return v
 
 
 class FactRecogniser(_Strict):
@@ -152,7 +191,7 @@ class Marker(_Strict):
     @field_validator("text")
     @classmethod
     def _regex(cls, v: str) -> str:
-        return _check_regex(v)
+        return check_regex(v)
 
     @model_validator(mode="after")
     def _trigger(self) -> Marker:
@@ -199,6 +238,7 @@ class Recognisers(_Strict):
     logs: list[LogRecogniser] = []
     facts: list[FactRecogniser] = []
     legacy: list[LegacyRecogniser] = []
+    mechanisms: list[MechanismRecogniser] = []
     stack_shape: str = Field("", description="the cross-rank stack shape, in words")
     trace_evidence: str = Field("", description="what the event trace shows, in words")
 
@@ -287,7 +327,7 @@ class LogPattern(_Strict):
     @field_validator("regex")
     @classmethod
     def _regex(cls, v: str) -> str:
-        return _check_regex(v)
+        return check_regex(v)
 
 
 class FrameRules(_Strict):
@@ -306,7 +346,7 @@ class FrameRules(_Strict):
             action, _, rx = rule.partition(" ")
             if action not in ("+app", "-app"):
                 raise ValueError(f"frame rule {rule!r} must start with +app or -app")
-            _check_regex(rx)
+            check_regex(rx)
         return v
 
 
@@ -321,6 +361,7 @@ class Lookalike(_Strict):
     advice: str
     markers: list[Marker] = []
     facts: list[FactRecogniser] = []
+    mechanisms: list[MechanismRecogniser] = []
     threshold: float = Field(0.5, gt=0, le=1)
     excludes: list[str] = Field(["*"], description="signature ids it explains away, or '*'")
     penalty: float = Field(0.4, ge=0, le=1)

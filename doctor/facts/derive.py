@@ -10,14 +10,21 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from doctor.evidence import ExceptionRecord, InputStatus, KvLineKind, RankEvidence, ThreadState
+from doctor.evidence import (
+    ExceptionRecord,
+    Frame,
+    InputStatus,
+    KvLineKind,
+    RankEvidence,
+    ThreadState,
+)
 from doctor.facts.exits import fact_exits, fact_size_abort
 from doctor.facts.factset import FactSet, witness
 from doctor.facts.trace import TRACE_FACTS
 from doctor.ranks.builder import Evidence
-from doctor.ranks.frames import FrameClassifier
+from doctor.ranks.frames import FrameClassifier, startup_phase
 from doctor.ranks.table import failing_exception, is_comm_error, site_label
 from doctor.report.model import (
     BlockedSite,
@@ -29,7 +36,9 @@ from doctor.report.model import (
 )
 from hicache_runtime.contracts.bundle import RunOutcome
 from signatures.fact_names import Fact
-from signatures.matching import Witness
+from signatures.index import load_index
+from signatures.index.failures import FailureKind, classify
+from signatures.matching import MechanismHit, Witness
 
 _CONFIG_FRAMES = re.compile(r"server_args|__post_init__|check_server_args|load_config|"
                             r"parse_args|from_cli_args|prepare_server_args|validate_config")
@@ -40,7 +49,10 @@ _INVARIANT_TYPES = re.compile(r"(InvariantViolation|DoubleAllocation|DoubleFree)
 
 def derive_facts(evidence: Evidence, frames: FrameClassifier, rows: list[RankRow],
                  sites: list[BlockedSite], findings: list[CollectiveFinding],
-                 divergences: list[Divergence], problem: Callable[[str], None]) -> FactSet:
+                 divergences: list[Divergence], problem: Callable[[str], None],
+                 mechs: Sequence[MechanismHit] = ()) -> FactSet:
+    """Every fact the evidence supports. ``mechs`` (what the upstream index read) tells a
+    warning that states a failure from a healthy server's chatter."""
     facts = FactSet()
     steps: list[Callable[[], None]] = [
         lambda: _fact_outcome(evidence, frames, rows, facts),
@@ -61,7 +73,7 @@ def derive_facts(evidence: Evidence, frames: FrameClassifier, rows: list[RankRow
             step()
         except Exception as exc:  # one analyzer's bug must not stop the others
             problem(f"a fact analyzer failed ({type(exc).__name__}: {exc}); its facts are missing")
-    _fact_no_failure(evidence, facts)
+    _fact_no_failure(evidence, facts, mechs)
     return facts
 
 
@@ -193,9 +205,10 @@ _QUIET = {"memory-sample", "host-capacity", "host-capacity-synced", "prefetch-st
           "prefetch-result"}
 
 
-def _fact_no_failure(ev: Evidence, facts: FactSet) -> None:
-    """Nothing in the inputs records a failure (a benchmark printout, warnings)."""
-    if facts or ev.outcome not in (None, RunOutcome.HEALTHY) or ev.mismatches:
+def _fact_no_failure(ev: Evidence, facts: FactSet, mechs: Sequence[MechanismHit] = ()) -> None:
+    """Nothing in the inputs records a failure (a benchmark printout, warnings that state
+    none)."""
+    if facts or ev.outcome not in (None, RunOutcome.HEALTHY) or ev.mismatches or mechs:
         return
     for r in ev.all_ranks():
         if len(r.exceptions) or len(r.threads) or r.exits or r.collectives or r.decisions \
@@ -310,8 +323,9 @@ def _one_exception(r: RankEvidence, e: ExceptionRecord, frames: FrameClassifier,
     lost_key = e.short_type == "KeyError" and e.message.strip("'\"").isdigit()
     # a node or slot that should hold a value does not: None where the tree promised pages
     lost_value = e.short_type in ("TypeError", "AttributeError") and "NoneType" in e.message
-    if _INVARIANT_TYPES.search(e.type) or (in_cache and (e.short_type == "AssertionError"
-                                                         or lost_key or lost_value)):
+    starting = startup_phase(e.frames)
+    if _INVARIANT_TYPES.search(e.type) or (in_cache and not starting and (
+            e.short_type == "AssertionError" or lost_key or lost_value)):
         facts.add(Fact.INVARIANT_BROKEN, witness(text, e.source, r.rank))
     if re.search(r"Double-?(alloc|free)|DoubleAllocation|DoubleFree", e.type + e.message, re.I):
         facts.add(Fact.HOST_POOL_DOUBLE_USE, witness(text, e.source, r.rank))
@@ -319,9 +333,21 @@ def _one_exception(r: RankEvidence, e: ExceptionRecord, frames: FrameClassifier,
         facts.add(Fact.CONSENSUS_FIRED, witness(text, e.source, r.rank))
     if e.short_type == "StorageUnavailable":
         facts.add(Fact.STORAGE_ERRORS, witness(text, e.source, r.rank))
-    if _CONFIG_TYPES.search(e.type) and any(
-            _CONFIG_FRAMES.search(f.func) or _CONFIG_FRAMES.search(f.file) for f in e.frames):
+    if _CONFIG_TYPES.search(e.type) and (any(
+            _CONFIG_FRAMES.search(f.func) or _CONFIG_FRAMES.search(f.file) for f in e.frames)
+            or (starting and not _in_storage(e.frames))):
         facts.add(Fact.STARTUP_CONFIG_ERROR, witness(text, e.source, r.rank))
+
+
+def _in_storage(frames: list[Frame]) -> bool:
+    """The innermost frames a component owns are a storage tier's (a store that fails to set
+    up is the storage tier failing, not a start-up mistake of the server)."""
+    index = load_index()
+    for f in frames[:4]:
+        comp = index.component(f.file) if f.file else None
+        if comp is not None:
+            return comp.role in ("storage", "transfer")
+    return False
 
 
 def _fact_logs(ev: Evidence, facts: FactSet) -> None:
@@ -352,6 +378,8 @@ def _fact_logs(ev: Evidence, facts: FactSet) -> None:
                     f"{h.text}", h.source, r.rank))
         for pid, fact in table.items():
             for h in r.hits.get(pid, _EMPTY).kept:
+                if fact is Fact.INVARIANT_BROKEN and classify(h.text) is FailureKind.CAPACITY:
+                    continue  # "assertion failed: no free blocks left": a full pool, not a bug
                 facts.add(fact, witness(h.text, h.source, r.rank))
         sig = r.hits.get("fatal-signal")
         for h in (sig.kept if sig else []):

@@ -16,6 +16,7 @@ from doctor.ranks.builder import Evidence
 from doctor.ranks.frames import FrameClassifier
 from doctor.ranks.table import blocked_threads, is_comm_error, site_label
 from signatures.matching import (
+    MechanismHit,
     Observation,
     ObservedException,
     ObservedStack,
@@ -24,15 +25,34 @@ from signatures.matching import (
 )
 
 
-def build_observation(ev: Evidence, frames: FrameClassifier, facts: FactSet) -> Observation:
-    """The observation the catalog scores, from the resolved evidence and its facts."""
+def build_observation(ev: Evidence, frames: FrameClassifier, facts: FactSet,
+                      mechs: list[MechanismHit]) -> Observation:
+    """The observation the catalog scores, from the resolved evidence, its facts and the
+    mechanisms the upstream index read (:mod:`doctor.facts.upstream`)."""
     obs = Observation(facts=dict(facts))
     for r in ev.all_ranks():
         _rank(r, frames, obs)
     for switch, src in ev.legacy.items():
         obs.legacy[switch] = Witness(f"the run had legacy switch {switch} on", src.file,
                                      src.line)
+    obs.mechanisms = list(mechs)
+    obs.single_line = statements(ev) <= 1
     return obs
+
+
+def statements(ev: Evidence) -> int:
+    """How many separate failure statements the inputs hold: distinct failure lines, each
+    exception (two with its stack), each stack dump, each exit, and any recorded collectives,
+    events or bundle outcome. One is a single line: it cannot carry a certain verdict."""
+    n = 1 if ev.outcome is not None or ev.legacy else 0
+    for r in ev.all_ranks():
+        n += len(r.failure_lines) + len(r.threads) + len(r.exits)
+        n += sum(2 if e.frames and not e.truncated else 1 for e in r.exceptions)
+        n += (1 if r.collectives else 0) + (1 if len(r.events) else 0)
+        n += sum(1 for pid in r.hits if not pid.startswith(("memory-", "prefetch-start")))
+        if n > 1:
+            return n
+    return n
 
 
 MAX_NAMES = 4096
@@ -65,7 +85,8 @@ def _rank(r: RankEvidence, frames: FrameClassifier, obs: Observation) -> None:
         funcs, files = [f.func for f in app], [f.file for f in app]
         wit = _exc_witness(e, r.rank, frames)
         secondary = is_comm_error(e)
-        obs.exceptions.append(ObservedException(e.type, e.message, funcs, wit, secondary, files))
+        obs.exceptions.append(ObservedException(e.type, e.message, funcs, wit, secondary, files,
+                                                e.truncated))
         if funcs and not secondary:
             obs.stacks.append(ObservedStack(StackKind.EXCEPTION, funcs, wit, files))
     for t in r.threads:

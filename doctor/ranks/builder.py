@@ -72,6 +72,8 @@ class Evidence:
     """The first few output mismatches a manifest lists (rid, index, expected, got, note)."""
     kv: KvContext = field(default_factory=KvContext)
     """Which KV storage and transfer layers the inputs show in use."""
+    versions: dict[str, tuple[str, SourceRef]] = field(default_factory=dict)
+    """The upstream versions the inputs state, by system (the first statement of each)."""
 
     def all_ranks(self) -> list[RankEvidence]:
         """Every rank record, the unranked one last."""
@@ -97,6 +99,7 @@ class EvidenceBuilder:
         self.pid_ranks: dict[int, int] = {}
         """pid -> global rank, from bundles and capture manifests (py-spy dumps name pids)."""
         self.kv = KvContext()
+        self.versions: dict[str, tuple[str, SourceRef]] = {}
         self.retained = 0
         self.not_retained = 0
         self.moved_threads: set[tuple[int, str]] = set()
@@ -137,6 +140,11 @@ class EvidenceBuilder:
             if getattr(ev, attr) is None and getattr(hint, attr) is not None:
                 setattr(ev, attr, getattr(hint, attr))
         return ev
+
+    def note_version(self, system: str, version: str, source: SourceRef) -> None:
+        """The inputs state that ``system`` runs ``version`` (the first statement stands)."""
+        if system not in self.versions and len(self.versions) < 16:
+            self.versions[system] = (version[:32], source)
 
     def problem(self, message: str) -> None:
         if len(self.problems) < 200:
@@ -181,7 +189,8 @@ class EvidenceBuilder:
                         outcome=self.outcome, outcome_source=self.outcome_source,
                         mismatches=self.mismatches, expected_ranks=expected,
                         pid_ranks=dict(self.pid_ranks),
-                        mismatch_examples=list(self.mismatch_examples), kv=self.kv)
+                        mismatch_examples=list(self.mismatch_examples), kv=self.kv,
+                        versions=dict(self.versions))
 
 
     def _assign_by_pid(self, ranks: dict[int, RankEvidence]) -> None:

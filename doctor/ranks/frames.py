@@ -137,3 +137,31 @@ def classifier_for(rules: FrameRules) -> FrameClassifier:
     if hit is None or hit[0] is not rules:
         hit = _CLASSIFIERS[id(rules)] = (rules, FrameClassifier(rules))
     return hit[1]
+
+
+#: Process and thread entry points: the frames a stack starts with whatever it does.
+_ENTRY = re.compile(r"(?:^|\.)(?:run_scheduler_process|run_engine_core|run_worker_process|main|"
+                    r"<module>|run|_bootstrap|_bootstrap_inner|_run_module_as_main|_run_code|"
+                    r"wrapper|_wrapper|inner|worker_main|run_mp_engine|start_worker|"
+                    r"run_detokenizer_process|launch_server|_launch_subprocesses|"
+                    r"launch_engine|__call__|decorate_context|invoke|_process_worker)$")
+#: What a process does before it serves: construction, set-up and loading.
+_SETUP = re.compile(r"(?:^|\.)(?:__init__|__post_init__|__new__|init_\w+|_init_\w*|"
+                    r"initiali[sz]e\w*|_initiali[sz]e\w*|setup\w*|_setup\w*|load_model|"
+                    r"load_weights|from_pretrained|from_config|from_engine_args|"
+                    r"create_\w+|build_\w+|check_server_args|prepare_server_args|"
+                    r"profile_run|determine_available_memory|capture\w*|warmup\w*|"
+                    r"_warmup\w*|compile\w*)$")
+
+
+def startup_phase(frames: list[Frame]) -> bool:
+    """Whether a stack (innermost first) is a process still starting: below its entry point,
+    the outermost frame constructs, sets up or loads something (``Scheduler.__init__``,
+    ``init_cache_with_memory_pool``, ``EngineCore.__init__``), not a serving loop."""
+    for f in reversed(frames):
+        if not f.func or f.file == "(cut off)":
+            continue
+        if _ENTRY.search(f.func):
+            continue
+        return bool(_SETUP.search(f.func))
+    return False

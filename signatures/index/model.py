@@ -38,13 +38,16 @@ class Level(StrEnum):
     FATAL = "fatal"
     ERROR = "error"
     WARNING = "warning"
+    INFO = "info"
+    """Logged below warning (info, debug) but stating a failure: LMCache logs allocation
+    failures at debug level, for one."""
     CODE = "code"
     """An error or status code's name, printed as it is (``RPC_FAIL``, ``ncclSystemError``)."""
 
     @property
     def failing(self) -> bool:
         """The message says that something failed (not a warning)."""
-        return self is not Level.WARNING
+        return self not in (Level.WARNING, Level.INFO)
 
 
 @dataclass(frozen=True, slots=True)

@@ -98,6 +98,8 @@ _CONCAT_CALLS = {"StrCat", "absl::StrCat", "MakeString", "gloo::MakeString", "c1
 _NOT_FUNCTIONS = {"if", "for", "while", "switch", "catch", "return", "sizeof", "decltype",
                   "alignof", "static_assert", "defined", "else", "do", "try", "new", "delete",
                   "throw", "case", "co_return", "co_await"}
+_MESSAGE_VAR = re.compile(r"(?i)(?:msg|message|err(?:or)?(?:str|string|text)?|reason|what|"
+                          r"desc(?:ription)?|report)s?_?$")
 _CODE_ENUM = re.compile(r"(?i)(error|status|result|code|errc)\w*$")
 
 
@@ -106,6 +108,8 @@ class _Tok:
     kind: str
     text: str
     line: int
+    start: int = 0
+    end: int = 0
 
 
 def _unescape(body: str) -> str:
@@ -130,12 +134,12 @@ def tokenize(source: str) -> list[_Tok]:
         kind = m.lastgroup
         text = m[0]
         if kind in ("raw", "delim", "rawbody"):
-            out.append(_Tok("str", m["rawbody"] or "", line))
+            out.append(_Tok("str", m["rawbody"] or "", line, m.start(), m.end()))
         elif kind == "str":
             body = text[text.index('"') + 1:-1]
-            out.append(_Tok("str", _unescape(body), line))
+            out.append(_Tok("str", _unescape(body), line, m.start(), m.end()))
         elif kind in ("ident", "num", "punct", "chr"):
-            out.append(_Tok(kind, text, line))
+            out.append(_Tok(kind, text, line, m.start(), m.end()))
         line += text.count("\n")
     return out
 
@@ -202,15 +206,22 @@ def _qual(toks: list[_Tok], end: int) -> tuple[str, int]:
     return "::".join(names), i
 
 
-def _operand(toks: list[_Tok]) -> list[tuple[str, str]]:
-    """The pieces one operand of a message contributes."""
+def _operand(toks: list[_Tok], names: dict[str, list[tuple[str, str]]] | None = None
+             ) -> list[tuple[str, str]]:
+    """The pieces one operand of a message contributes (``names``: messages built earlier in
+    the function, by variable)."""
     if not toks:
         return []
+    if names and len(toks) == 1 and toks[0].text in names:
+        return names[toks[0].text]
+    if names and len(toks) == 3 and toks[0].text in names and toks[1].text in (".", "->") \
+            and toks[2].text in ("c_str", "what", "data"):
+        return names[toks[0].text]
     if all(t.kind == "str" for t in toks):
         return [_lit("".join(t.text for t in toks))]
     plus = _split(toks, "+")
     if len(plus) > 1:
-        return [p for part in plus for p in _operand(part)]
+        return [p for part in plus for p in _operand(part, names)]
     # a formatting or concatenating call: name ( args )
     k = 0
     while k < len(toks) and (toks[k].kind == "ident" or toks[k].text == "::"):
@@ -226,9 +237,9 @@ def _operand(toks: list[_Tok]) -> list[tuple[str, str]]:
             printf = "printf" in short or ("%" in fmt and "{" not in fmt)
             return _expand_printf(fmt) if printf else _expand_fmt(fmt)
         if name in _CONCAT_CALLS or short in ("StrCat", "MakeString", "str"):
-            return [p for a in args for p in _operand(a)]
+            return [p for a in args for p in _operand(a, names)]
         if short in ("string", "basic_string") and len(args) == 1:
-            return _operand(args[0])
+            return _operand(args[0], names)
     return [("any", "")]
 
 
@@ -272,12 +283,23 @@ def _statement_end(toks: list[_Tok], i: int) -> int:
 
 
 class _Scanner:
-    def __init__(self, toks: list[_Tok]) -> None:
+    def __init__(self, toks: list[_Tok], source: str = "") -> None:
         self.toks = toks
+        self.source = source
         self.found: list[Found] = []
         self.scopes: list[tuple[int, str]] = []  # (brace depth, name) of functions and classes
         self.depth = 0
         self.head: list[_Tok] = []
+        self.names: dict[str, list[tuple[str, str]]] = {}
+        """Messages built in a variable earlier in the current function."""
+
+    def code(self, toks: list[_Tok]) -> str:
+        """The source text of ``toks`` as written (a condition glog or gloo prints)."""
+        if not toks:
+            return ""
+        if self.source:
+            return _SPACE.sub(" ", self.source[toks[0].start:toks[-1].end])
+        return " ".join(t.text for t in toks)
 
     def function(self) -> str:
         return "::".join(n for _, n in self.scopes if n)
@@ -322,6 +344,7 @@ class _Scanner:
                 self.depth += 1
                 if name:
                     self.scopes.append((self.depth, name))
+                    self.names = {}
                 self.head = []
                 i += 1
                 continue
@@ -344,9 +367,25 @@ class _Scanner:
                 if t.text == "enum":
                     i = self._enum(i)
                     continue
+                if _MESSAGE_VAR.search(t.text) and i + 1 < len(toks) and toks[i + 1].text in (
+                        "=", "+="):
+                    self._assign(i)
             self.head.append(t)
             i += 1
         return self.found
+
+    def _assign(self, i: int) -> None:
+        """``msg = c10::str("a", x);`` or ``msg += "b";``: remember the message built."""
+        toks = self.toks
+        end = _statement_end(toks, i + 2)
+        expr = toks[i + 2:end]
+        if not any(t.kind == "str" for t in expr):
+            return
+        parts = _operand(expr, self.names)
+        if toks[i + 1].text == "+=":
+            parts = self.names.get(toks[i].text, [("any", "")]) + parts
+        if len(self.names) < 256:
+            self.names[toks[i].text] = parts
 
     def _args(self, i: int) -> tuple[list[list[_Tok]], int]:
         """Arguments of the call whose ``(`` is at ``i`` and the index after its ``)``."""
@@ -362,7 +401,7 @@ class _Scanner:
                 continue
             if len(op) == 3 and op[-1].text in ("endl", "flush"):
                 continue
-            parts += _operand(op)
+            parts += _operand(op, self.names)
         return parts
 
     def _message(self, i: int) -> int:
@@ -381,7 +420,7 @@ class _Scanner:
             if k + 1 < len(toks) and toks[k + 1].text in ("(", "{"):
                 args, after = self._args(k + 1)
                 if args and args[0]:
-                    self.add(_operand(args[0]), Level.EXCEPTION,
+                    self.add(_operand(args[0], self.names), Level.EXCEPTION,
                              qual.rsplit("::", 1)[-1], line)
                 return after
             return i
@@ -400,10 +439,9 @@ class _Scanner:
                 self.add(self._stream(after), level, "", line)
             return _statement_end(toks, i) if level is not None else after
         if name == "CHECK" or name in _CHECK_OPS or name == "PCHECK":
-            cond = " ".join(t.text for t in args[0]) if args else ""
+            cond = self.code(args[0]) if args else ""
             if name in _CHECK_OPS and len(args) >= 2:
-                a = " ".join(t.text for t in args[0])
-                b = " ".join(t.text for t in args[1])
+                a, b = self.code(args[0]), self.code(args[1])
                 parts = [_lit(f"Check failed: {a} {_CHECK_OPS[name]} {b} ("), ("any", ""),
                          _lit(" vs. "), ("any", ""), _lit(") ")]
             else:
@@ -413,11 +451,10 @@ class _Scanner:
             self.add(parts, Level.CHECK, "", line)
             return _statement_end(toks, i)
         if name in _GLOO_OPS and len(args) >= 2:
-            a = " ".join(t.text for t in args[0])
-            b = " ".join(t.text for t in args[1])
+            a, b = self.code(args[0]), self.code(args[1])
             parts = [_lit(f"{a} {_GLOO_OPS[name]} {b}. "), ("any", ""), _lit(" vs "),
                      ("any", "")]
-            rest = [p for a2 in args[2:] for p in _operand(a2)]
+            rest = [p for a2 in args[2:] for p in _operand(a2, self.names)]
             if rest:
                 parts += [_lit(". "), *rest]
             self.add(parts, Level.CHECK, "EnforceNotMet", line)
@@ -428,8 +465,8 @@ class _Scanner:
                 exc = args[0][-1].text
             parts = []
             if cond is not None and len(args) > cond:
-                parts.append(_lit(" ".join(t.text for t in args[cond]) + ". "))
-            parts += [p for a in args[k:] for p in _operand(a)]
+                parts.append(_lit(self.code(args[cond]) + ". "))
+            parts += [p for a in args[k:] for p in _operand(a, self.names)]
             if len(args) > k:
                 self.add(parts, level, exc, line)
             return after
@@ -482,6 +519,6 @@ def extract(source: str | bytes) -> Iterator[Found]:
     if isinstance(source, bytes):
         source = source.decode("utf-8", errors="replace")
     try:
-        return iter(_Scanner(tokenize(source)).run())
+        return iter(_Scanner(tokenize(source), source).run())
     except RecursionError:
         return iter(())

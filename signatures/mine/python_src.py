@@ -19,7 +19,8 @@ from signatures.index.model import Level
 from signatures.index.tokens import join, literal_chars
 
 LOG_LEVELS = {"error": Level.ERROR, "exception": Level.ERROR, "critical": Level.FATAL,
-              "fatal": Level.FATAL, "warning": Level.WARNING, "warn": Level.WARNING}
+              "fatal": Level.FATAL, "warning": Level.WARNING, "warn": Level.WARNING,
+              "info": Level.INFO, "debug": Level.INFO}
 """Logger methods (also as ``<name>_once`` / ``<name>_rank0``) and the level they log at."""
 MAX_TEMPLATE = 400
 MIN_LETTERS = 6
@@ -28,7 +29,15 @@ _PRINTF = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(?:\*|\d+)?(?:\.(?:\*|\d+))?[hlL]?
                      r"([diouxXeEfFgGcrsa%])")
 _FORMAT = re.compile(r"\{\{|\}\}|\{[^{}]*\}")
 _SPACE = re.compile(r"\s+")
-
+#: Below warning, only a message that states a failure is kept.
+_STATES_FAILURE = re.compile(
+    r"(?i)\bfail|\berror|\bunable\b|\bcannot\b|\bcan't\b|\bcould not\b|\btimed? ?out|"
+    r"\bno (?:free |available )?(?:memory|space|blocks?)|\bnot enough\b|\bfull\b|\bexceed|"
+    r"\binvalid\b|\brefused\b|\bleak|\bmismatch|\bretry|\bretrying\b|\bexpired?\b|\bdropp?")
+#: Variables a message is built in before it is raised or logged (``msg = f"..."``).
+_MESSAGE_VAR = re.compile(r"(?i)(?:^|_)(?:msg|message|err|error|errmsg|reason|warning|text)s?$")
+#: Helpers that report what they are given as an error (``raise_error_or_warn(self, .., msg)``).
+_REPORTER = re.compile(r"(?i)(?:raise|error|warn|fail|abort|report)")
 
 @dataclass(frozen=True)
 class Found:
@@ -120,6 +129,24 @@ def _pieces(node: ast.expr | None, printf_args: bool = False) -> list[tuple[str,
     return [("any", "")]
 
 
+def _is_text(node: ast.expr) -> bool:
+    """A string literal, an f-string, or a concatenation or ``%``/``format`` of one."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str)
+    if isinstance(node, ast.JoinedStr):
+        return True
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Mod):
+        return _is_text(node.left) or _is_text(node.right)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+            and node.func.attr == "format":
+        return _is_text(node.func.value)
+    return False
+
+
+def _literal(parts: list[tuple[str, str]]) -> str:
+    return " ".join(t for k, t in parts if k == "lit")
+
+
 def _template(parts: list[tuple[str, str]]) -> str | None:
     text = join(parts).strip()
     if len(text) > MAX_TEMPLATE:
@@ -159,6 +186,7 @@ class _Visitor(ast.NodeVisitor):
     def __init__(self) -> None:
         self.scope: list[str] = []
         self.found: list[Found] = []
+        self.vars: dict[str, list[tuple[str, str]]] = {}
 
     def _add(self, parts: list[tuple[str, str]], level: Level, exc: str, line: int) -> None:
         text = _template(parts)
@@ -167,8 +195,34 @@ class _Visitor(ast.NodeVisitor):
 
     def _scoped(self, node: ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) -> None:
         self.scope.append(node.name)
+        saved = self.vars
+        if not isinstance(node, ast.ClassDef):
+            self.vars = {}
         self.generic_visit(node)
+        self.vars = saved
         self.scope.pop()
+
+    def _message_arg(self, node: ast.expr | None, printf_args: bool = False
+                     ) -> list[tuple[str, str]] | None:
+        """The pieces of a message argument: an expression, or a variable the message was
+        built in earlier in the function."""
+        if isinstance(node, ast.Name) and node.id in self.vars:
+            return self.vars[node.id]
+        if node is None:
+            return None
+        return _pieces(node, printf_args)
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        if len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
+                and _MESSAGE_VAR.search(node.targets[0].id) and _is_text(node.value):
+            self.vars[node.targets[0].id] = _pieces(node.value)
+        self.generic_visit(node)
+
+    def visit_AugAssign(self, node: ast.AugAssign) -> None:
+        if isinstance(node.target, ast.Name) and node.target.id in self.vars \
+                and isinstance(node.op, ast.Add):
+            self.vars[node.target.id] = self.vars[node.target.id] + _pieces(node.value)
+        self.generic_visit(node)
 
     visit_ClassDef = _scoped
     visit_FunctionDef = _scoped
@@ -179,13 +233,15 @@ class _Visitor(ast.NodeVisitor):
         if isinstance(exc, ast.Call):
             msg = exc.args[0] if exc.args else next(
                 (k.value for k in exc.keywords if k.arg in ("msg", "message")), None)
-            if msg is not None:
-                self._add(_pieces(msg), Level.EXCEPTION, _name(exc.func), node.lineno)
+            parts = self._message_arg(msg)
+            if parts is not None:
+                self._add(parts, Level.EXCEPTION, _name(exc.func), node.lineno)
         self.generic_visit(node)
 
     def visit_Assert(self, node: ast.Assert) -> None:
         if node.msg is not None:
-            self._add(_pieces(node.msg), Level.ASSERT, "AssertionError", node.lineno)
+            parts = self._message_arg(node.msg) or []
+            self._add(parts, Level.ASSERT, "AssertionError", node.lineno)
         else:
             # a bare assert: its condition is what the traceback's source line shows
             self._add([_lit("assert " + ast.unparse(node.test))], Level.ASSERT,
@@ -195,8 +251,15 @@ class _Visitor(ast.NodeVisitor):
     def visit_Call(self, node: ast.Call) -> None:
         level = _log_level(node)
         if level is not None and node.args:
-            self._add(_pieces(node.args[0], printf_args=len(node.args) > 1), level, "",
-                      node.lineno)
+            parts = self._message_arg(node.args[0], printf_args=len(node.args) > 1) or []
+            if level is not Level.INFO or _STATES_FAILURE.search(_literal(parts)):
+                self._add(parts, level, "", node.lineno)
+        elif level is None and _REPORTER.search(_name(node.func)):
+            # a helper that reports a message built earlier: raise_error_or_warn(.., msg)
+            for arg in node.args:
+                if isinstance(arg, ast.Name) and arg.id in self.vars:
+                    self._add(self.vars[arg.id], Level.ERROR, "", node.lineno)
+                    break
         self.generic_visit(node)
 
 

@@ -51,8 +51,9 @@ def wheel(dist: str, version: str, cache: Path) -> tuple[Path, Provenance]:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
         found = _cached_wheel(cache, norm, version)
         if found is None:
+            errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("ERROR")]
             raise SourceError(f"no wheel of {dist}=={version}: "
-                              f"{proc.stderr.strip().splitlines()[-1:] or proc.returncode}")
+                              f"{errors[-1] if errors else proc.returncode}")
     digest = hashlib.sha256(found.read_bytes()).hexdigest()
     return found, Provenance(version=version, source=f"pypi:{dist}=={version}", digest=digest)
 
@@ -60,7 +61,8 @@ def wheel(dist: str, version: str, cache: Path) -> tuple[Path, Provenance]:
 def _cached_wheel(cache: Path, norm: str, version: str) -> Path | None:
     for p in sorted(cache.glob("*.whl")):
         name, _, rest = p.name.partition("-")
-        if name.lower() == norm and rest.split("-", 1)[0] == version:
+        # a local version label (``2.13.0+cpu``) is the same release
+        if name.lower() == norm and rest.split("-", 1)[0].split("+", 1)[0] == version:
             return p
     return None
 

@@ -22,6 +22,7 @@ from doctor.evidence import (
     MAX_EXITS,
     ExceptionRecord,
     ExitRecord,
+    FailureLine,
     HitStats,
     LogHit,
     RankHint,
@@ -40,8 +41,16 @@ from doctor.read.text.threaddumps import FaulthandlerParser, PySpyTextParser
 from doctor.read.text.torchrun import TorchrunParser
 from doctor.read.text.tracebacks import TRIGGERS as TRACEBACK_TRIGGERS
 from doctor.read.text.tracebacks import TracebackParser
+from doctor.read.text.versions import TRIGGERS as VERSION_TRIGGERS
+from doctor.read.text.versions import stated_versions
+from signatures.index import load_index
 from signatures.models import Catalog
 
+#: Lines that may report a failure or a warning (matched against upstream's templates): the
+#: level words of loggers and the usual failure words, and C/C++ source sites (glog lines).
+FAILURE_TRIGGERS = ["rror", "RROR", "ailed", "AILED", "ARN", "arning", "atal", "ATAL",
+                    "xception", "imed out", "imeout", "nable to", "annot ", "ould not",
+                    "efused", "heck failed", "nvalid", ".cc:", ".cu:", ".h:", "ssert"]
 #: Literal triggers of the block parsers and topology lines (besides the catalog's patterns).
 BLOCK_TRIGGERS = ["Traceback (most recent call last)", "(most recent call first)",
                   "Fatal Python error", "ChildFailedError", "Root Cause (first observed",
@@ -50,13 +59,16 @@ BLOCK_TRIGGERS = ["Traceback (most recent call last)", "(most recent call first)
                   "Thread ", ".py:", "Error: ", "Exception: ", "EnforceNotMet",
                   "LMCache ERROR", "LMCache WARN", "[infini] [error]", "cannot store",
                   "under pressure", "CQ error", "Mooncake store",
-                  *NATIVE_TRIGGERS, *BACKTRACE_TRIGGERS, *TRACEBACK_TRIGGERS]
+                  *NATIVE_TRIGGERS, *BACKTRACE_TRIGGERS, *TRACEBACK_TRIGGERS,
+                  *VERSION_TRIGGERS, *FAILURE_TRIGGERS]
 _TOPO = re.compile(r"\b(?P<k>tp|pp|dp|world)_size=(?P<v>\d{1,6})\b|--(?P<k2>tp|pp|dp)-size[ =]"
                    r"(?P<v2>\d{1,6})\b|\bWORLD_SIZE[=:]\s*(?P<v3>\d{1,6})\b")
 _FAILURE_WORDS = re.compile(r"(?i)\b(?:error|failed|failure|exception|timed out|timeout|abort"
                             r"(?:ed)?|refused|fatal|killed|segmentation fault)\b")
 _UNITS = {"k": 1 / 1024, "m": 1.0, "g": 1024.0, "t": 1024.0 * 1024}
 MAX_LINE_CHARS = 8192
+MAX_MATCHED_CHARS = 1000
+"""Only the head of a long line is matched against upstream's templates."""
 MAX_BLOCK_LINES = 20000
 
 
@@ -166,16 +178,23 @@ class LineHandler:
             stream.tb.boundary()
         if pre.site and pre.warning:
             self.sink.slot(hint).add_site(pre.site, src)
-        if (pre.error or _FAILURE_WORDS.search(rest)) and rest.strip():
+        failing = bool((pre.error or _FAILURE_WORDS.search(rest)) and rest.strip())
+        if failing:
             self.sink.slot(hint).errors.append((rest.strip()[:300], src))
         kv = classify(text, self.sink.kv)
         if kv is not None:
             self.sink.slot(hint).kv_lines.append((kv, rest.strip()[:300], src))
-        self._blocks(stream, rest, src, lineno, hint)
+        taken = self._blocks(stream, rest, src, lineno, hint)
+        if (failing or pre.warning) and not taken:
+            self._upstream(rest, pre.site, "error" if pre.error else
+                           "warning" if pre.warning else "", hint, src)
         if triggered:
             self._match_patterns(rest, hint, src)
             if "_size" in rest or "--" in rest or "WORLD_SIZE" in rest:
                 self._topology(rest)
+            if any(t in rest for t in VERSION_TRIGGERS):
+                for system, version in stated_versions(rest):
+                    self.sink.note_version(system, version, src)
 
     def finish(self) -> None:
         for s in self._streams.values():
@@ -219,22 +238,40 @@ class LineHandler:
         return s
 
     def _blocks(self, s: _Stream, rest: str, src: SourceRef, lineno: int,
-                hint: RankHint) -> None:
+                hint: RankHint) -> bool:
+        """Feed the line to the stream's block parsers; True when one took it."""
         was_open = s.open
         for parser in s.parsers:
             if parser.open and parser.feed(rest, src):
-                return
+                return True
         for parser in s.parsers:
             if parser.starts(rest) and parser.feed(rest, src):
                 if not was_open:
                     s.opened_at = lineno
-                return
+                return True
         if "->" in rest or "<-" in rest or "→" in rest or "←" in rest:
             chain = chain_stack(rest, src)
             if chain is not None:
                 slot = self.sink.slot(hint)
                 slot.threads.append(chain)
                 slot.kinds.add("chain")
+        return False
+
+    def _upstream(self, rest: str, site: str, level: str, hint: RankHint,
+                  src: SourceRef) -> None:
+        """Which upstream template printed a failure or warning line (the index's best
+        match), kept per rank by template; a line no template fits is kept by the source
+        site its logger named, if any."""
+        text = rest.strip()
+        if len(text) < 8:
+            return
+        matches = load_index().match(text[:MAX_MATCHED_CHARS])
+        slot = self.sink.slot(hint)
+        for m in matches[:1]:
+            slot.add_failure_line(FailureLine(m.template.id, m.similarity, site, level,
+                                              text[:300], src))
+        if not matches and site:
+            slot.add_failure_line(FailureLine(-1, 0.0, site, level, text[:300], src))
 
     def _match_patterns(self, rest: str, hint: RankHint, src: SourceRef) -> None:
         for p in self._patterns:

@@ -48,8 +48,10 @@ _GENERIC = re.compile(
     r"|\[?[IWEF] [\w./-]+\.(?:cc|cpp|c|h|hpp|cu|rs):\d+\] ?"
     # container runtimes and collectors: 2026-06-12T04:13:18.902123456Z (then maybe a level);
     # cloud logging exports put the severity first: ERROR 2026-06-15T14:10:59.392125190Z
+    # (CRI runtimes, as kubelet stores them, add the stream and a full/partial tag:
+    # 2026-06-24T17:38:03.765641375+02:00 stderr F <text>)
     rf"|(?:{_LEVEL} )?\d{{4}}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)? "
-    rf"(?:{_LEVEL}\s+)?"
+    rf"(?:(?:stdout|stderr) [FP] )?(?:{_LEVEL}\s+)?"
     # Python logging / loguru: 2025-01-01 00:00:00,123 - name - ERROR - / ... | ERROR | mod:f:1 -
     rf"|\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d(?:[.,]\d+)?(?: - [\w.]+)? [-|] {_LEVEL}\s*[-|]"
     r"(?: [\w.]+:[\w<>]+:\d+ -)? ?"

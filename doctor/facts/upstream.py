@@ -1,0 +1,218 @@
+"""Mechanisms read through the upstream index: which component failed, and how.
+
+Every piece of evidence that can name a component is read here:
+
+* a failure or warning line matched to the upstream template that printed it (the template's
+  file is the component, its text the kind of failure); a line no template fits but whose
+  logger named a source file counts by that file (code, not text);
+* an exception: its message matched to a template, and the component of the code that raised it
+  (the innermost frame a component owns); a traceback cut before its exception line says only
+  where something failed (``unknown``, partial);
+* a thread that died of a fatal signal: the component on its stack crashed.
+
+Two components serve more than one master. A transfer engine (Mooncake's, NIXL's) moves KV for
+a storage tier and for prefill/decode disaggregation alike: its failures are the store's when
+the input shows a store and no disaggregation, the disaggregation's when it shows that, and
+nobody's otherwise. A distributed file system (3FS) serves training data as well as a KV cache:
+its failures count only when the input shows a KV cache in use.
+
+When the input states the release it runs (``sglang==0.5.5``), a template absent from that
+release weakens its reading.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+from doctor.evidence import ExceptionRecord, Frame, RankEvidence
+from doctor.ranks.builder import Evidence
+from doctor.ranks.frames import startup_phase
+from doctor.ranks.table import is_comm_error
+from signatures.index import UpstreamIndex
+from signatures.index.components import Component
+from signatures.index.failures import FailureKind, classify
+from signatures.index.model import Level, Template
+from signatures.matching import EvidenceKind, MechanismHit, Witness
+
+#: How much a reading weakens when the release the input states lacks the template.
+ABSENT_FROM_RELEASE = 0.6
+#: The raising frame reads at full strength; each caller further out a step less.
+FRAME_STEP = 0.15
+MAX_FRAMES_READ = 3
+MAX_FATAL_FRAMES = 8
+"""A crashed thread's innermost frames are often native ones no component owns."""
+TRUNCATED_STRENGTH = 0.6
+SITE_STRENGTH = 0.8
+MIN_MESSAGE = 8
+#: What shows a KV cache in use (for components that also serve others).
+_KV_WORDS = re.compile(r"(?i)hicache|lmcache|kv[ _-]?cache|mooncake|prefix cach|kv_offload|"
+                       r"sglang|vllm")
+_KV_ROLES = {"storage", "controller", "host-pool", "tree", "pool"}
+
+
+def mechanisms(ev: Evidence, index: UpstreamIndex) -> list[MechanismHit]:
+    """Every mechanism the evidence shows, with its witness (see the module docstring)."""
+    raw: list[MechanismHit] = []
+    for r in ev.all_ranks():
+        raw += _lines(r, ev, index)
+        for e in r.exceptions:
+            raw += _exception(r, e, ev, index)
+        for t in r.threads:
+            if t.fatal:
+                hit = _frames_hit(t.frames, index, FailureKind.CRASH, Witness(
+                    f"rank {r.rank}: Fatal Python error: {t.fatal} on a stack in "
+                    "{component} code", t.source.file, t.source.line, r.rank), False,
+                    depth=MAX_FATAL_FRAMES)
+                raw += [hit] if hit else []
+    return _in_context(raw, ev)
+
+
+def _in_context(raw: list[MechanismHit], ev: Evidence) -> list[MechanismHit]:
+    """Resolve shared components: transfer engines by store or disaggregation, file systems
+    by a KV cache in use."""
+    pd = ev.kv.pd or any(h.role == "pd" for h in raw)
+    store = bool(ev.kv.store) or any(h.role == "storage" and not h.component.endswith(".3fs")
+                                     for h in raw)
+    kv_in_use = store or any(h.role in _KV_ROLES and not h.component.endswith(".3fs")
+                             for h in raw) or any(_KV_WORDS.search(s) for s in ev.kv.store)
+    out = []
+    for h in raw:
+        if h.role == "transfer":
+            if pd:
+                h = replace(h, role="pd")
+            elif store:
+                h = replace(h, role="storage")
+            else:
+                continue
+        if h.component.endswith(".3fs") and not kv_in_use:
+            continue
+        out.append(h)
+    return out
+
+
+def _release_factor(t: Template, ev: Evidence, index: UpstreamIndex) -> tuple[float, str]:
+    """1.0, or ``ABSENT_FROM_RELEASE`` with a note when the input states a release of the
+    template's system that the index holds and the template is not in it."""
+    stated = ev.versions.get(t.system)
+    if stated is None:
+        return 1.0, ""
+    version = stated[0].lstrip("v")
+    known = {v.lstrip("v") for v in index.versions(t.system)}
+    if version in known and version not in {v.lstrip("v") for v in t.versions}:
+        return ABSENT_FROM_RELEASE, f"; not in {t.system} {version}, the release the input states"
+    return 1.0, ""
+
+
+def _template_hit(t: Template, sim: float, text: str, src_file: str, src_line: int | None,
+                  rank: int, count: int, ev: Evidence, index: UpstreamIndex,
+                  kind: FailureKind | None = None) -> MechanismHit | None:
+    comp = index.template_component(t)
+    kind = kind or index.failure(t)
+    if comp is None or kind is None:
+        return None
+    factor, note = _release_factor(t, ev, index)
+    who = f"rank {rank}: " if rank >= 0 else ""
+    return MechanismHit(comp.role, comp.id, kind.value, round(sim * factor, 3),
+                        EvidenceKind.TEXT, Witness(
+                            f"{who}{text[:200]} — printed by {t.where()}, {comp.id}{note}",
+                            src_file, src_line, rank), count)
+
+
+def _lines(r: RankEvidence, ev: Evidence, index: UpstreamIndex) -> list[MechanismHit]:
+    out = []
+    for fl in r.failure_lines.values():
+        if fl.template >= 0:
+            t = index.templates[fl.template]
+            hit = _template_hit(t, fl.similarity, fl.text, fl.source.file, fl.source.line,
+                                r.rank, fl.count, ev, index)
+            if hit is not None:
+                out.append(hit)
+            continue
+        comp = index.component(fl.site)
+        level = Level.ERROR if fl.level == "error" else Level.WARNING if fl.level else None
+        kind = classify(fl.text, level)
+        if comp is None or kind is None:
+            continue
+        who = f"rank {r.rank}: " if r.rank >= 0 else ""
+        out.append(MechanismHit(comp.role, comp.id, kind.value, SITE_STRENGTH, EvidenceKind.CODE,
+                                Witness(f"{who}{fl.text[:200]} — logged from {fl.site}, "
+                                        f"{comp.id}", fl.source.file, fl.source.line, r.rank),
+                                fl.count, partial=True))
+    return out
+
+
+def _exception_kind(e: ExceptionRecord, t: Template | None) -> FailureKind | None:
+    """The failure an exception states: its type first when the type says it, then the
+    message (through its template when one matched). An assertion that fails while the
+    process is still starting checks a configuration, not state built at run time."""
+    short = e.short_type
+    kind = classify(e.message, None, short)
+    if t is not None:
+        tk = classify(t.text, t.level, t.exception)
+        if tk is not None and not (kind in (FailureKind.INDEX, FailureKind.SHAPE,
+                                            FailureKind.CAPACITY) and tk != kind):
+            kind = tk
+    if kind in (FailureKind.INVARIANT, FailureKind.INDEX) and startup_phase(e.frames):
+        return FailureKind.CONFIG
+    return kind
+
+
+def _exception(r: RankEvidence, e: ExceptionRecord, ev: Evidence,
+               index: UpstreamIndex) -> list[MechanismHit]:
+    who = f"rank {r.rank}: " if r.rank >= 0 else ""
+    if e.truncated:
+        hit = _frames_hit(e.frames, index, FailureKind.UNKNOWN, Witness(
+            f"{who}a traceback cut before its exception line, in {{component}} code",
+            e.source.file, e.source.line, r.rank), True)
+        return [replace(hit, strength=round(hit.strength * TRUNCATED_STRENGTH, 3))] if hit \
+            else []
+    out: list[MechanismHit] = []
+    text = e.message.strip()
+    if not text and e.frames and e.frames[0].code.lstrip().startswith("assert "):
+        text = e.frames[0].code.strip()  # a bare assert: its condition is on the frame
+    t: Template | None = None
+    if len(text) >= MIN_MESSAGE:
+        matches = index.match(text[:1000])
+        if matches:
+            m = matches[0]
+            t = m.template
+            sim = m.similarity
+            if t.exception and t.exception != e.short_type and not (
+                    t.level is Level.ASSERT and e.short_type == "AssertionError"):
+                sim *= 0.85  # another exception type than upstream raises there
+            hit = _template_hit(t, sim, e.text, e.source.file, e.source.line, r.rank, 1, ev,
+                                index, _exception_kind(e, t))
+            if hit is not None:
+                out.append(hit)
+    kind = _exception_kind(e, t)
+    if kind is not None and not is_comm_error(e):
+        hit = _frames_hit(e.frames, index, kind, Witness(
+            f"{who}{e.text[:200]} raised in {{component}} code", e.source.file, e.source.line,
+            r.rank), False)
+        if hit is not None:
+            out.append(hit)
+    return out
+
+
+def _frames_hit(frames: list[Frame], index: UpstreamIndex, kind: FailureKind,
+                witness: Witness, partial: bool,
+                depth: int = MAX_FRAMES_READ) -> MechanismHit | None:
+    """The component of the innermost frames (the code that raised or crashed); a caller
+    further out reads weaker."""
+    seen = 0
+    for f in frames:
+        if not f.file or f.file == "(cut off)":
+            continue
+        comp: Component | None = index.component(f.file)
+        if comp is None:
+            seen += 1
+            if seen >= depth:
+                return None
+            continue
+        strength = round(max(0.55, 1.0 - FRAME_STEP * min(seen, MAX_FRAMES_READ)), 3)
+        where = f"{f.func} ({f.file.rsplit('/', 1)[-1]})"
+        return MechanismHit(comp.role, comp.id, kind.value, strength, EvidenceKind.CODE,
+                            replace(witness, text=witness.text.replace("{component}", comp.id)
+                                    + f": {where}"), 1, partial=partial)
+    return None

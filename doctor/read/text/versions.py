@@ -1,0 +1,51 @@
+"""The upstream versions a report states: package pins (``sglang==0.5.5``), installed-package
+listings (``sglang: 0.5.5``, ``sglang   0.5.5``, SGLang's ``check_env``), wheel and dist-info
+paths (``sglang-0.5.5.dist-info``), version banners (``SGLang v0.5.5``, ``LMCache version
+0.3.6``) and the version field of a server-argument echo.
+
+The doctor asks the upstream index which releases hold each template a line matched; a template
+absent from the release the report runs weakens the match.
+"""
+
+from __future__ import annotations
+
+import re
+
+#: System names as the index knows them, and how reports spell their packages.
+PACKAGES = {"sglang": "sglang", "lmcache": "lmcache", "mooncake-transfer-engine": "mooncake",
+            "mooncake_transfer_engine": "mooncake", "mooncake": "mooncake", "nixl": "nixl",
+            "torch": "torch", "pytorch": "torch"}
+_VER = r"(?P<ver>\d+\.\d+(?:\.\d+)?(?:\.?post\d+|rc\d+|\.dev\d+)?)"
+_NAMES = (r"(?P<pkg>sglang|lmcache|mooncake[-_]transfer[-_]engine(?:[-_]non[-_]cuda)?|mooncake|"
+          r"nixl|torch|pytorch)")
+_PATTERNS = [
+    re.compile(rf"(?i)\b{_NAMES}(?:\[[\w,]+\])?\s*==\s*v?{_VER}\b"),
+    re.compile(rf"(?i)\b{_NAMES}-{_VER}(?:\+\w+)?(?:\.dist-info|-py3|-cp3|\.tar\.gz|/)"),
+    re.compile(rf"(?i)^\s*{_NAMES}\s*(?::|\s{{2,}}|\bversion\s*[:=]?)\s*v?{_VER}\s*(?:\S+\s*)?$"),
+    re.compile(rf"(?i)\b{_NAMES}\s+(?:version\s*[:=]?\s*)?v{_VER}\b"),
+    re.compile(rf"(?i)\b{_NAMES}\s+version\s*[:=]?\s*v?{_VER}\b"),
+]
+TRIGGERS = ("==", "dist-info", "ersion", "sglang ", "sglang:", "SGLang ", "lmcache ", "lmcache:",
+            "LMCache ", "nixl ", "nixl:", "torch ", "torch:", "mooncake")
+
+
+def _canonical(pkg: str) -> str:
+    low = pkg.lower().replace("_", "-")
+    if low.startswith("mooncake"):
+        return "mooncake"
+    return PACKAGES.get(low, low)
+
+
+def stated_versions(line: str) -> list[tuple[str, str]]:
+    """``(system, version)`` pairs ``line`` states (at most a few)."""
+    if len(line) > 2000:
+        line = line[:2000]
+    out: list[tuple[str, str]] = []
+    for rx in _PATTERNS:
+        for m in rx.finditer(line):
+            pair = (_canonical(m["pkg"]), m["ver"])
+            if pair not in out:
+                out.append(pair)
+            if len(out) >= 4:
+                return out
+    return out

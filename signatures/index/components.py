@@ -1,0 +1,137 @@
+"""The component map: which part of the serving stack a module path belongs to.
+
+A path as a report gives it (an absolute traceback path in a container, a site-packages path, a
+bare ``client_service.cpp`` from a glog line, a relative ``python/sglang/srt/...``) is first
+*qualified*: the install prefix is cut at the package root, and the path is looked up among the
+upstream index's files by its trailing segments, so ``client_service.cpp`` becomes
+``mooncake:mooncake-store/src/client_service.cpp``. The map's patterns (``components.yaml``)
+then name the component and its role. Patterns anchor on the folder names that carry meaning,
+so a module that moved (``mem_cache/allocator.py`` became ``mem_cache/allocator/paged.py``) or a
+vendored copy still maps.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from signatures.models import check_regex
+
+MAP_FILE = Path(__file__).with_name("components.yaml")
+ROLES = ("storage", "transfer", "pd", "host-pool", "tree", "pool", "controller", "comm",
+         "scheduler", "model", "startup")
+#: Package roots a path is cut at (the last occurrence wins: a vendored copy's own root).
+_ROOTS = re.compile(r"(?:^|/)(?=(?:sglang|vllm|vllm_ascend|lmcache|lmcache_vllm|mooncake|"
+                    r"mooncake-\w+|nixl|torch|gloo|deepspeed|megatron|tensorrt_llm|dynamo|"
+                    r"kvbm|aibrix\w*|infinistore|flexkv|transformers|accelerate|lightning|"
+                    r"hf3fs_fuse|sgl_kernel)/)")
+_INSTALL = re.compile(r"^.*?(?:site-packages|dist-packages)/")
+
+
+class ComponentRule(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(pattern=r"^[a-z][a-z0-9.-]*$")
+    role: str
+    paths: list[str] = Field(min_length=1)
+    context: str = ""
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, v: str) -> str:
+        if v not in ROLES:
+            raise ValueError(f"unknown role {v!r} (one of {', '.join(ROLES)})")
+        return v
+
+    @field_validator("paths")
+    @classmethod
+    def _regexes(cls, v: list[str]) -> list[str]:
+        return [check_regex(rx) for rx in v]
+
+
+class ComponentMap(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    components: list[ComponentRule]
+
+
+@dataclass(frozen=True)
+class Component:
+    """A component of the serving stack: ``storage.mooncake`` with role ``storage``."""
+
+    id: str
+    role: str
+    context: str = ""
+
+
+def normalise(path: str) -> str:
+    """A report's path without its install prefix: ``sglang/srt/x.py`` from
+    ``/opt/venv/lib/python3.12/site-packages/sglang/srt/x.py`` or
+    ``/sgl-workspace/sglang/python/sglang/srt/x.py``; backslashes become slashes."""
+    p = path.strip().strip("\"'").replace("\\", "/")
+    cut = None
+    for m in _ROOTS.finditer(p):
+        cut = m.start() + (1 if p[m.start():m.start() + 1] == "/" else 0)
+    if cut is not None:
+        return p[cut:]
+    return _INSTALL.sub("", p).lstrip("./")
+
+
+class Resolver:
+    """Qualifies paths against the index's files and maps them to components."""
+
+    def __init__(self, rules: list[ComponentRule], files: Iterable[tuple[str, str]] = ()):
+        self._rules = [(Component(r.id, r.role, r.context),
+                        [re.compile(rx) for rx in r.paths]) for r in rules]
+        by_base: dict[str, list[str]] = {}
+        for system, path in files:
+            base = path.rsplit("/", 1)[-1]
+            by_base.setdefault(base, []).append(f"{system}:{path}")
+        self._by_base = by_base
+
+    def qualify(self, path: str) -> str:
+        """``<system>:<path>`` of the index file whose trailing segments match most of
+        ``path``, or ``?:<normalised path>``."""
+        norm = normalise(path)
+        cands = self._by_base.get(norm.rsplit("/", 1)[-1])
+        if not cands:
+            return f"?:{norm}"
+        segs = norm.split("/")
+        best, best_n, tie = "", 0, False
+        for c in cands:
+            csegs = c.partition(":")[2].split("/")
+            n = 0
+            while n < min(len(segs), len(csegs)) and segs[-1 - n] == csegs[-1 - n]:
+                n += 1
+            if n > best_n:
+                best, best_n, tie = c, n, False
+            elif n == best_n:
+                tie = True
+        # a bare file name shared by several systems' files says nothing more than itself
+        if tie and best_n <= 1:
+            return f"?:{norm}"
+        return best
+
+    @lru_cache(maxsize=8192)  # noqa: B019 - one resolver per process; paths repeat heavily
+    def component(self, path: str) -> Component | None:
+        """The component of ``path`` (qualified here), or None when no pattern fits."""
+        if not path:
+            return None
+        q = path if re.match(r"^[\w?-]+:", path) and not re.match(r"^[A-Za-z]:[/\\]", path) \
+            else self.qualify(path)
+        for comp, rxs in self._rules:
+            if any(rx.search(q) for rx in rxs):
+                return comp
+        return None
+
+
+@lru_cache(maxsize=1)
+def load_rules(path: Path = MAP_FILE) -> tuple[ComponentRule, ...]:
+    raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    return tuple(ComponentMap.model_validate(raw).components)
