@@ -694,6 +694,25 @@ def signatures_new(
         print(text, end="")
 
 
+@signatures_app.command("sources")
+@_handles_errors
+def signatures_sources(
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """What the upstream index was built from: systems, versions, templates per system."""
+    from signatures.index import load_index
+
+    rows = [{"system": s.system, "templates": s.templates, "files": s.files,
+             "versions": s.versions} for s in load_index().sources()]
+    if json_out:
+        print(json.dumps({"systems": rows, "templates": sum(r["templates"] for r in rows)},
+                         indent=2))
+        return
+    import render
+
+    render.index_sources(rows)
+
+
 @signatures_app.command("schema")
 @_handles_errors
 def signatures_schema(

@@ -331,6 +331,25 @@ def signature_table(catalog: Any) -> None:
     con.print(_fit(con, table, {"title": 16, "campaign cell": 16, "title / campaign cell": 16}))
 
 
+def index_sources(rows: list[dict[str, Any]]) -> None:
+    """The upstream index's systems: versions (oldest, newest), templates, files."""
+    con = console()
+    total = sum(r["templates"] for r in rows)
+    table = Table(title=f"upstream index ({total} templates)", title_justify="left")
+    _short(table, "system")
+    _short(table, "templates")
+    _short(table, "files")
+    _long(table, "versions")
+    for r in rows:
+        names = [v["version"] for v in r["versions"]]
+        shown = ", ".join(names) if len(names) <= 4 else \
+            f"{names[0]} ... {names[-1]} ({len(names)})"
+        where = r["versions"][-1]["source"].split(":", 1)[0] if r["versions"] else ""
+        table.add_row(esc(r["system"]), str(r["templates"]), str(r["files"]),
+                      esc(f"{shown} [{where}]"))
+    con.print(_fit(con, table, {"versions": 16}))
+
+
 def signature_detail(sig: Any) -> None:
     con = console()
     style = SEVERITY_STYLE.get(sig.severity.value, "")

@@ -95,8 +95,8 @@ def analyse(ev: Evidence, catalog: Catalog) -> Diagnosis:
     diag.first_divergence = first
     diag.observations = guard("observations", lambda: observations(
         ev, facts, rows, sites, findings, first), [])
-    diag.missing = guard("missing evidence",
-                         lambda: missing_items(ev, rows, Fact.HANG in facts), [])
+    diag.missing = guard("missing evidence", lambda: missing_items(
+        ev, rows, Fact.HANG in facts, obs.single_line if obs is not None else False), [])
     diag.fingerprint = guard("fingerprint", lambda: fingerprint(
         ev, frames, sites, facts, [m.lookalike.id for m in looks]), None)
     diag.problems = problems

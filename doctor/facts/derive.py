@@ -177,14 +177,28 @@ def _fact_same_collective(ev: Evidence, sites: list[BlockedSite], rows: list[Ran
     """Every rank that reported waits in the same collective: watchdog timeouts naming the
     same (SeqNum, OpType), or blocked threads all at one call site."""
     seen: dict[int, tuple[str, str, Witness]] = {}
+    sizes: dict[int, str] = {}
     for r in ev.ranks.values():
         stats = r.hits.get("nccl-watchdog-timeout")
         if stats:
             h = next(iter(stats.kept))
             seen[r.rank] = (h.groups.get("seq", "?"), h.groups.get("op", "?"),
                             witness(h.text, h.source, r.rank))
+            if h.groups.get("numel_in"):
+                sizes[r.rank] = h.groups["numel_in"]
     if len(seen) >= 2 and len({(s, op) for s, op, _ in seen.values()}) == 1:
         seq, op, w = next(iter(seen.values()))
+        if len(set(sizes.values())) >= 2:
+            # the same collective, fed different sizes: each rank waits for data its peers
+            # will never send
+            by_size: dict[str, list[int]] = {}
+            for rank, n in sorted(sizes.items()):
+                by_size.setdefault(n, []).append(rank)
+            facts.add(Fact.COLLECTIVE_SIZE_MISMATCH, Witness(
+                f"SeqNum {seq} ({op}): " + "; ".join(f"ranks {rs} with NumelIn={n}"
+                                                     for n, rs in by_size.items()),
+                w.file, w.line, w.rank))
+            return
         facts.add(Fact.SAME_COLLECTIVE_EVERYWHERE, Witness(
             f"ranks {sorted(seen)} all time out in SeqNum {seq} ({op})", w.file, w.line, w.rank))
         return
@@ -236,7 +250,7 @@ def _fact_outcome(ev: Evidence, frames: FrameClassifier, rows: list[RankRow],
             f"outputs differ from the cache-disabled run ({ev.mismatches} request(s))", src, -1))
     for r in ev.all_ranks():
         for pid in ("nccl-watchdog-timeout", "gloo-timeout", "scheduler-watchdog",
-                    "hicache-watchdog", "nccl-watchdog-stuck"):
+                    "hicache-watchdog", "nccl-watchdog-stuck", "horovod-stall"):
             for h in r.hits.get(pid, _EMPTY).kept:
                 facts.add(Fact.HANG, witness(h.text, h.source, r.rank))
     crashed = [row for row in rows if row.state == RankCondition.CRASHED]
@@ -300,6 +314,12 @@ def _fact_collectives(findings: list[CollectiveFinding], facts: FactSet) -> None
         ev = f.evidence[0] if f.evidence else None
         facts.add(kinds[f.kind], Witness(f"group {f.group} {f.detail}", ev.file if ev else None,
                                          ev.line if ev else None, -1))
+        if f.kind == FindingKind.CROSSED:
+            # each rank waits in a collective the others never entered: ranks are missing
+            # from a collective, seen from every side at once
+            facts.add(Fact.RANK_MISSING_FROM_COLLECTIVE, Witness(
+                f"group {f.group}: ranks {f.ranks} each wait for ranks that never entered "
+                "their collective", ev.file if ev else None, ev.line if ev else None, -1))
 
 
 def _fact_exceptions(ev: Evidence, frames: FrameClassifier, facts: FactSet) -> None:
@@ -366,6 +386,7 @@ def _fact_logs(ev: Evidence, facts: FactSet) -> None:
         "pool-leak-check": Fact.INVARIANT_BROKEN,
         "kv-manager-assert": Fact.INVARIANT_BROKEN,
         "startup-usage-error": Fact.STARTUP_CONFIG_ERROR,
+        "horovod-stall": Fact.RANK_MISSING_FROM_COLLECTIVE,
     }
     for r in ev.all_ranks():
         _abort_in_flight(r, facts)

@@ -41,18 +41,23 @@ def build_observation(ev: Evidence, frames: FrameClassifier, facts: FactSet,
 
 
 def statements(ev: Evidence) -> int:
-    """How many separate failure statements the inputs hold: distinct failure lines, each
-    exception (two with its stack), each stack dump, each exit, and any recorded collectives,
-    events or bundle outcome. One is a single line: it cannot carry a certain verdict."""
+    """How many separate places of the inputs state a failure: distinct lines (failure lines,
+    exception lines, lines that matched a catalog pattern), an exception's stack besides its
+    line, each stack dump and exit, and any recorded collectives, events or bundle outcome.
+    One is a single line: it cannot carry a certain verdict."""
     n = 1 if ev.outcome is not None or ev.legacy else 0
+    places: set[tuple[str, int | None]] = set()
     for r in ev.all_ranks():
-        n += len(r.failure_lines) + len(r.threads) + len(r.exits)
-        n += sum(2 if e.frames and not e.truncated else 1 for e in r.exceptions)
+        places |= {(fl.source.file, fl.source.line) for fl in r.failure_lines.values()}
+        places |= {(e.source.file, e.source.line) for e in r.exceptions}
+        places |= {(h.source.file, h.source.line) for pid, stats in r.hits.items()
+                   if not pid.startswith(("memory-", "prefetch-start")) for h in stats.kept}
+        n += len(r.threads) + len(r.exits)
+        n += sum(1 for e in r.exceptions if e.frames and not e.truncated)
         n += (1 if r.collectives else 0) + (1 if len(r.events) else 0)
-        n += sum(1 for pid in r.hits if not pid.startswith(("memory-", "prefetch-start")))
-        if n > 1:
-            return n
-    return n
+        if n + len(places) > 1:
+            return n + len(places)
+    return n + len(places)
 
 
 MAX_NAMES = 4096

@@ -31,7 +31,7 @@ from doctor.ranks.frames import startup_phase
 from doctor.ranks.table import is_comm_error
 from signatures.index import UpstreamIndex
 from signatures.index.components import Component
-from signatures.index.failures import FailureKind, classify
+from signatures.index.failures import FailureKind, classify, exception_named, names_host_pool
 from signatures.index.model import Level, Template
 from signatures.matching import EvidenceKind, MechanismHit, Witness
 
@@ -44,6 +44,11 @@ MAX_FATAL_FRAMES = 8
 """A crashed thread's innermost frames are often native ones no component owns."""
 TRUNCATED_STRENGTH = 0.6
 SITE_STRENGTH = 0.8
+RAISED_COUNT = 3
+"""A failure that raised ended the run: it stands for every retry it would have had, so it
+meets a mechanism's ``min_count``."""
+_KNOWN_TYPES = ("AssertionError", "RuntimeError", "ValueError", "KeyError", "IndexError",
+                "TypeError", "AttributeError", "MemoryError", "TimeoutError", "ConnectionError")
 MIN_MESSAGE = 8
 #: What shows a KV cache in use (for components that also serve others).
 _KV_WORDS = re.compile(r"(?i)hicache|lmcache|kv[ _-]?cache|mooncake|prefix cach|kv_offload|"
@@ -104,16 +109,38 @@ def _release_factor(t: Template, ev: Evidence, index: UpstreamIndex) -> tuple[fl
     return 1.0, ""
 
 
+def _line_kind(t: Template, text: str) -> FailureKind | None:
+    """What a line matched to ``t`` states: the template's kind, or the line's own when the
+    template says less (its wildcards held an ``AssertionError()``, say)."""
+    kind = classify(t.text, t.level, t.exception)
+    if kind in (None, FailureKind.IO):
+        own = classify(text, None, exception_named(text))
+        if own is not None and own is not FailureKind.IO:
+            return own
+        if kind is None and own is FailureKind.IO and t.level is not Level.INFO:
+            return own
+    return kind
+
+
+def _role(role: str, kind: FailureKind, text: str) -> str:
+    """A component's role, but a capacity failure whose message names a host-side pool is
+    the host pool's."""
+    if kind is FailureKind.CAPACITY and role not in ("storage", "host-pool") \
+            and names_host_pool(text):
+        return "host-pool"
+    return role
+
+
 def _template_hit(t: Template, sim: float, text: str, src_file: str, src_line: int | None,
                   rank: int, count: int, ev: Evidence, index: UpstreamIndex,
                   kind: FailureKind | None = None) -> MechanismHit | None:
     comp = index.template_component(t)
-    kind = kind or index.failure(t)
+    kind = kind or _line_kind(t, text)
     if comp is None or kind is None:
         return None
     factor, note = _release_factor(t, ev, index)
     who = f"rank {rank}: " if rank >= 0 else ""
-    return MechanismHit(comp.role, comp.id, kind.value, round(sim * factor, 3),
+    return MechanismHit(_role(comp.role, kind, text), comp.id, kind.value, round(sim * factor, 3),
                         EvidenceKind.TEXT, Witness(
                             f"{who}{text[:200]} — printed by {t.where()}, {comp.id}{note}",
                             src_file, src_line, rank), count)
@@ -142,11 +169,21 @@ def _lines(r: RankEvidence, ev: Evidence, index: UpstreamIndex) -> list[Mechanis
     return out
 
 
+def _type(e: ExceptionRecord) -> str:
+    """The exception's short type, completed when a paste cut it mid-word (``Asserti``)."""
+    short = e.short_type
+    if len(short) >= 5 and short not in _KNOWN_TYPES:
+        for known in _KNOWN_TYPES:
+            if known.startswith(short):
+                return known
+    return short
+
+
 def _exception_kind(e: ExceptionRecord, t: Template | None) -> FailureKind | None:
     """The failure an exception states: its type first when the type says it, then the
     message (through its template when one matched). An assertion that fails while the
     process is still starting checks a configuration, not state built at run time."""
-    short = e.short_type
+    short = _type(e)
     kind = classify(e.message, None, short)
     if t is not None:
         tk = classify(t.text, t.level, t.exception)
@@ -181,8 +218,8 @@ def _exception(r: RankEvidence, e: ExceptionRecord, ev: Evidence,
             if t.exception and t.exception != e.short_type and not (
                     t.level is Level.ASSERT and e.short_type == "AssertionError"):
                 sim *= 0.85  # another exception type than upstream raises there
-            hit = _template_hit(t, sim, e.text, e.source.file, e.source.line, r.rank, 1, ev,
-                                index, _exception_kind(e, t))
+            hit = _template_hit(t, sim, e.text, e.source.file, e.source.line, r.rank,
+                                RAISED_COUNT, ev, index, _exception_kind(e, t))
             if hit is not None:
                 out.append(hit)
     kind = _exception_kind(e, t)
@@ -191,7 +228,8 @@ def _exception(r: RankEvidence, e: ExceptionRecord, ev: Evidence,
             f"{who}{e.text[:200]} raised in {{component}} code", e.source.file, e.source.line,
             r.rank), False)
         if hit is not None:
-            out.append(hit)
+            out.append(replace(hit, count=RAISED_COUNT,
+                               role=_role(hit.role, kind, e.message)))
     return out
 
 
@@ -212,7 +250,14 @@ def _frames_hit(frames: list[Frame], index: UpstreamIndex, kind: FailureKind,
             continue
         strength = round(max(0.55, 1.0 - FRAME_STEP * min(seen, MAX_FRAMES_READ)), 3)
         where = f"{f.func} ({f.file.rsplit('/', 1)[-1]})"
-        return MechanismHit(comp.role, comp.id, kind.value, strength, EvidenceKind.CODE,
+        role = comp.role
+        if role == "transfer":
+            # a transfer engine called by a store (or by disaggregation) further out on the
+            # same stack works for that caller
+            callers = [index.component(g.file) for g in frames[frames.index(f) + 1:] if g.file]
+            role = next((c.role for c in callers if c is not None
+                         and c.role in ("storage", "pd")), role)
+        return MechanismHit(role, comp.id, kind.value, strength, EvidenceKind.CODE,
                             replace(witness, text=witness.text.replace("{component}", comp.id)
                                     + f": {where}"), 1, partial=partial)
     return None

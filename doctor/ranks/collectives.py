@@ -80,6 +80,17 @@ def _crossed_findings(evidence: Evidence) -> list[CollectiveFinding]:
                         if r != rank and seqs and max(seqs) < c.seq)
         if absent:
             waits.append((rank, group, c, absent))
+    note = ""
+    if len(waits) < 2 and all(len(comms[g]) == 1 for g, _ in stops.values()) \
+            and len({g for g, _ in stops.values()}) == len(stops):
+        # Nothing says who belongs to which group (gloo dumps carry no membership) and each
+        # rank's last collective is in a group no other dumped rank recorded at all: every
+        # group was created on every rank, and a group of one never waits, so each rank
+        # waits for the others in a collective they never entered.
+        waits = [(rank, group, c, sorted(r for r in stops if r != rank))
+                 for rank, (group, c) in sorted(stops.items())]
+        note = (" (the dumps record no group membership; no dumped rank entered another's "
+                "group)")
     if len(waits) < 2:
         return []
     parts = [f"rank {rank} waits in {c.op} #{c.seq} of group {group} (from "
@@ -88,7 +99,7 @@ def _crossed_findings(evidence: Evidence) -> list[CollectiveFinding]:
     return [CollectiveFinding(
         group=",".join(sorted({g for _, g, _, _ in waits})), seq=waits[0][2].seq,
         kind=FindingKind.CROSSED, ranks=sorted(r for r, _, _, _ in waits),
-        detail="ranks stopped in different collectives: " + "; ".join(parts),
+        detail="ranks stopped in different collectives: " + "; ".join(parts) + note,
         evidence=[_item(c, rank) for rank, _, c, _ in waits][:4])]
 
 

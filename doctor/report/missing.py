@@ -20,11 +20,13 @@ _HAVE_STACKS_OR_NONE = (RankCondition.MISSING, RankCondition.BLOCKED, RankCondit
 _PGREP = "pgrep -af 'sglang::scheduler'"
 
 
-def missing_items(ev: Evidence, rows: list[RankRow], hang: bool) -> list[MissingItem]:
-    """Items for missing ranks first, then for ranks lacking stacks in a hang."""
+def missing_items(ev: Evidence, rows: list[RankRow], hang: bool,
+                  single_line: bool = False) -> list[MissingItem]:
+    """Items for partial evidence first (a traceback cut before its exception line, a report
+    of one line), then missing ranks, then ranks lacking stacks in a hang."""
     pids = {rank: pid for pid, rank in ev.pid_ranks.items()}
     pids.update({r: e.pid for r, e in ev.ranks.items() if e.pid is not None})
-    items: list[MissingItem] = []
+    items: list[MissingItem] = _partial(ev, single_line)
     missing = sorted(ev.expected_ranks - set(ev.ranks))
     if missing:
         items.append(MissingItem(
@@ -44,6 +46,32 @@ def missing_items(ev: Evidence, rows: list[RankRow], hang: bool) -> list[Missing
                     rank=row.rank, what=f"stacks of rank {row.rank} during the hang",
                     command=_pyspy(row.rank, pids.get(row.rank), ev)))
     return items[:MAX_ITEMS]
+
+
+def _partial(ev: Evidence, single_line: bool) -> list[MissingItem]:
+    """What would complete partial evidence: the exception line a pasted traceback was cut
+    before; the lines around a report's only failure line."""
+    items: list[MissingItem] = []
+    for r in ev.all_ranks():
+        for e in r.exceptions:
+            if e.truncated and len(items) < 4:
+                where = f"{e.source.file}:{e.source.line}" if e.source.line else e.source.file
+                items.append(MissingItem(
+                    rank=r.rank if r.rank >= 0 else None,
+                    what=f"the exception line of the traceback at {where} (the input ends "
+                         "before it: the frames say where something failed, not what)",
+                    command="grep -n -A80 'Traceback (most recent call last)' <full log>  "
+                            "# the whole traceback, to its last line"))
+    if single_line and not items:
+        src = next((fl.source for r in ev.all_ranks() for fl in r.failure_lines.values()),
+                   None) or next((e.source for r in ev.all_ranks() for e in r.exceptions),
+                                 None)
+        where = f" at {src.file}:{src.line}" if src is not None and src.line else ""
+        items.append(MissingItem(
+            rank=None, what=f"more than the one failure line{where}: the traceback or stack "
+                            "that goes with it, the lines before it, every rank's log",
+            command="grep -n -B50 -A80 '<a few words of that line>' <full log of every rank>"))
+    return items
 
 
 def _for_missing_rank(ev: Evidence, r: int, pid: int | None) -> list[MissingItem]:

@@ -56,8 +56,8 @@ class UpstreamIndex:
         return Resolver(list(load_rules()),
                         [(s.system, f) for s in self._systems for f in s.files])
 
-    def match(self, text: str) -> list[Match]:
-        return self.matcher.match(text)
+    def match(self, text: str, limit: int = 3) -> list[Match]:
+        return self.matcher.match(text, limit)
 
     def component(self, path: str) -> Component | None:
         return self.resolver.component(path)

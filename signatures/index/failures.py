@@ -54,7 +54,8 @@ _CAPACITY = re.compile(
     r"\bcan(?:not|'t) allocate|\bfail(?:ed|ure)? to allocate|\balloc(?:ation|ate)? fail|"
     r"\bno space left|\bOOM\b|\bexceeds? (?:the )?(?:\w+ )?(?:capacity|limit|watermark)|"
     r"\bNO_AVAILABLE_HANDLE\b|\bno free blocks|\bcannot store \d* ?blocks?|\bunder pressure|"
-    r"\bENOMEM\b|\bover (?:the )?(?:high )?watermark")
+    r"\bENOMEM\b|\bover (?:the )?(?:high )?watermark|\black of (?:\w+ )?(?:\w+ )?(?:memory|"
+    r"space|blocks?|pages?)")
 _BOOKKEEPING = re.compile(
     r"(?i)\bdouble[- ]?(?:free|alloc\w*|unpin|release|insert)|already (?:freed|released|"
     r"unpinned|in (?:the )?(?:free|pool))|freed twice|use[- ]after[- ]free|\bleak(?:ed)? "
@@ -104,6 +105,22 @@ _INTERPRETER = re.compile(
     r"^maximum recursion depth|^\[Errno \d+\]|^No such file or directory$|"
     r"^(?:cannot|can't) pickle|^invalid literal for int|^could not convert string to float|"
     r"^\{\*\} object has no attribute|^'?\{\*\}'? object (?:has no attribute|is not)")
+
+
+#: A capacity failure that names a host-side pool (the CPU swap space of vLLM's scheduler, a
+#: pinned buffer) is that pool's, whichever module printed it.
+_HOST_SIDE = re.compile(r"(?i)\b(?:cpu|host|swap|pinned|dram|l2)\b")
+_EXCEPTION_NAME = re.compile(r"\b(\w+(?:Error|Exception|Violation))\b")
+
+
+def names_host_pool(text: str) -> bool:
+    return bool(_HOST_SIDE.search(text))
+
+
+def exception_named(text: str) -> str:
+    """The exception class a line names (``Exception in transfer 235: AssertionError()``)."""
+    m = _EXCEPTION_NAME.search(text)
+    return m[1] if m else ""
 
 
 def interpreter_message(text: str) -> bool:

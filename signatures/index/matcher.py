@@ -37,6 +37,8 @@ missing is another phrase."""
 MAX_CANDIDATES = 40
 MAX_LINE_TOKENS = 120
 CACHE_SIZE = 4096
+MAX_TIES = 8
+"""Readings kept per line: the same message is often built in several files and releases."""
 _SHAPE = re.compile(r"0[xX][0-9a-fA-F]+|\d+")
 
 
@@ -85,13 +87,12 @@ class TemplateMatcher:
         of the best, at most ``limit``); empty when none reaches ``MIN_SIMILARITY``."""
         key = _SHAPE.sub("0", text[:400])
         hit = self._cache.get(key)
-        if hit is not None:
-            return hit
-        out = self._match(text, limit)
-        if len(self._cache) >= CACHE_SIZE:
-            self._cache.clear()
-        self._cache[key] = out
-        return out
+        if hit is None:
+            hit = self._match(text, MAX_TIES)
+            if len(self._cache) >= CACHE_SIZE:
+                self._cache.clear()
+            self._cache[key] = hit
+        return hit[:limit]
 
     def _match(self, text: str, limit: int) -> list[Match]:
         if interpreter_message(text):
@@ -106,47 +107,54 @@ class TemplateMatcher:
         for t in positions:
             for tid in self._postings.get(t, ()):
                 counts[tid] += 1
-        scored: list[tuple[float, int]] = []
+        scored: list[tuple[float, float, int]] = []
         for tid, _n in counts.most_common(MAX_CANDIDATES):
-            s = self._score(tid, positions, len(line))
+            s, explained = self._score(tid, positions, len(line))
             if s >= MIN_SIMILARITY:
-                scored.append((s, tid))
+                scored.append((s, explained, tid))
         if not scored:
             return []
-        scored.sort(key=lambda x: (-x[0], -self._total[x[1]], x[1]))
-        best = scored[0][0]
-        return [Match(self.templates[tid], round(s, 3)) for s, tid in scored[:limit]
-                if s >= best - 0.05]
+        best = max(s for s, _, _ in scored)
+        # near the best, the template that explains more of the line wins (a longer message
+        # with a word changed over a shorter one with a word added)
+        close = sorted((x for x in scored if x[0] >= best - 0.05),
+                       key=lambda x: (-x[1], -x[0], x[2]))
+        return [Match(self.templates[tid], round(s, 3)) for s, _, tid in close[:limit]]
 
-    def _score(self, tid: int, positions: dict[str, list[int]], n_line: int) -> float:
+    def _score(self, tid: int, positions: dict[str, list[int]],
+               n_line: int) -> tuple[float, float]:
+        """(similarity, weight of the line's tokens the template explains)."""
         matched = 0.0
         found = 0
         extra = 0
         pos = -1
         glued = False  # the previous template token was a literal (no wildcard since)
+        slack = 0  # template tokens missed since the last match: a changed word fills one
         for tok in self._tokens[tid]:
             if tok is None:
                 glued = False
                 continue
             lst = positions.get(tok)
-            if lst:
-                j = bisect_right(lst, pos)
-                if j < len(lst):
-                    idx = lst[j]
-                    if glued and pos >= 0:
-                        extra += idx - pos - 1
-                    matched += self._weight[tok]
-                    found += 1
-                    pos = idx
+            j = bisect_right(lst, pos) if lst else 0
+            if lst and j < len(lst):
+                idx = lst[j]
+                if glued and pos >= 0:
+                    extra += max(0, idx - pos - 1 - slack)
+                matched += self._weight[tok]
+                found += 1
+                pos = idx
+                slack = 0
+            else:
+                slack += 1
             glued = True
         total = self._total[tid]
         if total <= 0:
-            return 0.0
+            return 0.0, 0.0
         n_lit = sum(1 for t in self._tokens[tid] if t is not None)
         missing = n_lit - found
         # a long template may miss a word in four (another release's wording); a short one none
         if missing > (0 if n_lit <= EXACT_UP_TO else max(1, n_lit // 4)):
-            return 0.0
+            return 0.0, 0.0
         recall = matched / total
         penalty = min(0.5, extra / max(4, n_line))
-        return recall * (1 - penalty)
+        return recall * (1 - penalty), matched

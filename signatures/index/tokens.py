@@ -22,7 +22,7 @@ WILDCARDS = {"*": r".*?", "d": r"[-+]?\d+", "f": r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?
 _FIELD = re.compile(r"\{\{|\}\}|\{([*dfx])\}")
 _WORD = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 _HUMP = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])|_+")
-_SUFFIXES = ("ations", "ation", "ings", "ing", "ures", "ure", "ies", "ed", "es", "s")
+_SUFFIXES = ("ions", "ion", "ings", "ing", "ures", "ure", "ied", "ies", "ed")
 _STEM: dict[str, str] = {}
 MAX_STEMS = 1 << 16
 
@@ -69,17 +69,26 @@ def to_regex(template: str) -> str:
 
 
 def stem(word: str) -> str:
-    """A crude stem: lower case without a common English suffix (``failed`` -> ``fail``)."""
+    """A crude stem: lower case without a common English suffix, so that ``failed``,
+    ``fails`` and ``failure`` are one token, and ``allocate``, ``allocating`` and
+    ``allocation`` another."""
     hit = _STEM.get(word)
     if hit is not None:
         return hit
     low = word.lower()
     out = low
-    if len(low) > 4:
+    if len(out) > 3:
         for suf in _SUFFIXES:
-            if low.endswith(suf) and len(low) - len(suf) >= 3:
-                out = low[:-len(suf)]
+            if out.endswith(suf) and len(out) - len(suf) >= 3:
+                out = out[:-len(suf)]
                 break
+        else:
+            if out.endswith(("sses", "ches", "shes", "xes", "zes")):
+                out = out[:-2]
+            elif out.endswith("s") and not out.endswith(("ss", "us", "is")):
+                out = out[:-1]
+        if len(out) > 4 and out.endswith("e"):
+            out = out[:-1]
     if len(_STEM) < MAX_STEMS:
         _STEM[word] = out
     return out

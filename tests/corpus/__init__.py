@@ -23,6 +23,7 @@ from doctor.diagnose import diagnose
 from doctor.report.model import Diagnosis
 
 CASES = Path(__file__).parent / "cases"
+FIRST_LOOK = Path(__file__).parent / "first_look.yaml"
 NONE = "none"
 
 
@@ -36,6 +37,11 @@ class Case:
     reason: str
     category: str
     formats: tuple[str, ...]
+    round: str = ""
+    """The round it came in (``""``: rounds 1-5, before rounds were recorded per case)."""
+    decides: bool = True
+    """False when its labeller noted that the excerpt lacks the deciding line (the thread
+    establishes the label; the excerpt alone cannot show it)."""
 
     @property
     def positive(self) -> bool:
@@ -49,7 +55,9 @@ def load_cases(root: Path = CASES) -> list[Case]:
         out.append(Case(id=meta_path.stem, text=meta_path.with_suffix(".txt").read_bytes(),
                         url=meta["url"], source=meta["source"], label=tuple(meta["label"]),
                         reason=meta["reason"], category=meta.get("category", ""),
-                        formats=tuple(meta.get("formats", []))))
+                        formats=tuple(meta.get("formats", [])),
+                        round=str(meta.get("round", "")),
+                        decides=bool(meta.get("excerpt_decides", True))))
     return out
 
 

@@ -158,3 +158,23 @@ def test_fresh_gloo_dumps_of_a_crossed_hang(tmp_path: Path) -> None:
     subprocess.run([sys.executable, str(tool), str(tmp_path), str(29600 + os.getpid() % 300)],
                    check=True, timeout=180, capture_output=True)
     _crossed_verdict(sorted(str(p) for p in tmp_path.glob("nccl_trace_rank_*")))
+
+
+FIRST_OP = FIXTURES / "collective-order-deadlock" / "gloo-crossed-first-op"
+
+
+def test_gloo_dumps_whose_only_entries_are_in_different_groups_name_the_deadlock() -> None:
+    """torch 2.13 gloo dumps with an empty pg_config where each rank's only entry is its own
+    group's collective (rank 0 all_reduce in group 1, rank 1 broadcast in group 2): nothing
+    records who belongs to which group, yet each rank waits for a rank that never came."""
+    data = load_plain((FIRST_OP / "nccl_trace_rank_0").read_bytes())
+    assert data["pg_config"] == {"": {"name": "", "desc": "", "ranks": "[]"}}
+    assert [e["profiling_name"] for e in data["entries"]] == ["gloo:all_reduce"]
+    d = diagnose(sorted(str(p) for p in FIRST_OP.glob("nccl_trace_rank_*")))
+    assert d.verdicts[0].signature == "collective-order-deadlock"
+    (crossed,) = [f for f in d.collectives if f.kind == "crossed"]
+    assert crossed.ranks == [0, 1]
+    assert crossed.group == "1,2"
+    assert "rank 0 waits in all_reduce #1 of group 1" in crossed.detail
+    assert "rank 1 waits in broadcast #1 of group 2" in crossed.detail
+    assert "no group membership" in crossed.detail

@@ -265,7 +265,11 @@ class LineHandler:
         text = rest.strip()
         if len(text) < 8:
             return
-        matches = load_index().match(text[:MAX_MATCHED_CHARS])
+        matches = load_index().match(text[:MAX_MATCHED_CHARS], limit=8)
+        if site and len(matches) > 1:
+            # the logger named its source file: of equal readings, the template built there
+            base = site.rsplit("/", 1)[-1]
+            matches.sort(key=lambda m: not m.template.file.endswith("/" + base))
         slot = self.sink.slot(hint)
         for m in matches[:1]:
             slot.add_failure_line(FailureLine(m.template.id, m.similarity, site, level,
