@@ -15,7 +15,7 @@ from doctor.facts.derive import derive_facts
 from doctor.facts.factset import FactSet
 from doctor.facts.observation import build_observation
 from doctor.facts.trace import divergence_fact
-from doctor.facts.upstream import mechanisms
+from doctor.facts.upstream import mechanisms, resolve_lines
 from doctor.ranks.builder import Evidence, EvidenceBuilder
 from doctor.ranks.collectives import align
 from doctor.ranks.divergence import all_divergences
@@ -42,7 +42,7 @@ from doctor.report.model import (
 from doctor.report.narrative import observations
 from hicache_runtime.contracts.bundle import RunOutcome
 from signatures.fact_names import Fact
-from signatures.index import load_index
+from signatures.index import load_index, warm_up
 from signatures.loader import load_catalog
 from signatures.matching import NEAR_MISS, LookalikeMatch, Score, match_lookalikes, score_all
 from signatures.models import Catalog
@@ -55,6 +55,7 @@ def diagnose(paths: Iterable[str] = (), *, streams: Iterable[tuple[str, BinaryIO
              catalog: Catalog | None = None) -> Diagnosis:
     """Diagnose the artifacts at ``paths`` (files, directories, archives, ``-`` for stdin)."""
     catalog = catalog or load_catalog()
+    warm_up()  # the upstream index loads while the inputs are read
     sink = EvidenceBuilder()
     ingester = Ingester(catalog, sink)
     for p in paths:
@@ -81,6 +82,7 @@ def analyse(ev: Evidence, catalog: Catalog) -> Diagnosis:
     sites = guard("blocked call sites", lambda: blocked_sites(ev, frames), [])
     findings = guard("collective alignment", lambda: align(ev), [])
     divs = guard("decision alignment", lambda: all_divergences(ev), [])
+    guard("upstream templates", lambda: resolve_lines(ev, load_index()), None)
     mechs = guard("upstream mechanisms", lambda: mechanisms(ev, load_index()), [])
     facts = guard("facts", lambda: derive_facts(ev, frames, rows, sites, findings, divs,
                                                 problems.append, mechs), FactSet())

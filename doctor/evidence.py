@@ -12,8 +12,9 @@ kept, plus a count), so memory stays flat on multi-GB inputs.
 
 from __future__ import annotations
 
+import re
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Generic, TypeVar
@@ -192,8 +193,9 @@ class ExceptionRecord:
 @dataclass
 class FailureLine:
     """A line that reports a failure or a warning, and the upstream template it was printed
-    from: ``template`` is the index's id (-1: none matched; ``site`` may still say whose it
-    is). Lines of one template (or one site) count together."""
+    from: ``template`` is the index's id (-1: none matched, or not matched yet: lines are
+    matched after the scan; ``site`` may still say whose it is). Lines of one shape (numbers
+    folded) count together while scanning, lines of one template (or one site) after."""
 
     template: int
     similarity: float
@@ -203,6 +205,14 @@ class FailureLine:
     text: str
     source: SourceRef
     count: int = 1
+
+
+_SHAPE = re.compile(r"0[xX][0-9a-fA-F]+|\d+")
+
+
+def line_shape(text: str) -> str:
+    """A line with its numbers folded: the key lines of one message share."""
+    return _SHAPE.sub("0", text[:200])
 
 
 @dataclass
@@ -336,10 +346,16 @@ class RankEvidence:
     """Source files that log lines name (``[engine.py:135]``, ``client.cpp:406]``), first
     line of each; at most ``MAX_SITES``."""
     failure_lines: dict[tuple[int, str], FailureLine] = field(default_factory=dict)
-    """Failure and warning lines by (template id, site); at most ``MAX_FAILURE_LINES``."""
+    """Failure and warning lines: by ``(-1, shape)`` while scanning, by ``(template, "")`` or
+    ``(-1, site)`` once matched (:meth:`resolve_failure_lines`); at most
+    ``MAX_FAILURE_LINES``."""
 
-    def add_failure_line(self, fl: FailureLine) -> None:
-        key = (fl.template, fl.site if fl.template < 0 else "")
+    def add_site(self, site: str, source: SourceRef) -> None:
+        if site not in self.sites and len(self.sites) < MAX_SITES:
+            self.sites[site] = source
+
+    def add_failure_line(self, fl: FailureLine, key: tuple[int, str] | None = None) -> None:
+        key = key or (fl.template, fl.site if fl.template < 0 else "")
         seen = self.failure_lines.get(key)
         if seen is not None:
             seen.count += fl.count
@@ -347,9 +363,14 @@ class RankEvidence:
         elif len(self.failure_lines) < MAX_FAILURE_LINES:
             self.failure_lines[key] = fl
 
-    def add_site(self, site: str, source: SourceRef) -> None:
-        if site not in self.sites and len(self.sites) < MAX_SITES:
-            self.sites[site] = source
+    def resolve_failure_lines(self, match: Callable[[FailureLine], FailureLine | None]) -> None:
+        """Re-key the scanned lines by what ``match`` makes of them (a template, or the site
+        their logger named); lines it drops (``None``) go."""
+        scanned, self.failure_lines = self.failure_lines, {}
+        for fl in scanned.values():
+            done = match(fl)
+            if done is not None:
+                self.add_failure_line(done)
 
     @property
     def role(self) -> str:
@@ -415,9 +436,9 @@ class RankEvidence:
             self.errors.append(item)
         for kv in other.kv_lines:
             self.kv_lines.append(kv)
-        for fl in other.failure_lines.values():
+        for key, fl in other.failure_lines.items():
             self.add_failure_line(FailureLine(fl.template, fl.similarity, fl.site, fl.level,
-                                              fl.text, fl.source, fl.count))
+                                              fl.text, fl.source, fl.count), key)
 
 
 @dataclass

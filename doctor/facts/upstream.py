@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from doctor.evidence import ExceptionRecord, Frame, RankEvidence
+from doctor.evidence import ExceptionRecord, FailureLine, Frame, RankEvidence
 from doctor.ranks.builder import Evidence
 from doctor.ranks.frames import startup_phase
 from doctor.ranks.table import is_comm_error
@@ -54,6 +54,25 @@ MIN_MESSAGE = 8
 _KV_WORDS = re.compile(r"(?i)hicache|lmcache|kv[ _-]?cache|mooncake|prefix cach|kv_offload|"
                        r"sglang|vllm")
 _KV_ROLES = {"storage", "controller", "host-pool", "tree", "pool"}
+
+
+def resolve_lines(ev: Evidence, index: UpstreamIndex) -> None:
+    """Match every rank's scanned failure lines to the upstream template that printed them;
+    a line no template fits stays when its logger named a source file (by that file)."""
+
+    def match(fl: FailureLine) -> FailureLine | None:
+        matches = index.match(fl.text, limit=8)
+        if fl.site and len(matches) > 1:
+            # the logger named its source file: of equal readings, the template built there
+            base = fl.site.rsplit("/", 1)[-1]
+            matches.sort(key=lambda m: not m.template.file.endswith("/" + base))
+        if matches:
+            return replace(fl, template=matches[0].template.id,
+                           similarity=matches[0].similarity)
+        return fl if fl.site else None
+
+    for r in ev.all_ranks():
+        r.resolve_failure_lines(match)
 
 
 def mechanisms(ev: Evidence, index: UpstreamIndex) -> list[MechanismHit]:

@@ -1,7 +1,7 @@
 """The upstream index: what upstream's own sources say, generated from them.
 
 Every exception message and every logged error or warning format of the systems a HiCache
-deployment runs (SGLang's releases from 0.4.6, LMCache, Mooncake, NIXL, 3FS, PyTorch's
+deployment runs (SGLang's releases from 0.4.6, vLLM, LMCache, Mooncake, NIXL, 3FS, PyTorch's
 collectives, gloo, NCCL) as a template with its system, versions, file, function and level
 (``data/``, built by ``python -m signatures.mine``), and a map from module paths to the
 components of the serving stack (``components.yaml``). The doctor asks it which upstream line a
@@ -11,9 +11,14 @@ releases have a template.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import lru_cache
 from pathlib import Path
+from typing import overload
+
+import numpy as np
 
 from signatures.index.components import Component, Resolver, load_rules
 from signatures.index.failures import FailureKind, classify
@@ -23,7 +28,7 @@ from signatures.index.model import Level, SystemFile, Template, read_system
 DATA = Path(__file__).with_name("data")
 
 __all__ = ["Component", "FailureKind", "Level", "Match", "Template", "UpstreamIndex",
-           "load_index"]
+           "load_index", "warm_up"]
 
 
 @dataclass(frozen=True)
@@ -36,25 +41,84 @@ class SystemInfo:
     files: int
 
 
+class Templates(Sequence[Template]):
+    """Every template of the index by id, each built (and its row checked) when first used."""
+
+    def __init__(self, systems: list[SystemFile]) -> None:
+        self._systems = systems
+        self._starts = np.cumsum([0, *(len(s.templates) for s in systems)])
+        self._made: dict[int, Template] = {}
+        self._masks: list[dict[int, tuple[str, ...]]] = [{} for _ in systems]
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    @overload
+    def __getitem__(self, i: int) -> Template: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[Template]: ...
+
+    def __getitem__(self, i: int | slice) -> Template | Sequence[Template]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        t = self._made.get(i)
+        if t is None:
+            k = int(np.searchsorted(self._starts, i, side="right")) - 1
+            t = self._systems[k].row(i - int(self._starts[k]), int(self._starts[k]),
+                                     self._masks[k])
+            self._made[i] = t
+        return t
+
+    def __iter__(self) -> Iterator[Template]:
+        for i in range(len(self)):
+            yield self[i]
+
+
 class UpstreamIndex:
     """The loaded index: templates, their matcher, and the component resolver."""
 
     def __init__(self, systems: list[SystemFile]) -> None:
         self._systems = systems
-        templates: list[Template] = []
-        for s in systems:
-            templates += s.rows(first_id=len(templates))
-        self.templates = templates
+        self.templates = Templates(systems)
         self._versions = {s.system: [p.version for p in s.versions] for s in systems}
+        self._lock = threading.Lock()
+        self._matcher: TemplateMatcher | None = None
+        self._resolver: Resolver | None = None
 
-    @cached_property
+    @property
     def matcher(self) -> TemplateMatcher:
-        return TemplateMatcher(self.templates)
+        """Built once, by whichever thread asks first (see :func:`warm_up`)."""
+        with self._lock:
+            if self._matcher is None:
+                self._matcher = self._build_matcher()
+            return self._matcher
 
-    @cached_property
+    def _build_matcher(self) -> TemplateMatcher:
+        """One vocabulary over every system's, and their token arrays renumbered into it."""
+        vocab: dict[str, int] = {}
+        parts, offs, base = [], [np.zeros(1, dtype=np.int64)], 0
+        for s in self._systems:
+            remap = np.array([vocab.setdefault(w, len(vocab)) for w in s.vocab] + [-1],
+                             dtype=np.int32)
+            toks = s.token_ids
+            parts.append(remap[np.where(toks < 0, len(s.vocab), toks)])
+            offs.append(s.token_offsets[1:].astype(np.int64) + base)
+            base += len(toks)
+        tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+        return TemplateMatcher(self.templates, list(vocab), tokens, np.concatenate(offs))
+
+    @property
     def resolver(self) -> Resolver:
-        return Resolver(list(load_rules()),
-                        [(s.system, f) for s in self._systems for f in s.files])
+        with self._lock:
+            if self._resolver is None:
+                self._resolver = Resolver(list(load_rules()),
+                                          [(s.system, f) for s in self._systems
+                                           for f in s.files])
+            return self._resolver
 
     def match(self, text: str, limit: int = 3) -> list[Match]:
         return self.matcher.match(text, limit)
@@ -77,8 +141,22 @@ class UpstreamIndex:
                            len(s.files)) for s in self._systems]
 
 
+_LOADING = threading.Lock()
+
+
 @lru_cache(maxsize=1)
+def _load(data: Path) -> UpstreamIndex:
+    return UpstreamIndex([read_system(p) for p in sorted(data.glob("*.json.gz"))])
+
+
 def load_index(data: Path = DATA) -> UpstreamIndex:
     """The committed index (every ``data/*.json.gz``), loaded once per process."""
-    files = sorted(data.glob("*.json.gz"))
-    return UpstreamIndex([read_system(p) for p in files])
+    with _LOADING:
+        return _load(data)
+
+
+def warm_up() -> None:
+    """Load the index and build its matcher on a background thread: the doctor reads its
+    inputs meanwhile and needs the index only afterwards."""
+    threading.Thread(target=lambda: load_index().matcher, name="index-warm-up",
+                     daemon=True).start()

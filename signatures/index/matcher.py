@@ -1,13 +1,15 @@
 """Matching a report's line against upstream's templates, token by token.
 
-The index's templates are tokenised once (:mod:`signatures.index.tokens`) and every token
-weighted by how rare it is among all templates (``log2(N / df)``: ``failed`` says little,
-``BatchQuerySlices`` a lot). A line's candidates are the templates that share its rarer
-tokens; each candidate is scored by the weight of its tokens the line holds *in order*
-(recall), less a penalty for line tokens that sit between two matched tokens where the
-template has no wildcard (words the template does not have). A line that differs from the
-template by a word still matches, with a lower similarity; a template that fixes too little
-(``Failed to {*}``) is never matched: it names no component.
+Every template's tokens come with the index (:mod:`signatures.index.model`, computed by
+:func:`signatures.index.tokens.template_words` when the index was built), as one array of
+vocabulary ids. Each token is weighted by how rare it is among all templates
+(``log2(N / df)``: ``failed`` says little, ``BatchQuerySlices`` a lot). A line's candidates are
+the templates that share its rarer tokens (an inverted index, built with numpy when the index
+loads); each candidate is scored by the weight of its tokens the line holds *in order*
+(recall), less a penalty for line tokens that sit between two matched tokens where the template
+has no wildcard (words the template does not have). A line that differs from the template by a
+word still matches, with a lower similarity; a template that fixes too little (``Failed to
+{*}``) is never matched: it names no component.
 
 Lines repeat (the same failure every step), so results are cached by the line's shape
 (numbers folded); the cache is bounded.
@@ -15,16 +17,16 @@ Lines repeat (the same failure every step), so results are cached by the line's 
 
 from __future__ import annotations
 
-import math
 import re
 from bisect import bisect_right
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from signatures.index.failures import interpreter_message
 from signatures.index.model import Template
-from signatures.index.tokens import literal_text, template_words, words
+from signatures.index.tokens import words
 
 MIN_SIMILARITY = 0.7
 """Below this a line is not taken for the template."""
@@ -51,36 +53,40 @@ class Match:
 
 
 class TemplateMatcher:
-    """An inverted index over templates' tokens, and the scorer."""
+    """An inverted index over templates' tokens, and the scorer.
 
-    def __init__(self, templates: Sequence[Template]) -> None:
+    ``tokens`` holds every template's token ids back to back (-1 where a wildcard stands),
+    ``offsets[i]:offsets[i + 1]`` template ``i``'s; ``vocab`` names the ids."""
+
+    def __init__(self, templates: Sequence[Template], vocab: list[str], tokens: np.ndarray,
+                 offsets: np.ndarray) -> None:
         self.templates = templates
-        toks = [template_words(t.text) for t in templates]
-        df: Counter[str] = Counter()
-        for ts in toks:
-            df.update({t for t in ts if t is not None})
-        n = max(1, len(templates))
-        self._weight = {t: max(0.5, math.log2(n / c)) for t, c in df.items()}
+        self._vocab = {w: i for i, w in enumerate(vocab)}
+        self._toks = tokens.astype(np.int32, copy=False)
+        self._offs = offsets.astype(np.int64, copy=False)
+        n = max(1, len(offsets) - 1)
+        v = max(1, len(vocab))
+        owner = np.repeat(np.arange(len(offsets) - 1, dtype=np.int64), np.diff(self._offs))
+        lit = self._toks >= 0
+        lit_owner, lit_tok = owner[lit], self._toks[lit].astype(np.int64)
+        pairs = np.unique(lit_owner * v + lit_tok)  # each (template, token) once
+        pair_owner, pair_tok = pairs // v, pairs % v
+        df = np.bincount(pair_tok, minlength=v)
+        with np.errstate(divide="ignore"):
+            weight = np.maximum(0.5, np.log2(n / np.maximum(df, 1)))
+        self._weight = weight
+        self._total = np.bincount(lit_owner, weights=weight[lit_tok], minlength=n)
+        self._nlit = np.bincount(lit_owner, minlength=n)
+        eligible = (self._nlit >= MIN_TOKENS) & (self._total >= MIN_WEIGHT)
         max_df = max(50, n // 100)
-        postings: dict[str, list[int]] = {}
-        self._tokens: list[tuple[str | None, ...]] = []
-        self._total: list[float] = []
-        for i, ts in enumerate(toks):
-            lits = [t for t in ts if t is not None]
-            total = sum(self._weight[t] for t in lits)
-            self._tokens.append(tuple(ts))
-            self._total.append(total)
-            if len(lits) < MIN_TOKENS or total < MIN_WEIGHT \
-                    or interpreter_message(literal_text(templates[i].text)):
-                continue
-            for t in set(lits):
-                if df[t] <= max_df:
-                    postings.setdefault(t, []).append(i)
-        self._postings = postings
+        keep = eligible[pair_owner] & (df[pair_tok] <= max_df)
+        order = np.argsort(pair_tok[keep], kind="stable")
+        self._post = pair_owner[keep][order]
+        self._ptr = np.searchsorted(pair_tok[keep][order], np.arange(v + 1))
         self._cache: dict[str, list[Match]] = {}
 
-    def weight(self, token: str) -> float:
-        return self._weight.get(token, math.log2(max(2, len(self.templates))))
+    def tokens_of(self, tid: int) -> list[int]:
+        return self._toks[self._offs[tid]:self._offs[tid + 1]].tolist()  # type: ignore[no-any-return]
 
     def match(self, text: str, limit: int = 3) -> list[Match]:
         """The templates ``text`` was most likely printed from, best first (ties within 0.05
@@ -97,19 +103,23 @@ class TemplateMatcher:
     def _match(self, text: str, limit: int) -> list[Match]:
         if interpreter_message(text):
             return []  # the interpreter wrote it: no upstream template can own it
-        line = words(text)[:MAX_LINE_TOKENS]
-        if len(line) < 2:
+        ids = [self._vocab.get(w, -1) for w in words(text)[:MAX_LINE_TOKENS]]
+        if len(ids) < 2:
             return []
-        positions: dict[str, list[int]] = {}
-        for i, t in enumerate(line):
-            positions.setdefault(t, []).append(i)
-        counts: Counter[int] = Counter()
-        for t in positions:
-            for tid in self._postings.get(t, ()):
-                counts[tid] += 1
+        positions: dict[int, list[int]] = {}
+        for i, t in enumerate(ids):
+            if t >= 0:
+                positions.setdefault(t, []).append(i)
+        slices = [self._post[self._ptr[t]:self._ptr[t + 1]] for t in positions]
+        if not slices:
+            return []
+        cands, counts = np.unique(np.concatenate(slices), return_counts=True)
+        if len(cands) > MAX_CANDIDATES:
+            top = np.argpartition(-counts, MAX_CANDIDATES - 1)[:MAX_CANDIDATES]
+            cands = cands[top]
         scored: list[tuple[float, float, int]] = []
-        for tid, _n in counts.most_common(MAX_CANDIDATES):
-            s, explained = self._score(tid, positions, len(line))
+        for tid in cands.tolist():
+            s, explained = self._score(tid, positions, len(ids))
             if s >= MIN_SIMILARITY:
                 scored.append((s, explained, tid))
         if not scored:
@@ -121,7 +131,7 @@ class TemplateMatcher:
                        key=lambda x: (-x[1], -x[0], x[2]))
         return [Match(self.templates[tid], round(s, 3)) for s, _, tid in close[:limit]]
 
-    def _score(self, tid: int, positions: dict[str, list[int]],
+    def _score(self, tid: int, positions: dict[int, list[int]],
                n_line: int) -> tuple[float, float]:
         """(similarity, weight of the line's tokens the template explains)."""
         matched = 0.0
@@ -130,8 +140,9 @@ class TemplateMatcher:
         pos = -1
         glued = False  # the previous template token was a literal (no wildcard since)
         slack = 0  # template tokens missed since the last match: a changed word fills one
-        for tok in self._tokens[tid]:
-            if tok is None:
+        weight = self._weight
+        for tok in self.tokens_of(tid):
+            if tok < 0:
                 glued = False
                 continue
             lst = positions.get(tok)
@@ -140,21 +151,25 @@ class TemplateMatcher:
                 idx = lst[j]
                 if glued and pos >= 0:
                     extra += max(0, idx - pos - 1 - slack)
-                matched += self._weight[tok]
+                matched += float(weight[tok])
                 found += 1
                 pos = idx
                 slack = 0
             else:
                 slack += 1
             glued = True
-        total = self._total[tid]
+        total = float(self._total[tid])
         if total <= 0:
             return 0.0, 0.0
-        n_lit = sum(1 for t in self._tokens[tid] if t is not None)
-        missing = n_lit - found
+        missing = int(self._nlit[tid]) - found
         # a long template may miss a word in four (another release's wording); a short one none
+        n_lit = int(self._nlit[tid])
         if missing > (0 if n_lit <= EXACT_UP_TO else max(1, n_lit // 4)):
             return 0.0, 0.0
         recall = matched / total
         penalty = min(0.5, extra / max(4, n_line))
         return recall * (1 - penalty), matched
+
+    @property
+    def size(self) -> int:
+        return len(self._offs) - 1

@@ -4,24 +4,31 @@ One file per upstream system (``data/<system>.json.gz``): the versions it was bu
 first, each with where its sources came from), and every message template of those sources with
 the file, function and line it is built in, its level, the exception type it raises and the
 versions it appears in (a bit mask over the system's versions). Files and functions are string
-tables, so the data stays small.
+tables, so the data stays small. Each template's tokens (:mod:`signatures.index.tokens`) are
+stored too, as ids into the file's vocabulary in one packed array, so that loading the index
+costs a decompression, not a tokenisation of every template.
 
 The files are generated (``python -m signatures.mine``) and committed; they are read back
-through :func:`read_system`, which validates every row: a damaged file is a clear error, never a
-half-loaded index.
+through :func:`read_system`, which validates the header, the vocabulary and the token arrays
+at once and every template row when it is first used: a damaged file is a clear error, never a
+wrong answer.
 """
 
 from __future__ import annotations
 
+import base64
 import gzip
 import json
+import zlib
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-FORMAT = 1
+FORMAT = 2
 MAX_FILE_BYTES = 16 << 20
 """A data file larger than this (compressed) is refused: the budget is far below it."""
 
@@ -83,17 +90,41 @@ class Provenance(BaseModel):
     digest: str = Field("", description="sha256 of the wheel, or the git commit")
 
 
-class SystemFile(BaseModel):
-    """The on-disk form of one system's templates (validated as a boundary)."""
+def pack(values: np.ndarray) -> str:
+    """An int32 array as base64 of its zlib-compressed little-endian bytes."""
+    raw = np.ascontiguousarray(values, dtype="<i4").tobytes()
+    return base64.b64encode(zlib.compress(raw, 9)).decode("ascii")
 
-    model_config = ConfigDict(extra="forbid")
+
+def unpack(text: str, limit: int) -> np.ndarray:
+    """The int32 array :func:`pack` wrote; at most ``limit`` values."""
+    d = zlib.decompressobj()
+    raw = d.decompress(base64.b64decode(text, validate=True), limit * 4 + 4)
+    if d.unconsumed_tail or len(raw) > limit * 4 or len(raw) % 4:
+        raise ValueError("a packed array is larger than its budget or not int32")
+    return np.frombuffer(raw, dtype="<i4")
+
+
+MAX_TOKENS = 64 << 20
+
+
+class SystemFile(BaseModel):
+    """The on-disk form of one system's templates (validated as a boundary; template rows are
+    checked one by one when first used, see :meth:`row`)."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
     format: int
     system: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$")
     versions: list[Provenance] = Field(min_length=1)
     files: list[str]
     functions: list[str]
-    templates: list[tuple[str, int, int, Level, str, int, int]]
+    vocab: list[str]
+    tokens: str = Field(description="packed int32: vocabulary ids, -1 where a wildcard stands")
+    offsets: str = Field(description="packed int32: where each template's tokens start")
+    templates: list[Any]
+    _toks: np.ndarray = PrivateAttr()
+    _offs: np.ndarray = PrivateAttr()
 
     @field_validator("format")
     @classmethod
@@ -102,19 +133,54 @@ class SystemFile(BaseModel):
             raise ValueError(f"index format {v} is not {FORMAT}: regenerate the index")
         return v
 
+    @model_validator(mode="after")
+    def _arrays(self) -> SystemFile:
+        toks = unpack(self.tokens, MAX_TOKENS)
+        offs = unpack(self.offsets, len(self.templates) + 1)
+        if len(offs) != len(self.templates) + 1 or (len(offs) and (
+                offs[0] != 0 or offs[-1] != len(toks) or np.any(np.diff(offs) < 0))):
+            raise ValueError("token offsets do not fit the templates")
+        if len(toks) and (toks.min() < -1 or toks.max() >= len(self.vocab)):
+            raise ValueError("a token id is out of the vocabulary")
+        self._toks, self._offs = toks, offs
+        return self
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        return self._toks
+
+    @property
+    def token_offsets(self) -> np.ndarray:
+        return self._offs
+
+    def row(self, i: int, first_id: int = 0,
+            masks: dict[int, tuple[str, ...]] | None = None) -> Template:
+        """Template ``i`` as a :class:`Template` (id ``first_id + i``), checked."""
+        raw = self.templates[i]
+        try:
+            text, fi, fn, level, exc, line, mask = raw
+            ok = (isinstance(text, str) and isinstance(exc, str) and type(fi) is int
+                  and type(fn) is int and type(line) is int and type(mask) is int
+                  and 0 <= fi < len(self.files) and 0 <= fn < len(self.functions)
+                  and mask > 0 and not mask >> len(self.versions))
+            lvl = Level(level)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"{self.system} template {i}: a malformed row, or a table index "
+                             "or version mask out of range")
+        vers = masks.get(mask) if masks is not None else None
+        if vers is None:
+            vers = tuple(p.version for b, p in enumerate(self.versions) if mask >> b & 1)
+            if masks is not None:
+                masks[mask] = vers
+        return Template(first_id + i, self.system, text, self.files[fi], self.functions[fn],
+                        lvl, exc, line, vers)
+
     def rows(self, first_id: int = 0) -> list[Template]:
-        """The templates as :class:`Template` records, ids from ``first_id``."""
-        names = [p.version for p in self.versions]
-        nf, nfn = len(self.files), len(self.functions)
-        out = []
-        for i, (text, fi, fn, level, exc, line, mask) in enumerate(self.templates):
-            if not (0 <= fi < nf and 0 <= fn < nfn) or mask <= 0 or mask >> len(names):
-                raise ValueError(f"{self.system} template {i}: a table index or version mask "
-                                 "is out of range")
-            vers = tuple(v for b, v in enumerate(names) if mask >> b & 1)
-            out.append(Template(first_id + i, self.system, text, self.files[fi],
-                                self.functions[fn], level, exc, line, vers))
-        return out
+        """Every template as a :class:`Template` record, ids from ``first_id``."""
+        masks: dict[int, tuple[str, ...]] = {}
+        return [self.row(i, first_id, masks) for i in range(len(self.templates))]
 
 
 def write_system(path: Path, data: SystemFile) -> None:

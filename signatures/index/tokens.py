@@ -20,6 +20,9 @@ from collections.abc import Iterable, Iterator
 WILDCARDS = {"*": r".*?", "d": r"[-+]?\d+", "f": r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|inf|nan)",
              "x": r"(?:0[xX])?[0-9a-fA-F]+"}
 _FIELD = re.compile(r"\{\{|\}\}|\{([*dfx])\}")
+#: A wildcard not preceded by an escaping brace (``{{*}`` is a literal ``{*}``... rare enough
+#: that a token split on it costs nothing)
+_WILD_SPLIT = re.compile(r"\{[*dfx]\}")
 _WORD = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 _HUMP = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])|_+")
 _SUFFIXES = ("ions", "ion", "ings", "ing", "ures", "ure", "ied", "ies", "ed")
@@ -99,6 +102,10 @@ def words(text: str) -> list[str]:
     underscores and humps (``batch_get_into`` and ``BatchGetInto`` give the same three)."""
     out: list[str] = []
     for w in _WORD.findall(text):
+        if "_" not in w and (w.islower() or w.isupper() or w.istitle()):
+            if len(w) >= 2:
+                out.append(stem(w))  # the common case: one plain word
+            continue
         for part in _HUMP.split(w):
             if len(part) >= 2 and not part.isdigit():
                 out.append(stem(part))
@@ -109,11 +116,11 @@ def template_words(template: str) -> list[str | None]:
     """The template's tokens in order, ``None`` where a wildcard stands (a gap the matcher
     lets any number of line tokens fill)."""
     out: list[str | None] = []
-    for kind, text in pieces(template):
-        if kind == "lit":
-            out += words(text)
-        elif not out or out[-1] is not None:
+    for i, seg in enumerate(_WILD_SPLIT.split(template)):
+        if i and (not out or out[-1] is not None):
             out.append(None)
+        if seg:
+            out += words(seg)
     return out
 
 

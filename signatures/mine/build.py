@@ -11,15 +11,18 @@ sources give the same bytes.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import yaml
 
-from signatures.index.model import FORMAT, Provenance, SystemFile, write_system
+from signatures.index.model import FORMAT, Provenance, SystemFile, pack, write_system
+from signatures.index.tokens import template_words
 from signatures.mine import cpp_src, python_src
 from signatures.mine.python_src import Found
 from signatures.mine.sources import (
@@ -115,10 +118,16 @@ def merge(system: str, versions: list[tuple[Provenance, list[tuple[str, Found]]]
     table = sorted(([text, fi[path], fn[func], level, exc, line, mask]
                     for (text, path, func, level, exc), (mask, line) in rows.items()),
                    key=lambda r: (r[1], r[5], r[0], r[2], r[3], r[4]))
+    words = [template_words(r[0]) for r in table]
+    vocab = sorted({w for ws in words for w in ws if w is not None})
+    vi = {w: i for i, w in enumerate(vocab)}
+    ids = np.array([vi[w] if w is not None else -1 for ws in words for w in ws], dtype=np.int32)
+    offsets = np.cumsum([0, *(len(ws) for ws in words)], dtype=np.int64).astype(np.int32)
     return SystemFile.model_validate({
         "format": FORMAT, "system": system,
         "versions": [p.model_dump() for p, _ in versions], "files": files,
-        "functions": funcs, "templates": table})
+        "functions": funcs, "vocab": vocab, "tokens": pack(ids), "offsets": pack(offsets),
+        "templates": table})
 
 
 def build(plans: list[SystemPlan], cfg: Config, out: Path, jobs: int = 2,
@@ -128,13 +137,14 @@ def build(plans: list[SystemPlan], cfg: Config, out: Path, jobs: int = 2,
     with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
         futures = {p.name: [pool.submit(_unit, p, v, cfg) for v in p.versions] for p in plans}
         for p in plans:
-            time.monotonic()
+            t0 = time.monotonic()
             versions = [f.result() for f in futures[p.name]]
             data = merge(p.name, versions)
             write_system(out / f"{p.name}.json.gz", data)
             counts[p.name] = len(data.templates)
             if log:
-                pass
+                print(f"{p.name}: {len(p.versions)} versions, {len(data.templates)} templates "
+                      f"({time.monotonic() - t0:.1f} s after its predecessors)", file=sys.stderr)
     return counts
 
 
@@ -164,10 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown systems: {', '.join(sorted(unknown))}")
     cfg = Config(args.cache, tuple(args.git_root), dirs)
-    time.monotonic()
+    t0 = time.monotonic()
     try:
         counts = build(plans, cfg, args.out, args.jobs)
-    except SourceError:
+    except SourceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
-    sum(counts.values())
+    print(f"{sum(counts.values())} templates from {len(counts)} systems in "
+          f"{time.monotonic() - t0:.0f} s", file=sys.stderr)
     return 0

@@ -27,8 +27,9 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from signatures.index.failures import interpreter_message
 from signatures.index.model import Level
-from signatures.index.tokens import join, literal_chars
+from signatures.index.tokens import join, literal_chars, literal_text
 from signatures.mine.python_src import MAX_TEMPLATE, MIN_LETTERS, Found
 
 _TOKEN = re.compile(r"""
@@ -247,7 +248,7 @@ def _template(parts: list[tuple[str, str]]) -> str | None:
     text = join(parts).strip()
     if len(text) > MAX_TEMPLATE:
         text = text[:MAX_TEMPLATE].rstrip("{") + "{*}"
-    if literal_chars(text) < MIN_LETTERS:
+    if literal_chars(text) < MIN_LETTERS or interpreter_message(literal_text(text)):
         return None
     return text
 

@@ -15,8 +15,9 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from signatures.index.failures import interpreter_message
 from signatures.index.model import Level
-from signatures.index.tokens import join, literal_chars
+from signatures.index.tokens import join, literal_chars, literal_text
 
 LOG_LEVELS = {"error": Level.ERROR, "exception": Level.ERROR, "critical": Level.FATAL,
               "fatal": Level.FATAL, "warning": Level.WARNING, "warn": Level.WARNING,
@@ -152,8 +153,8 @@ def _template(parts: list[tuple[str, str]]) -> str | None:
     if len(text) > MAX_TEMPLATE:
         text = text[:MAX_TEMPLATE].rstrip("{") + "{*}"
         text = text.replace("{*}{*}", "{*}")
-    if literal_chars(text) < MIN_LETTERS:
-        return None
+    if literal_chars(text) < MIN_LETTERS or interpreter_message(literal_text(text)):
+        return None  # nothing of its own, or a message the interpreter writes (any code may)
     return text
 
 

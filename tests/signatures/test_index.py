@@ -25,7 +25,7 @@ from signatures.index.tokens import pieces, template_words, to_regex
 from signatures.mine import cpp_src, python_src
 from signatures.mine.build import extract_files, load_plan, merge
 
-DATA_BUDGET = 2 << 20
+DATA_BUDGET = 3 << 20
 """The committed data files together, compressed."""
 
 

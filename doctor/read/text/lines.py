@@ -28,6 +28,7 @@ from doctor.evidence import (
     RankHint,
     SourceRef,
     ThreadStack,
+    line_shape,
 )
 from doctor.ranks.builder import EvidenceBuilder
 from doctor.read.text.backtraces import TRIGGERS as BACKTRACE_TRIGGERS
@@ -43,7 +44,6 @@ from doctor.read.text.tracebacks import TRIGGERS as TRACEBACK_TRIGGERS
 from doctor.read.text.tracebacks import TracebackParser
 from doctor.read.text.versions import TRIGGERS as VERSION_TRIGGERS
 from doctor.read.text.versions import stated_versions
-from signatures.index import load_index
 from signatures.models import Catalog
 
 #: Lines that may report a failure or a warning (matched against upstream's templates): the
@@ -259,23 +259,15 @@ class LineHandler:
 
     def _upstream(self, rest: str, site: str, level: str, hint: RankHint,
                   src: SourceRef) -> None:
-        """Which upstream template printed a failure or warning line (the index's best
-        match), kept per rank by template; a line no template fits is kept by the source
-        site its logger named, if any."""
+        """Keep a failure or warning line for the upstream index, by its shape (one record
+        per message, counted); :func:`doctor.facts.upstream.resolve_lines` matches them to
+        templates once the scan is done."""
         text = rest.strip()
         if len(text) < 8:
             return
-        matches = load_index().match(text[:MAX_MATCHED_CHARS], limit=8)
-        if site and len(matches) > 1:
-            # the logger named its source file: of equal readings, the template built there
-            base = site.rsplit("/", 1)[-1]
-            matches.sort(key=lambda m: not m.template.file.endswith("/" + base))
-        slot = self.sink.slot(hint)
-        for m in matches[:1]:
-            slot.add_failure_line(FailureLine(m.template.id, m.similarity, site, level,
-                                              text[:300], src))
-        if not matches and site:
-            slot.add_failure_line(FailureLine(-1, 0.0, site, level, text[:300], src))
+        self.sink.slot(hint).add_failure_line(
+            FailureLine(-1, 0.0, site, level, text[:MAX_MATCHED_CHARS], src),
+            key=(-1, line_shape(text)))
 
     def _match_patterns(self, rest: str, hint: RankHint, src: SourceRef) -> None:
         for p in self._patterns:
