@@ -94,6 +94,19 @@ def as_html(case: Case) -> bytes:
     return page.encode("utf-8")
 
 
+def as_blockquote(case: Case) -> bytes:
+    """The excerpt quoted in a Markdown comment: ``> `` before every line."""
+    body = case.text.decode("utf-8", errors="replace")
+    return "\n".join(f"> {line}" if line else ">" for line in body.split("\n")).encode("utf-8")
+
+
+def as_container_log(case: Case) -> bytes:
+    """The excerpt as a container runtime stores it (CRI: timestamp, stream, full-line tag)."""
+    body = case.text.decode("utf-8", errors="replace")
+    return "\n".join(f"2026-06-24T17:38:03.{i:09d}+02:00 stderr F {line}"
+                     for i, line in enumerate(body.split("\n"))).encode("utf-8")
+
+
 # --- perturbation: the same failure on another machine, other ranks, another version ------
 
 _TS = re.compile(r"\b(20\d\d)-(\d\d)-(\d\d)([ T_])(\d\d):(\d\d):(\d\d)")

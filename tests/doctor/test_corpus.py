@@ -26,6 +26,8 @@ from tests.corpus import (
     NONE,
     Case,
     answer,
+    as_blockquote,
+    as_container_log,
     as_html,
     as_markdown,
     diagnose_bytes,
@@ -102,6 +104,21 @@ def test_top1_on_excerpts_inside_issue_pages(page: Callable[[Case], bytes],
 
     acc, wrong = _accuracy(run)
     assert acc >= FLOOR_PAGES, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("wrap", [as_blockquote, as_container_log],
+                         ids=["blockquote", "container-log"])
+def test_quoted_and_container_logs_read_as_the_logs_they_are(
+        wrap: Callable[[Case], bytes]) -> None:
+    """Evidence quoted in Markdown (``> `` before every line) and as a container runtime
+    stores it (``<RFC 3339 time> stderr F ``) gets the answers the plain excerpt gets."""
+    differ = []
+    for c in _cases():
+        plain = answer(diagnose_bytes(f"{c.id}.log", c.text))[0]
+        wrapped = answer(diagnose_bytes(f"{c.id}.log", wrap(c)))[0]
+        if wrapped != plain:
+            differ.append(f"{c.id}: {plain} -> {wrapped}")
+    assert len(differ) <= len(_cases()) // 100, "\n".join(differ)
 
 
 def test_top1_on_excerpts_piped_on_stdin() -> None:

@@ -1,0 +1,153 @@
+# ruff: noqa: E501 -- tracebacks are quoted as Python prints them, one frame per line
+"""Mechanisms read through the upstream index: a component and a kind of failure, from lines
+matched to upstream's own templates, from frames, and from what else the input shows.
+
+The lines below are shaped as the upstream code that prints them builds them (each names the
+release and file it comes from); the tests change their wording, paths and context the way
+other deployments and releases do, and check what the doctor concludes and how sure it is.
+"""
+
+from __future__ import annotations
+
+import io
+
+from doctor.diagnose import diagnose
+from doctor.report.model import Diagnosis
+from signatures.index import load_index
+
+
+def _diag(text: str, name: str = "report.log") -> Diagnosis:
+    return diagnose(streams=[(name, io.BytesIO(text.encode()))])
+
+
+def _top(d: Diagnosis) -> tuple[str, float]:
+    return (d.verdicts[0].signature, d.verdicts[0].confidence) if d.verdicts else ("none", 0.0)
+
+
+# Mooncake 3b5a59413 mooncake-store/src/client_service.cpp Client::Get / Client::ConnectToMaster
+STORE = """\
+I1201 10:00:00.100000 4242 client_service.cpp:120] Mooncake store client started
+E1201 10:00:05.000000 4242 client_service.cpp:666] Failed to connect to master
+E1201 10:00:05.100000 4242 client_service.cpp:901] transfer_read_failed key=abc123 error=RPC_FAIL
+"""
+
+
+def test_a_storage_tier_failing_in_its_own_words_is_named_with_the_upstream_citation() -> None:
+    d = _diag(STORE)
+    assert _top(d)[0] == "storage-backend-failure"
+    cited = " ".join(e.text for e in d.verdicts[0].evidence)
+    assert "printed by mooncake" in cited
+    assert "client_service.cpp" in cited
+
+
+def test_a_changed_word_still_reads_as_the_mechanism() -> None:
+    # one word of the upstream message changed (another release, a patched build)
+    text = STORE.replace("Failed to connect to master", "Failed to reach to master").replace(
+        "transfer_read_failed key=abc123 error=RPC_FAIL", "")
+    assert _top(_diag(text))[0] == "storage-backend-failure"
+
+
+def test_a_single_line_is_never_certain_and_the_report_asks_for_more() -> None:
+    d = _diag("E1201 10:00:05.000000 4242 client_service.cpp:666] Failed to connect to master\n")
+    sig, conf = _top(d)
+    assert sig == "storage-backend-failure"
+    assert conf < 0.8
+    assert any("one failure line" in m.what for m in d.missing)
+
+
+# an LMCache traceback cut before its exception line (the host buffer running full, as the
+# thread established): frames in storage code say where, not what
+CUT = """\
+Traceback (most recent call last):
+  File "/usr/local/lib/python3.12/dist-packages/lmcache/v1/cache_engine.py", line 512, in store
+    self.storage_manager.batched_put(keys, objs)
+  File "/usr/local/lib/python3.12/dist-packages/lmcache/v1/storage_backend/storage_manager.py", line 340, in batched_put
+    backend.batched_submit_put_task(keys, objs)
+  File "/usr/local/lib/python3.12/dist-packages/lmcache/v1/storage_backend/local_cpu_backend.py", line 201, in batched_submit_put_task
+"""
+
+
+def test_a_traceback_cut_before_its_exception_line_is_partial_evidence() -> None:
+    d = _diag(CUT)
+    if d.verdicts:
+        assert d.verdicts[0].confidence < 0.8
+    assert any("exception line of the traceback" in m.what for m in d.missing)
+
+
+# sglang 0.5.5 srt/mem_cache/hiradix_cache.py HiRadixCache.load_back (an assert with a message)
+LOAD_BACK = """\
+[2026-06-01 10:00:00 TP0] Scheduler hit an exception: Traceback (most recent call last):
+  File "/sgl-workspace/sglang/python/sglang/srt/managers/scheduler.py", line 2841, in run_scheduler_process
+    scheduler.event_loop_overlap()
+  File "/sgl-workspace/sglang/python/sglang/srt/managers/scheduler.py", line 1015, in event_loop_overlap
+    self.process_input_requests(recv_reqs)
+  File "/sgl-workspace/sglang/python/sglang/srt/mem_cache/{module}", line 431, in load_back
+    assert len(nodes_to_load) > 0, "No backup available on evicted nodes, should not happen"
+AssertionError: No backup available on evicted nodes, should not happen
+"""
+
+
+def test_bookkeeping_assertions_are_named_wherever_the_module_moved() -> None:
+    for module in ("hiradix_cache.py", "unified_cache/unified_tree_core.py",
+                   "radix/hierarchical.py"):
+        d = _diag(LOAD_BACK.format(module=module))
+        assert _top(d)[0] == "tree-invariant-violation", module
+
+
+def test_an_assertion_while_the_server_starts_is_a_start_up_check_not_a_broken_invariant() -> None:
+    text = """\
+[2026-06-01 10:00:00 TP0] Scheduler hit an exception: Traceback (most recent call last):
+  File "/sgl-workspace/sglang/python/sglang/srt/managers/scheduler.py", line 2656, in run_scheduler_process
+    scheduler = Scheduler(
+  File "/sgl-workspace/sglang/python/sglang/srt/managers/scheduler.py", line 430, in __init__
+    self.init_cache_with_memory_pool()
+  File "/sgl-workspace/sglang/python/sglang/srt/managers/scheduler.py", line 771, in init_cache_with_memory_pool
+    self.tree_cache = MambaRadixCache(params)
+  File "/sgl-workspace/sglang/python/sglang/srt/mem_cache/mamba_radix_cache.py", line 324, in __init__
+    assert isinstance(params.token_to_kv_pool_allocator, TokenToKVPoolAllocator)
+AssertionError
+"""
+    assert _top(_diag(text))[0] != "tree-invariant-violation"
+
+
+def test_a_transfer_engine_failure_is_whoever_the_input_shows_it_working_for() -> None:
+    # mooncake-transfer-engine/src/transport/rdma_transport/rdma_endpoint.cpp
+    # RdmaEndPoint::submitPostSend: the engine under a store and under disaggregation alike
+    line = ("E1201 10:00:05.000000 4242 rdma_endpoint.cpp:990] Failed to post send on "
+            "endpoint 10.0.0.2:15002, error code is -1\n")
+    index = load_index()
+    assert index.component("rdma_endpoint.cpp").role == "transfer"
+    assert _top(_diag(line))[0] == "none"  # nothing says for whom
+    store = "[2026-06-01 10:00:00 TP0] Mooncake store setup: segment mounted\n" + line
+    assert _top(_diag(store))[0] == "storage-backend-failure"
+    pd = ("[2026-06-01 10:00:00 TP0] Prefill bootstrap_room=42 sent to decode\n" + line
+          + "[2026-06-01 10:00:06 TP0] KVTransferError(bootstrap_room=42): Failed to send kv "
+          "chunk of 42 to 10.0.0.2:8000\n")
+    assert _top(_diag(pd))[0] == "none"
+
+
+def test_a_file_system_failure_counts_only_where_a_kv_cache_uses_it() -> None:
+    # 3FS src/storage/worker/CheckWorker.cc CheckWorker::loop: a storage target's disk failed
+    line = ("E1201 10:00:05.000000 4242 CheckWorker.cc:173] check disk failed "
+            "/storage/data3, readonly\n")
+    index = load_index()
+    assert index.component("CheckWorker.cc").id == "storage.3fs"
+    assert _top(_diag(line))[0] == "none"  # a file system serving anything
+    kv = ("[2026-06-01 10:00:00 TP0] HiCache storage backend hf3fs attached for the KV cache\n"
+          + line)
+    assert _top(_diag(kv))[0] == "storage-backend-failure"
+
+
+def test_a_template_absent_from_the_stated_release_weighs_less() -> None:
+    index = load_index()
+    text = "No backup available on evicted nodes, should not happen"
+    (m,) = index.match(text, limit=1)
+    assert "0.5.5" in m.template.versions
+    assert "0.5.23" not in m.template.versions
+    body = LOAD_BACK.format(module="hiradix_cache.py")
+    own = _diag("sglang==0.5.5\n" + body)
+    other = _diag("sglang==0.5.23\n" + body)
+    cited = " ".join(e.text for e in other.verdicts[0].evidence)
+    assert "not in sglang 0.5.23" in cited
+    assert "not in sglang" not in " ".join(e.text for e in own.verdicts[0].evidence)
+    assert own.verdicts[0].confidence >= other.verdicts[0].confidence
