@@ -126,6 +126,9 @@ class MechanismHit:
     count: int = 1
     partial: bool = False
     """Read from partial evidence (a cut-off traceback's frames, a path alone)."""
+    context: str = ""
+    """What the component's failures need the input to show to count (``kv-cache``: a
+    general-purpose store or file system that a KV cache may use, or may not)."""
 
 
 @dataclass

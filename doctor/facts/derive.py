@@ -64,6 +64,7 @@ def derive_facts(evidence: Evidence, frames: FrameClassifier, rows: list[RankRow
         lambda: _fact_logs(evidence, facts),
         lambda: _fact_same_collective(evidence, sites, rows, facts),
         lambda: _fact_collective_reports(evidence, facts),
+        lambda: _fact_fingerprints(evidence, facts),
         lambda: _fact_unranked_stacks(evidence, frames, facts),
         lambda: _fact_kv_layers(evidence, facts),
     ]
@@ -124,6 +125,43 @@ def _fact_collective_reports(ev: Evidence, facts: FactSet) -> None:
         facts.add(Fact.COLLECTIVE_OP_MISMATCH, Witness(
             "the desync report has ranks started in different collectives: "
             + ", ".join(sorted(started)), w.file, w.line, w.rank))
+
+
+_FINGERPRINT = re.compile(
+    r"Rank\s+(?P<rank>\d{1,6})\s+is\s+running\s+(?:inconsistent\s+)?collective:\s*"
+    r"CollectiveFingerPrint\((?:\s*SequenceNumber\s*=\s*(?P<seq>\d{1,12}),?)?\s*"
+    r"OpType\s*=\s*(?P<op>\w{1,40})(?:,\s*TensorShape\s*=\s*\[(?P<shape>[\d,\s]{0,200})\])?")
+
+
+def _fact_fingerprints(ev: Evidence, facts: FactSet) -> None:
+    """torch's collective check (``TORCH_DISTRIBUTED_DEBUG=DETAIL``) as exceptions carry it,
+    over lines a paste may have broken, and one rank per message (older releases print each
+    rank's own "inconsistent collective"): ranks at the same point in different collectives
+    or sequence positions took different paths; the same collective with other shapes was fed
+    rank-dependent sizes."""
+    seen: dict[int, tuple[str | None, str, str | None, Witness]] = {}
+    for r in ev.all_ranks():
+        for e in r.exceptions:
+            if "CollectiveFingerPrint" not in e.message:
+                continue
+            for m in _FINGERPRINT.finditer(e.message[:20000]):
+                rank = int(m["rank"])
+                shape = " ".join(m["shape"].split()) if m["shape"] is not None else None
+                seen.setdefault(rank, (m["seq"], m["op"], shape,
+                                       witness(e.text[:300], e.source, r.rank)))
+    if len(seen) < 2:
+        return
+    (ra, (sa, oa, sha, wa)), (rb, (sb, ob, shb, _)) = sorted(seen.items())[:2]
+    if oa != ob or (sa is not None and sb is not None and sa != sb):
+        text = (f"rank {ra} runs {oa}{f' #{sa}' if sa else ''} while rank {rb} runs "
+                f"{ob}{f' #{sb}' if sb else ''}")
+        facts.add(Fact.COLLECTIVE_OP_MISMATCH, Witness(text, wa.file, wa.line, wa.rank))
+        facts.add(Fact.BLOCKED_SITES_DIVERGE, Witness(f"torch's collective check: {text}",
+                                                      wa.file, wa.line, wa.rank))
+    elif sha is not None and shb is not None and sha != shb:
+        facts.add(Fact.COLLECTIVE_SIZE_MISMATCH, Witness(
+            f"{oa}: rank {ra} shape [{sha}], rank {rb} shape [{shb}]", wa.file, wa.line,
+            wa.rank))
 
 
 def _fact_unranked_stacks(ev: Evidence, frames: FrameClassifier, facts: FactSet) -> None:

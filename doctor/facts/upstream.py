@@ -31,7 +31,13 @@ from doctor.ranks.frames import startup_phase
 from doctor.ranks.table import is_comm_error
 from signatures.index import UpstreamIndex
 from signatures.index.components import Component
-from signatures.index.failures import FailureKind, classify, exception_named, names_host_pool
+from signatures.index.failures import (
+    FailureKind,
+    classify,
+    exception_named,
+    interpreter_message,
+    names_host_pool,
+)
 from signatures.index.model import Level, Template
 from signatures.matching import EvidenceKind, MechanismHit, Witness
 
@@ -54,6 +60,14 @@ MIN_MESSAGE = 8
 _KV_WORDS = re.compile(r"(?i)hicache|lmcache|kv[ _-]?cache|mooncake|prefix cach|kv_offload|"
                        r"sglang|vllm")
 _KV_ROLES = {"storage", "controller", "host-pool", "tree", "pool"}
+#: The interpreter names the module an import could not find: that module's component failed
+#: to load (a storage client library missing, or a release that moved it).
+_NAMED_MODULE = re.compile(r"No module named '([\w.]{2,200})'|cannot import name '\w+' from "
+                           r"'([\w.]{2,200})'")
+NAMED_MODULE_STRENGTH = 1.0
+#: An interpreter message about an attribute or the arguments of a call blames the caller: the
+#: code that reached into another component wrongly, not the component it reached into.
+_API_MISUSE = ("AttributeError", "TypeError", "NameError")
 
 
 def resolve_lines(ev: Evidence, index: UpstreamIndex) -> None:
@@ -92,25 +106,42 @@ def mechanisms(ev: Evidence, index: UpstreamIndex) -> list[MechanismHit]:
     return _in_context(raw, ev)
 
 
+#: Which system a store the input names belongs to (``KvContext.store`` holds those names).
+_STORE_SYSTEMS = (("mooncake", "mooncake"), ("client_service", "mooncake"),
+                  ("real_client", "mooncake"), ("master_", "mooncake"), ("nixl", "nixl"),
+                  ("lmcache", "lmcache"), ("hf3fs", "hf3fs"), ("3fs", "hf3fs"),
+                  ("infini", "other"), ("kvbm", "other"))
+
+
+def _system(component: str) -> str:
+    """``mooncake`` of ``transfer.mooncake`` or ``storage.mooncake``."""
+    return component.rpartition(".")[2]
+
+
 def _in_context(raw: list[MechanismHit], ev: Evidence) -> list[MechanismHit]:
-    """Resolve shared components: transfer engines by store or disaggregation, file systems
-    by a KV cache in use."""
+    """Resolve shared components: a transfer engine works for a store of its own system when
+    the input shows one (Mooncake's engine under Mooncake Store, NIXL's under a NIXL storage
+    plug-in), for disaggregation when the input shows that, and for nobody known otherwise;
+    a file system's failures are a KV cache's only when the input shows a KV cache in use."""
     pd = ev.kv.pd or any(h.role == "pd" for h in raw)
-    store = bool(ev.kv.store) or any(h.role == "storage" and not h.component.endswith(".3fs")
-                                     for h in raw)
-    kv_in_use = store or any(h.role in _KV_ROLES and not h.component.endswith(".3fs")
-                             for h in raw) or any(_KV_WORDS.search(s) for s in ev.kv.store)
+    own = [h for h in raw if not h.context]
+    stores = {_system(h.component) for h in own if h.role == "storage"}
+    for name in ev.kv.store:
+        low = name.lower()
+        stores |= {system for key, system in _STORE_SYSTEMS if key in low}
+    kv_in_use = bool(stores) or any(h.role in _KV_ROLES for h in own) \
+        or any(_KV_WORDS.search(s) for s in ev.kv.store)
     out = []
     for h in raw:
+        if h.context == "kv-cache" and not kv_in_use:
+            continue
         if h.role == "transfer":
-            if pd:
-                h = replace(h, role="pd")
-            elif store:
+            if _system(h.component) in stores:
                 h = replace(h, role="storage")
+            elif pd:
+                h = replace(h, role="pd")
             else:
                 continue
-        if h.component.endswith(".3fs") and not kv_in_use:
-            continue
         out.append(h)
     return out
 
@@ -126,6 +157,22 @@ def _release_factor(t: Template, ev: Evidence, index: UpstreamIndex) -> tuple[fl
     if version in known and version not in {v.lstrip("v") for v in t.versions}:
         return ABSENT_FROM_RELEASE, f"; not in {t.system} {version}, the release the input states"
     return 1.0, ""
+
+
+def _named_module_hit(text: str, index: UpstreamIndex, witness: Witness,
+                      count: int) -> MechanismHit | None:
+    """An import failure, read by the module it names (``No module named 'lmcache.v1'``)."""
+    m = _NAMED_MODULE.search(text)
+    if m is None:
+        return None
+    path = (m[1] or m[2]).replace(".", "/")
+    comp = index.component(f"?:{path}/") or index.component(f"?:{path}.py")
+    if comp is None:
+        return None
+    return MechanismHit(comp.role, comp.id, FailureKind.CONFIG.value, NAMED_MODULE_STRENGTH,
+                        EvidenceKind.TEXT, replace(witness, text=witness.text
+                                                   + f" — the module of {comp.id}"), count,
+                        context=comp.context)
 
 
 def _line_kind(t: Template, text: str) -> FailureKind | None:
@@ -162,12 +209,18 @@ def _template_hit(t: Template, sim: float, text: str, src_file: str, src_line: i
     return MechanismHit(_role(comp.role, kind, text), comp.id, kind.value, round(sim * factor, 3),
                         EvidenceKind.TEXT, Witness(
                             f"{who}{text[:200]} — printed by {t.where()}, {comp.id}{note}",
-                            src_file, src_line, rank), count)
+                            src_file, src_line, rank), count, context=comp.context)
 
 
 def _lines(r: RankEvidence, ev: Evidence, index: UpstreamIndex) -> list[MechanismHit]:
     out = []
+    who = f"rank {r.rank}: " if r.rank >= 0 else ""
     for fl in r.failure_lines.values():
+        named = _named_module_hit(fl.text, index, Witness(
+            f"{who}{fl.text[:200]}", fl.source.file, fl.source.line, r.rank), fl.count)
+        if named is not None:
+            out.append(named)
+            continue
         if fl.template >= 0:
             t = index.templates[fl.template]
             hit = _template_hit(t, fl.similarity, fl.text, fl.source.file, fl.source.line,
@@ -180,11 +233,10 @@ def _lines(r: RankEvidence, ev: Evidence, index: UpstreamIndex) -> list[Mechanis
         kind = classify(fl.text, level)
         if comp is None or kind is None:
             continue
-        who = f"rank {r.rank}: " if r.rank >= 0 else ""
         out.append(MechanismHit(comp.role, comp.id, kind.value, SITE_STRENGTH, EvidenceKind.CODE,
                                 Witness(f"{who}{fl.text[:200]} — logged from {fl.site}, "
                                         f"{comp.id}", fl.source.file, fl.source.line, r.rank),
-                                fl.count, partial=True))
+                                fl.count, partial=True, context=comp.context))
     return out
 
 
@@ -224,6 +276,10 @@ def _exception(r: RankEvidence, e: ExceptionRecord, ev: Evidence,
         return [replace(hit, strength=round(hit.strength * TRUNCATED_STRENGTH, 3))] if hit \
             else []
     out: list[MechanismHit] = []
+    named = _named_module_hit(e.message, index, Witness(
+        f"{who}{e.text[:200]}", e.source.file, e.source.line, r.rank), RAISED_COUNT)
+    if named is not None:
+        return [named]
     text = e.message.strip()
     if not text and e.frames and e.frames[0].code.lstrip().startswith("assert "):
         text = e.frames[0].code.strip()  # a bare assert: its condition is on the frame
@@ -243,9 +299,10 @@ def _exception(r: RankEvidence, e: ExceptionRecord, ev: Evidence,
                 out.append(hit)
     kind = _exception_kind(e, t)
     if kind is not None and not is_comm_error(e):
+        misuse = _type(e) in _API_MISUSE and interpreter_message(e.message)
         hit = _frames_hit(e.frames, index, kind, Witness(
             f"{who}{e.text[:200]} raised in {{component}} code", e.source.file, e.source.line,
-            r.rank), False)
+            r.rank), False, skip_roles=("comm",) if misuse else ())
         if hit is not None:
             out.append(replace(hit, count=RAISED_COUNT,
                                role=_role(hit.role, kind, e.message)))
@@ -253,15 +310,18 @@ def _exception(r: RankEvidence, e: ExceptionRecord, ev: Evidence,
 
 
 def _frames_hit(frames: list[Frame], index: UpstreamIndex, kind: FailureKind,
-                witness: Witness, partial: bool,
-                depth: int = MAX_FRAMES_READ) -> MechanismHit | None:
+                witness: Witness, partial: bool, depth: int = MAX_FRAMES_READ,
+                skip_roles: tuple[str, ...] = ()) -> MechanismHit | None:
     """The component of the innermost frames (the code that raised or crashed); a caller
-    further out reads weaker."""
+    further out reads weaker. Frames of ``skip_roles`` are passed over (the library a caller
+    misused is not where the fault is)."""
     seen = 0
     for f in frames:
         if not f.file or f.file == "(cut off)":
             continue
         comp: Component | None = index.component(f.file)
+        if comp is not None and comp.role in skip_roles:
+            continue
         if comp is None:
             seen += 1
             if seen >= depth:
@@ -278,5 +338,5 @@ def _frames_hit(frames: list[Frame], index: UpstreamIndex, kind: FailureKind,
                          and c.role in ("storage", "pd")), role)
         return MechanismHit(role, comp.id, kind.value, strength, EvidenceKind.CODE,
                             replace(witness, text=witness.text.replace("{component}", comp.id)
-                                    + f": {where}"), 1, partial=partial)
+                                    + f": {where}"), 1, partial=partial, context=comp.context)
     return None

@@ -61,7 +61,8 @@ _BOOKKEEPING = re.compile(
     r"unpinned|in (?:the )?(?:free|pool))|freed twice|use[- ]after[- ]free|\bleak(?:ed)? "
     r"detected|\bleaked_\w+|\bref(?:erence)?[ _-]?(?:count|cnt)\b.{0,40}(?:negative|below|"
     r"< ?0|underflow|zero)|\b(?:ref|pin)[_ ]?(?:count|cnt) (?:is )?(?:negative|-\d)|"
-    r"\bunderflow\b|\bholds? the node|\block_?ref\b|\bdangling\b|\bnot (?:pinned|locked)\b")
+    r"\bunderflow\b|\bholds? the node|\block_?ref\b|\bdangling\b|\bnot (?:pinned|locked)\b|"
+    r"\baccess(?:ing|ed)? (?:an? |the )?(?:invalidated|freed|released|stale)\b")
 _INVARIANT = re.compile(
     r"(?i)should not happen|should never|\binvariant\b|\binconsisten|\bcorrupt(?:ed|ion)?\b|"
     r"\bsanity check\b|\bstale (?:parent|child|node|pointer)|\bnot (?:a )?leaf\b|"
@@ -73,7 +74,8 @@ _CONFIG = re.compile(
     r"\bno module named\b|\bnot installed\b|\binvalid (?:\w+ )?(?:config\w*|argument|option|"
     r"value|setting|parameter|format)|\bunknown (?:\w+ )?(?:backend|option|argument|config)|"
     r"\bmust be (?:set|specified|provided|enabled|one of)|\bis not set\b|\brequires? (?:\w+ )?"
-    r"(?:version|to be)|\bincompatible\b|\bdeprecated\b|\bmissing (?:\w+ )?(?:config|argument|"
+    r"(?:version|to be)|\brequires? at least\b|\bis required\b|\bonly supports?\b|"
+    r"\bincompatible\b|\bdeprecated\b|\bmissing (?:\w+ )?(?:config|argument|"
     r"field|env)|\bcannot import\b|\bfailed to import\b|\bundefined symbol\b")
 _FAILURE = re.compile(
     r"(?i)\bfail(?:ed|s|ure|ing)?\b|\berror\b|\bunable to\b|\bcannot\b|\bcan't\b|\bcould not\b|"
@@ -104,6 +106,7 @@ _INTERPRETER = re.compile(
     r"^not enough values to unpack|^too many values to unpack|^division by zero|"
     r"^maximum recursion depth|^\[Errno \d+\]|^No such file or directory$|"
     r"^(?:cannot|can't) pickle|^invalid literal for int|^could not convert string to float|"
+    r"^No module named\b|^cannot import name\b|"
     r"^\{\*\} object has no attribute|^'?\{\*\}'? object (?:has no attribute|is not)")
 
 
@@ -148,6 +151,10 @@ def classify(text: str, level: Level | None = None, exception: str = "") -> Fail
         return FailureKind.INDEX
     if level in (Level.ASSERT, Level.CHECK) or exc in ("AssertionError", "InvariantViolation") \
             or _INVARIANT.search(text):
+        # an assertion that states a requirement or an unsupported setting checks the
+        # configuration, not state built at run time
+        if _CONFIG.search(text) and not _INVARIANT.search(text):
+            return FailureKind.CONFIG
         return FailureKind.INVARIANT
     if _TIMEOUT.search(text) or exc in ("TimeoutError", "TimeoutExpired"):
         return FailureKind.TIMEOUT

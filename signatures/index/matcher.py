@@ -36,7 +36,7 @@ MIN_TOKENS = 3
 EXACT_UP_TO = 4
 """A template of this many tokens or fewer matches only whole: a short phrase with a word
 missing is another phrase."""
-MAX_CANDIDATES = 40
+MAX_CANDIDATES = 100
 MAX_LINE_TOKENS = 120
 CACHE_SIZE = 4096
 MAX_TIES = 8
@@ -77,9 +77,19 @@ class TemplateMatcher:
         self._weight = weight
         self._total = np.bincount(lit_owner, weights=weight[lit_tok], minlength=n)
         self._nlit = np.bincount(lit_owner, minlength=n)
-        eligible = (self._nlit >= MIN_TOKENS) & (self._total >= MIN_WEIGHT)
+        # a template that fixes too little names no component, but it is still indexed: a line
+        # it explains whole must not be taken for a longer template it resembles
+        self._generic = ~((self._nlit >= MIN_TOKENS) & (self._total >= MIN_WEIGHT))
         max_df = max(50, n // 100)
-        keep = eligible[pair_owner] & (df[pair_tok] <= max_df)
+        # every template is reachable through its rarest token, common or not (a generic
+        # message has no rare one), and through every rare one
+        pair_w = weight[pair_tok]
+        order0 = np.lexsort((-pair_w, pair_owner))
+        first = np.ones(len(order0), dtype=bool)
+        first[1:] = pair_owner[order0][1:] != pair_owner[order0][:-1]
+        rarest = np.zeros(len(pairs), dtype=bool)
+        rarest[order0[first]] = True
+        keep = (self._nlit[pair_owner] >= 2) & ((df[pair_tok] <= max_df) | rarest)
         order = np.argsort(pair_tok[keep], kind="stable")
         self._post = pair_owner[keep][order]
         self._ptr = np.searchsorted(pair_tok[keep][order], np.arange(v + 1))
@@ -129,7 +139,10 @@ class TemplateMatcher:
         # with a word changed over a shorter one with a word added)
         close = sorted((x for x in scored if x[0] >= best - 0.05),
                        key=lambda x: (-x[1], -x[0], x[2]))
-        return [Match(self.templates[tid], round(s, 3)) for s, _, tid in close[:limit]]
+        if self._generic[close[0][2]]:
+            return []  # a generic message explains the line best: it names no component
+        return [Match(self.templates[tid], round(s, 3)) for s, _, tid in close[:limit]
+                if not self._generic[tid]]
 
     def _score(self, tid: int, positions: dict[int, list[int]],
                n_line: int) -> tuple[float, float]:

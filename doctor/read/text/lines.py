@@ -65,6 +65,8 @@ _TOPO = re.compile(r"\b(?P<k>tp|pp|dp|world)_size=(?P<v>\d{1,6})\b|--(?P<k2>tp|p
                    r"(?P<v2>\d{1,6})\b|\bWORLD_SIZE[=:]\s*(?P<v3>\d{1,6})\b")
 _FAILURE_WORDS = re.compile(r"(?i)\b(?:error|failed|failure|exception|timed out|timeout|abort"
                             r"(?:ed)?|refused|fatal|killed|segmentation fault)\b")
+#: A logger's level word anywhere in the line (a prefix the readers do not know still says it).
+_LEVEL_WORDS = re.compile(r"\b(?:WARN(?:ING)?|ERROR|CRITICAL|FATAL)\b")
 _UNITS = {"k": 1 / 1024, "m": 1.0, "g": 1024.0, "t": 1024.0 * 1024}
 MAX_LINE_CHARS = 8192
 MAX_MATCHED_CHARS = 1000
@@ -185,7 +187,7 @@ class LineHandler:
         if kv is not None:
             self.sink.slot(hint).kv_lines.append((kv, rest.strip()[:300], src))
         taken = self._blocks(stream, rest, src, lineno, hint)
-        if (failing or pre.warning) and not taken:
+        if (failing or pre.warning or _LEVEL_WORDS.search(text[:200])) and not taken:
             self._upstream(rest, pre.site, "error" if pre.error else
                            "warning" if pre.warning else "", hint, src)
         if triggered:

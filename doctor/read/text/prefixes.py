@@ -33,7 +33,7 @@ _SGLANG = re.compile(r"\[(?P<ts>\d{4}-\d\d-\d\d[ T_]\d\d:\d\d:\d\d(?:[.,]\d+)?)"
                      r"(?P<tags>(?: [A-Z][A-Z_]*\d+)*)\] ?")
 _TAG = re.compile(r"(?<![A-Z_])(TP|PP|DP)(\d{1,6})\b")
 _NAME_TAG = re.compile(r"(?:^|_)(TP|PP|DP)(\d{1,6})(?=_|$)")
-_LMCACHE = re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:[.,]\d+)?\] LMCache "
+_LMCACHE = re.compile(r"(?:\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:[.,]\d+)?\] )?LMCache "
                       r"(?:DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)\s?:\s?")
 _VLLM_PROC = re.compile(r"\((?P<name>[A-Za-z_][\w]*|)(?P<tags>(?: (?:TP|PP|DP|EP)\d{1,6})*)"
                         r"(?: rank=(?P<rank>\d{1,6}))?"
