@@ -51,7 +51,7 @@ PARTIAL_CEILING = 0.6
 SINGLE_LINE_CEILING = 0.7
 #: A mechanism seen only in code (frames, a log line's source site) weighs this much of what
 #: it weighs in upstream's own text; both together at most MECHANISM_BOTH of its weight.
-CODE_SHARE = 0.7
+CODE_SHARE = 1.0
 MECHANISM_BOTH = 1.4
 #: Outcome facts say *that* something failed, not *how*: they are not structure.
 _NOT_STRUCTURAL = {Fact.HANG, Fact.CRASH, Fact.WRONG_OUTPUT, Fact.OOM_KILLED}

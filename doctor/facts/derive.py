@@ -36,7 +36,7 @@ from doctor.report.model import (
 )
 from hicache_runtime.contracts.bundle import RunOutcome
 from signatures.fact_names import Fact
-from signatures.index import load_index
+from signatures.index import UpstreamIndex, load_index
 from signatures.index.failures import FailureKind, classify
 from signatures.matching import MechanismHit, Witness
 
@@ -197,8 +197,11 @@ def _fact_kv_layers(ev: Evidence, facts: FactSet) -> None:
     failed, a host pool with no room, a disaggregation transfer that failed. A transfer engine's
     failure belongs to the store when the inputs show a store in use and no disaggregation."""
     kv = ev.kv
+    index = load_index()
     for r in ev.all_ranks():
         for kind, text, src in r.kv_lines:
+            if _read_otherwise(text, kind, index):
+                continue
             if kind == KvLineKind.STORE_FAILURE or (kind == KvLineKind.TRANSFER_FAILURE
                                                     and kv.store and not kv.pd):
                 facts.add(Fact.STORAGE_ERRORS, witness(text, src, r.rank))
@@ -208,6 +211,23 @@ def _fact_kv_layers(ev: Evidence, facts: FactSet) -> None:
             elif kind == KvLineKind.PD_FAILURE or (kind == KvLineKind.TRANSFER_FAILURE
                                                    and kv.pd):
                 facts.add(Fact.PD_TRANSFER_ERRORS, witness(text, src, r.rank))
+
+
+def _read_otherwise(text: str, kind: KvLineKind, index: UpstreamIndex) -> bool:
+    """The upstream index reads a KV layer's line as another mechanism than the words did (a
+    pool's bookkeeping rather than a store failing or running full; another component than a
+    store): the mechanism it reads speaks instead."""
+    matches = index.match(text, limit=1)
+    if not matches:
+        return False
+    t = matches[0].template
+    comp = index.template_component(t)
+    failure = index.failure(t)
+    if failure in (FailureKind.BOOKKEEPING, FailureKind.INVARIANT):
+        return True
+    if kind == KvLineKind.POOL_PRESSURE:
+        return False
+    return comp is None or comp.role not in ("storage", "transfer")
 
 
 def _fact_same_collective(ev: Evidence, sites: list[BlockedSite], rows: list[RankRow],
@@ -288,7 +308,8 @@ def _fact_outcome(ev: Evidence, frames: FrameClassifier, rows: list[RankRow],
             f"outputs differ from the cache-disabled run ({ev.mismatches} request(s))", src, -1))
     for r in ev.all_ranks():
         for pid in ("nccl-watchdog-timeout", "gloo-timeout", "scheduler-watchdog",
-                    "hicache-watchdog", "nccl-watchdog-stuck", "horovod-stall"):
+                    "hicache-watchdog", "nccl-watchdog-stuck", "horovod-stall",
+                    "horovod-missing-ranks"):
             for h in r.hits.get(pid, _EMPTY).kept:
                 facts.add(Fact.HANG, witness(h.text, h.source, r.rank))
     crashed = [row for row in rows if row.state == RankCondition.CRASHED]
@@ -425,6 +446,7 @@ def _fact_logs(ev: Evidence, facts: FactSet) -> None:
         "kv-manager-assert": Fact.INVARIANT_BROKEN,
         "startup-usage-error": Fact.STARTUP_CONFIG_ERROR,
         "horovod-stall": Fact.RANK_MISSING_FROM_COLLECTIVE,
+        "horovod-missing-ranks": Fact.RANK_MISSING_FROM_COLLECTIVE,
     }
     for r in ev.all_ranks():
         _abort_in_flight(r, facts)

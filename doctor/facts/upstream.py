@@ -49,7 +49,7 @@ MAX_FRAMES_READ = 3
 MAX_FATAL_FRAMES = 8
 """A crashed thread's innermost frames are often native ones no component owns."""
 TRUNCATED_STRENGTH = 0.6
-SITE_STRENGTH = 0.8
+SITE_STRENGTH = 0.6
 RAISED_COUNT = 3
 """A failure that raised ended the run: it stands for every retry it would have had, so it
 meets a mechanism's ``min_count``."""

@@ -123,11 +123,16 @@ class Resolver:
         """The component of ``path`` (qualified here), or None when no pattern fits."""
         if not path:
             return None
-        q = path if re.match(r"^[\w?-]+:", path) and not re.match(r"^[A-Za-z]:[/\\]", path) \
-            else self.qualify(path)
-        for comp, rxs in self._rules:
-            if any(rx.search(q) for rx in rxs):
-                return comp
+        qualified = re.match(r"^[\w?-]+:", path) and not re.match(r"^[A-Za-z]:[/\\]", path)
+        q = path if qualified else self.qualify(path)
+        for candidate in (q, None if qualified else "?:" + path.replace("\\", "/")):
+            # the path as cut at its package root first; then whole, for a package whose
+            # own name is a root's (vua/vllm/kv_connector_v1.py is VUA's, not vLLM's)
+            if candidate is None:
+                break
+            for comp, rxs in self._rules:
+                if any(rx.search(candidate) for rx in rxs):
+                    return comp
         return None
 
 

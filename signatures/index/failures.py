@@ -45,7 +45,8 @@ _SHAPE = re.compile(
     r"match (?:the )?(?:expected )?(?:size|shape|numel|length)|\bsize mismatch|"
     r"\bmismatch(?:ed)? (?:in )?(?:size|shape|numel|length|tensor)|\bexpected (?:input )?"
     r"(?:size|shape|numel)|\binvalid for input of size|\bnumel\b.{0,40}(?:differ|mismatch)|"
-    r"\bsplit_with_sizes\b|\bsizes of tensors must match")
+    r"\bsplit_with_sizes\b|\bsizes of tensors must match|\bshape mismatch\b|"
+    r"\binconsistent (?:\w+ )?shapes?\b|\bexpected shape\b")
 _CAPACITY = re.compile(
     r"(?i)\bout of (?:host |cpu |gpu |device )?memory\b|\bno (?:more )?(?:free|available|enough)"
     r" (?:\w+ )?(?:memory|blocks?|pages?|slots?|space|buffers?|handles?)|\bnot enough "
@@ -62,7 +63,8 @@ _BOOKKEEPING = re.compile(
     r"detected|\bleaked_\w+|\bref(?:erence)?[ _-]?(?:count|cnt)\b.{0,40}(?:negative|below|"
     r"< ?0|underflow|zero)|\b(?:ref|pin)[_ ]?(?:count|cnt) (?:is )?(?:negative|-\d)|"
     r"\bunderflow\b|\bholds? the node|\block_?ref\b|\bdangling\b|\bnot (?:pinned|locked)\b|"
-    r"\baccess(?:ing|ed)? (?:an? |the )?(?:invalidated|freed|released|stale)\b")
+    r"\baccess(?:ing|ed)? (?:an? |the )?(?:invalidated|freed|released|stale)\b|"
+    r"\bforc(?:e|ed|ing)\s+(?:un)?(?:pin|release|free)\w*|\bunbalanced (?:pin|ref)")
 _INVARIANT = re.compile(
     r"(?i)should not happen|should never|\binvariant\b|\binconsisten|\bcorrupt(?:ed|ion)?\b|"
     r"\bsanity check\b|\bstale (?:parent|child|node|pointer)|\bnot (?:a )?leaf\b|"
@@ -75,6 +77,7 @@ _CONFIG = re.compile(
     r"value|setting|parameter|format)|\bunknown (?:\w+ )?(?:backend|option|argument|config)|"
     r"\bmust be (?:set|specified|provided|enabled|one of)|\bis not set\b|\brequires? (?:\w+ )?"
     r"(?:version|to be)|\brequires? at least\b|\bis required\b|\bonly supports?\b|"
+    r"\b(?:not|must be) divisible by\b|\bif '?\w+'? is (?:specified|set)\b|"
     r"\bincompatible\b|\bdeprecated\b|\bmissing (?:\w+ )?(?:config|argument|"
     r"field|env)|\bcannot import\b|\bfailed to import\b|\bundefined symbol\b")
 _FAILURE = re.compile(

@@ -28,7 +28,8 @@ def test_message_alone_never_names_a_signature() -> None:
     assert not s.named
     assert s.score >= NEAR_MISS
     assert "message alone" in s.because()
-    assert "in-app frame" in s.because()
+    # what is missing is structure: the drain's frame, or the controller failing in its own code
+    assert "in-app frame" in s.because() or "mechanism controller" in s.because()
 
 
 def test_message_and_in_app_drain_frame_name_it() -> None:

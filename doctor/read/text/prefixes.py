@@ -28,7 +28,9 @@ from dataclasses import dataclass
 
 from doctor.evidence import RankHint
 
-_TORCH = re.compile(r"\[(?:rank|default|trainer|worker|local_rank)(?P<n>\d{1,6})\]:(?: (?=\S))?")
+_TORCH = re.compile(r"\[(?:rank|default|trainer|worker|local_rank)(?P<n>\d{1,6})\]:(?: (?=\S))?"
+                    # horovodrun / mpirun --tag-output: [3]<stderr>:
+                    r"|\[(?P<h>\d{1,6})\]<std(?:out|err)>:")
 _SGLANG = re.compile(r"\[(?P<ts>\d{4}-\d\d-\d\d[ T_]\d\d:\d\d:\d\d(?:[.,]\d+)?)"
                      r"(?P<tags>(?: [A-Z][A-Z_]*\d+)*)\] ?")
 _TAG = re.compile(r"(?<![A-Z_])(TP|PP|DP)(\d{1,6})\b")
@@ -46,6 +48,8 @@ _GENERIC = re.compile(
     # and glog without its date and thread (E nixl_agent.cpp:921]) as some wrappers print it
     r"|\[?[IWEF](?:\d{4})?\d{4} \d\d:\d\d:\d\d\.\d+(?: +\d+)? [\w./-]+:\d+\] ?"
     r"|\[?[IWEF] [\w./-]+\.(?:cc|cpp|c|h|hpp|cu|rs):\d+\] ?"
+    # TensorFlow's C++ logger: 2019-11-11 11:45:07.181990: E tensorflow/core/x/ring_alg.cc:279]
+    r"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWEF] [\w./-]+:\d+\] ?"
     # container runtimes and collectors: 2026-06-12T04:13:18.902123456Z (then maybe a level);
     # cloud logging exports put the severity first: ERROR 2026-06-15T14:10:59.392125190Z
     # (CRI runtimes, as kubelet stores them, add the stream and a full/partial tag:
@@ -98,7 +102,7 @@ def strip_prefixes(line: str) -> Prefixed:
     for _ in range(_MAX_PREFIXES):
         m = _TORCH.match(line)
         if m:
-            rank = int(m["n"]) if rank is None else rank
+            rank = int(m["n"] or m["h"]) if rank is None else rank
             line, style = line[m.end():], "torch"
             continue
         m = _VLLM_PROC.match(line)
