@@ -425,6 +425,18 @@ class _Scanner:
                              qual.rsplit("::", 1)[-1], line)
                 return after
             return i
+        if name in ("errors", "absl") and nxt.text == "::" and i + 3 < len(toks) \
+                and toks[i + 2].kind == "ident" and toks[i + 3].text == "(":
+            # status builders whose arguments are concatenated: errors::Internal("a", x),
+            # absl::InternalError(...) (TensorFlow, XLA and other absl users)
+            kind = toks[i + 2].text
+            if name == "absl" and not kind.endswith("Error"):
+                return i
+            args, after = self._args(i + 3)
+            parts = [p for a in args for p in _operand(a, self.names)]
+            if parts:
+                self.add(parts, Level.EXCEPTION, kind.removesuffix("Error"), line)
+            return after
         if name in _BARE_STREAMS and nxt.text == "<<":
             self.add(self._stream(i + 1), _BARE_STREAMS[name], "", line)
             return _statement_end(toks, i)

@@ -36,11 +36,11 @@ from tests.corpus import (
 )
 
 #: Floors, each under what the doctor reaches today (see the module docstring).
-FLOOR_ALL = 0.82
-FLOOR_POSITIVES = 0.66
+FLOOR_ALL = 0.84
+FLOOR_POSITIVES = 0.69
 FLOOR_NEGATIVES = 0.97
-FLOOR_PERTURBED = 0.82
-FLOOR_PAGES = 0.82
+FLOOR_PERTURBED = 0.84
+FLOOR_PAGES = 0.84
 HIGH = 0.8
 
 
