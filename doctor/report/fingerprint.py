@@ -7,7 +7,8 @@ occurrences taken out:
   request ids replaced by placeholders (``shape '[N, -1, N]' is invalid for input of size N``);
 * the innermost in-app functions of its stack (names only: no files, no line numbers);
 * for hangs, the collective and the calling function each blocked group waits in;
-* without an exception, the first lines the loggers marked as errors, normalised alike;
+* without an exception, the first lines the loggers marked as errors, normalised alike, and
+  the upstream messages (:mod:`signatures.index`) the failure lines were printed from;
 * the log patterns, facts and look-alikes that fired (their ids).
 
 Ranks never enter it, so the same failure on rank 3 of one run and rank 0 of another gives the
@@ -26,6 +27,7 @@ from doctor.ranks.frames import FrameClassifier
 from doctor.ranks.table import failing_exception, is_comm_error
 from doctor.report.model import BlockedSite, Fingerprint
 from signatures.fact_names import Fact
+from signatures.index import load_index
 
 MAX_FUNCTIONS = 4
 MAX_ERRORS = 3
@@ -79,14 +81,48 @@ def fingerprint(ev: Evidence, frames: FrameClassifier, sites: list[BlockedSite],
                    if pid != "memory-sample" and not _MARKER_KEY.search(pid)})
     fact_ids = sorted(f.value for f in facts if f not in _OUTCOME)
     exception = sorted(set(excs))[0] if excs else None
+    upstream = _upstream(ev) if exception is None else []
+    # the upstream texts the catalog's markers found (by what they say, not by their place in
+    # the catalog): an INFO line such as "action=client_expired" still tells failures apart
+    marked = sorted({normalise(h.text, 100) for r in ev.all_ranks()
+                     for pid, stats in r.hits.items() if _MARKER_KEY.search(pid)
+                     for h in list(stats.kept)[:1]})[:MAX_ERRORS] if exception is None else []
     basis = [f"exception {exception}" if exception else "", *[f"function {f}" for f in funcs],
              *[f"blocked {b}" for b in blocked], *[f"log {p}" for p in logs],
              *([] if exception else [f"error {e}" for e in errors]),
+             *[f"upstream {u}" for u in upstream], *[f"marked {m}" for m in marked],
+             *[f"site {x}" for x in (_sites(ev) if exception is None else [])],
              *[f"fact {f}" for f in fact_ids], *[f"look-alike {x}" for x in sorted(lookalikes)]]
     digest = hashlib.sha1("\n".join(b for b in basis if b).encode()).hexdigest()[:12]
     return Fingerprint(id=f"fp-{digest}", exception=exception, functions=funcs,
                        blocked=blocked, logs=logs, facts=fact_ids,
-                       lookalikes=sorted(lookalikes))
+                       lookalikes=sorted(lookalikes), upstream=upstream)
+
+
+MAX_UPSTREAM = 4
+
+
+def _sites(ev: Evidence) -> list[str]:
+    """The source files the warning lines name (file names only), at most ``MAX_UPSTREAM``:
+    what tells apart inputs that hold no failure line the doctor could read."""
+    return sorted({site.rsplit("/", 1)[-1] for r in ev.all_ranks() for site in r.sites})[
+        :MAX_UPSTREAM]
+
+
+def _upstream(ev: Evidence) -> list[str]:
+    """The upstream templates of the failure lines (after :func:`resolve_lines`), the most
+    printed first, at most ``MAX_UPSTREAM``."""
+    seen: dict[int, int] = {}
+    for r in ev.all_ranks():
+        for fl in r.failure_lines.values():
+            if fl.template >= 0:
+                seen[fl.template] = seen.get(fl.template, 0) + fl.count
+    if not seen:
+        return []
+    index = load_index()
+    top = sorted(seen, key=lambda t: (-seen[t], t))[:MAX_UPSTREAM]
+    return sorted(f"{t.system} {t.file} {t.function}: {t.text[:120]}"
+                  for t in (index.templates[i] for i in top))
 
 
 #: Frames that say nothing about *which* failure it is, wherever things are installed: the
@@ -95,6 +131,7 @@ _PLUMBING = re.compile(r"(^|/)lib/python3(\.\d+)?/(?!site-packages|dist-packages
                        r"\.so(\.\d+)*$|^<|^\(cut off\)$|^(threading|runpy|contextlib|"
                        r"functools|multiprocessing/\w+)\.py$")
 _ADDRESS = re.compile(r"\s*\[0x[0-9a-fA-F]+\]|\s*\+\s*0x[0-9a-fA-F]+")
+_BARE_ADDRESS = re.compile(r"^\s*(?:0x)?[0-9a-fA-F]{8,}\s*$")  # a frame with no symbol
 
 
 def _innermost(stack: list, frames: FrameClassifier) -> list[str]:  # type: ignore[type-arg]
@@ -103,7 +140,7 @@ def _innermost(stack: list, frames: FrameClassifier) -> list[str]:  # type: igno
     source checkout and a site-packages install give the same list."""
     out: list[str] = []
     for f in stack:
-        if _PLUMBING.search(f.file) or f.func.startswith("_Py"):
+        if _PLUMBING.search(f.file) or f.func.startswith("_Py") or _BARE_ADDRESS.match(f.func):
             continue
         name = _ADDRESS.sub("", f.func).rsplit(".", 1)[-1]
         if name not in out:

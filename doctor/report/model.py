@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 
 from doctor.evidence import InputStatus
 
-DIAGNOSIS_SCHEMA_VERSION = "1.2"
+DIAGNOSIS_SCHEMA_VERSION = "1.3"
 DIAGNOSIS_KIND = "hicache-diagnosis"
 EXIT_DIAGNOSED, EXIT_NO_SIGNATURE, EXIT_UNREADABLE = 0, 1, 2
 
@@ -127,6 +127,9 @@ class Fingerprint(BaseModel):
     logs: list[str] = []
     facts: list[str] = []
     lookalikes: list[str] = []
+    upstream: list[str] = []
+    """The upstream messages the failure lines were printed from (``system file function:
+    template``): the same message whatever numbers a line carried; added in 1.3."""
 
 
 class LookalikeFinding(BaseModel):

@@ -175,4 +175,4 @@ def test_fingerprints_group_the_same_failure_and_split_different_ones() -> None:
             unstable.append(c.id)
         ids.setdefault(fp.id, []).append(c.id)
     assert len(unstable) <= 2, unstable
-    assert len(ids) >= 0.85 * len(_cases()), "different failures must mostly differ"
+    assert len(ids) >= 0.88 * len(_cases()), "different failures must mostly differ"

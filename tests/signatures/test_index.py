@@ -276,3 +276,22 @@ def test_normalise_cuts_install_prefixes() -> None:
     assert normalise("/a/b/site-packages/foo/bar.py") == "foo/bar.py"
     assert normalise("/x/sglang/python/sglang/srt/y.py") == "sglang/srt/y.py"
     assert normalise("./relative/path.py") == "relative/path.py"
+
+
+def test_the_cli_says_what_the_index_was_built_from() -> None:
+    import json as _json
+
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    res = CliRunner().invoke(app, ["signatures", "sources", "--json"])
+    assert res.exit_code == 0, res.output
+    data = _json.loads(res.stdout)
+    systems = {s["system"]: s for s in data["systems"]}
+    assert systems["sglang"]["versions"][0]["source"] == "pypi:sglang==0.4.6"
+    assert systems["mooncake"]["versions"][-1]["source"].startswith("git:kvcache-ai/Mooncake@")
+    assert data["templates"] == sum(s["templates"] for s in data["systems"]) > 50000
+    text = CliRunner().invoke(app, ["signatures", "sources"])
+    assert text.exit_code == 0
+    assert "upstream index" in text.stdout
