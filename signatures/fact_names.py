@@ -91,6 +91,9 @@ class Fact(str, Enum):
     """The job failed at start-up on its configuration, before serving anything."""
     NO_FAILURE = "no-failure"
     """The inputs record no failure at all: no exception, stack, hang, crash or error line."""
+    STORE_WITHOUT_KV_CACHE = "store-without-kv-cache"
+    """A storage system failed, but nothing in the inputs shows a KV cache or a serving engine
+    using it: the store may serve anything (training data, an object queue)."""
 
     def describe(self) -> str:
         """The one-line meaning of this fact."""

@@ -362,7 +362,9 @@ def score_one(sig: Signature, catalog: Catalog, obs: Observation,
     for mr in rec.mechanisms:
         rules += _mechanism_rules(sig.id, mr, obs)
     for m in looks or []:
-        if m.lookalike.excludes_signature(sig.id) and m.lookalike.penalty > 0:
+        # a look-alike of penalty 0 takes nothing away but still contests: the verdict stays
+        # below the certain bands
+        if m.lookalike.excludes_signature(sig.id) and m.lookalike.excludes:
             rules.append(RuleResult(
                 sig.id, f"look-alike '{m.lookalike.id}'", True, -m.lookalike.penalty, False,
                 f"{m.lookalike.title} fits ({m.score:.2f})", m.witnesses[:2],

@@ -75,6 +75,7 @@ def derive_facts(evidence: Evidence, frames: FrameClassifier, rows: list[RankRow
         except Exception as exc:  # one analyzer's bug must not stop the others
             problem(f"a fact analyzer failed ({type(exc).__name__}: {exc}); its facts are missing")
     _fact_no_failure(evidence, facts, mechs)
+    _fact_store_without_kv_cache(evidence, facts, mechs)
     return facts
 
 
@@ -275,6 +276,37 @@ _MARKER_KEY = re.compile(r"[+~-]\d+$")
 #: Log patterns that only describe a healthy server (progress, capacities, samples).
 _QUIET = {"memory-sample", "host-capacity", "host-capacity-synced", "prefetch-start",
           "prefetch-result"}
+
+
+#: What shows a KV cache or a serving engine in the inputs (paths, sites, words).
+_SERVING = re.compile(r"(?i)sglang|vllm|lmcache|hicache|kv[ _-]?cache|kvcache|prefix[ _-]?cach|"
+                      r"kv_connector|kv_transfer|dynamo|tensorrt_llm|trtllm|kvbm|infinistore|"
+                      r"radix|mem_cache|offload")
+_SERVING_ROLES = {"tree", "pool", "host-pool", "controller", "scheduler", "model", "pd"}
+
+
+def _fact_store_without_kv_cache(ev: Evidence, facts: FactSet,
+                                 mechs: Sequence[MechanismHit]) -> None:
+    """A storage system failed, and nothing in the inputs shows a KV cache or a serving engine
+    (the store may serve anything)."""
+    stores = [h for h in mechs if h.role == "storage"]
+    if not stores or any(h.role in _SERVING_ROLES or h.component in (
+            "storage.lmcache", "storage.hicache", "storage.package") for h in mechs):
+        return
+    texts: list[str] = list(ev.kv.store)
+    for r in ev.all_ranks():
+        texts += list(r.sites)
+        texts += [fl.text for fl in r.failure_lines.values()]
+        texts += [t for t, _ in r.errors]
+        texts += [f.file for e in r.exceptions for f in e.frames[:40]]
+        texts += [f.file for t in r.threads for f in t.frames[:40]]
+        texts += [h.text for stats in r.hits.values() for h in stats.kept]
+    if any(_SERVING.search(t) for t in texts[:4000]):
+        return
+    w = stores[0].witness
+    facts.add(Fact.STORE_WITHOUT_KV_CACHE, Witness(
+        f"{stores[0].component} failed; nothing in the inputs shows a KV cache or a serving "
+        "engine using it", w.file, w.line, w.rank))
 
 
 def _fact_no_failure(ev: Evidence, facts: FactSet, mechs: Sequence[MechanismHit] = ()) -> None:
