@@ -43,6 +43,8 @@ def _handles_errors(fn: F) -> F:
 
         try:
             return fn(*args, **kwargs)
+        except BrokenPipeError:
+            _closed_pipe()
         except HiCacheError as exc:
             render.error(_one_line(str(exc)), _one_line(exc.hint))
             raise typer.Exit(EXIT_USAGE) from None
@@ -60,6 +62,21 @@ def _handles_errors(fn: F) -> F:
             raise typer.Exit(128 + signum) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _closed_pipe() -> None:
+    """The reader went away (``hicache ... | head``): end quietly, with the status a process
+    killed by SIGPIPE has (128 + 13), whatever the command would have returned; nothing more
+    is written, not even at exit when Python flushes stdout."""
+    import os
+    import signal
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except OSError:
+        pass
+    raise typer.Exit(128 + signal.SIGPIPE)
 
 
 def _one_line(text: str) -> str:
@@ -903,8 +920,15 @@ def capture(
 def main(argv: list[str] | None = None) -> None:
     """The ``hicache`` entry point. Usage errors (an unknown option, ``--tp abc``) are one line
     on stderr and exit 2, like every other user error; not click's usage box."""
+    import render  # noqa: F401 - its consoles, the help's included, end quietly on a closed pipe
+
     try:
         code = app(args=argv, standalone_mode=False)
+    except BrokenPipeError:  # while click itself wrote (help, usage)
+        try:
+            _closed_pipe()
+        except typer.Exit as done:
+            sys.exit(done.exit_code)
     except typer.Abort:
         print("error: aborted", file=sys.stderr)
         sys.exit(EXIT_UNHEALTHY)

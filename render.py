@@ -8,6 +8,7 @@ prints except ``cli.py``'s plain ``--json`` output. Width and colour follow the 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.markup import escape as _markup_escape
 from rich.measure import Measurement
 from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -34,6 +36,37 @@ STYLE_KEY = "cyan"
 
 OUTCOME_STYLE = {"healthy": STYLE_OK, "crash": STYLE_BAD, "hang": STYLE_BAD,
                  "wrong-output": STYLE_BAD}
+
+
+#: Terminal control sequences and control characters: CSI (colours, clear screen, cursor
+#: moves), OSC (window titles, OSC 8 hyperlinks) and other escapes, and C0/C1 controls other
+#: than tab and newline. A log line or a file name carries them as easily as text.
+_CONTROL = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]?|\x1b\][^\x07\x1b]{0,4096}(?:\x07|\x1b\\)?|"
+                      r"\x1b[@-Z\\-_]?|\x9b[0-?]*[ -/]*[@-~]?|[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _closed_pipe(self: Console) -> None:
+    """What every console (ours and the help's) does when its reader went away (``hicache ...
+    | head``): stop writing and end with the status of a process killed by SIGPIPE (128 + 13),
+    the shell's convention; rich's own default exits 1, which here means "no signature fits"."""
+    import signal
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except OSError:
+        pass
+    raise SystemExit(128 + signal.SIGPIPE)
+
+
+Console.on_broken_pipe = _closed_pipe  # type: ignore[method-assign]
+
+
+def esc(text: object) -> str:
+    """Text from outside (errors, log lines, paths, user input) as data: terminal control
+    sequences removed and rich markup escaped. Every such text reaches the terminal through
+    here."""
+    return _markup_escape(_CONTROL.sub("", str(text)))
 
 
 #: Width of output that does not go to a terminal (a pipe, a file, CI logs) and has no
@@ -112,19 +145,20 @@ def _fit(con: Console, table: Table, mins: dict[str, int]) -> Table:
 
 
 def error(message: str, hint: str = "") -> None:
-    """One line on stderr (plus a hint line): how user errors are shown."""
+    """One line on stderr (plus a hint line): how user errors are shown. Both are plain text
+    (they quote what the user typed): never markup."""
     con = console(stderr=True)
-    con.print(f"[{STYLE_BAD}]error:[/] {message}", soft_wrap=True)
+    con.print(f"[{STYLE_BAD}]error:[/] {esc(message)}", soft_wrap=True)
     if hint:
-        con.print(f"[{STYLE_DIM}]hint:[/] {hint}", soft_wrap=True)
+        con.print(f"[{STYLE_DIM}]hint:[/] {esc(hint)}", soft_wrap=True)
 
 
 def warn(message: str) -> None:
-    console(stderr=True).print(f"[{STYLE_WARN}]warning:[/] {message}")
+    console(stderr=True).print(f"[{STYLE_WARN}]warning:[/] {esc(message)}", soft_wrap=True)
 
 
 def info(message: str) -> None:
-    console().print(message)
+    console().print(esc(message), soft_wrap=True)
 
 
 @contextmanager
@@ -156,7 +190,7 @@ def run_summary(s: RunSummary) -> None:
              False: f"[{STYLE_BAD}]{len(s.mismatches)} request(s) differ[/]",
              None: f"[{STYLE_DIM}]not compared[/]"}[s.output_match]
     rows: list[tuple[str, str]] = [
-        ("outcome", f"[{style}]{s.outcome.value}[/]"),
+        ("outcome", f"[{style}]{esc(s.outcome.value)}[/]"),
         ("topology", f"tp={s.topology.get('tp', 1)} pp={s.topology.get('pp', 1)}"),
         ("requests", f"{s.completed} completed, {s.aborted} aborted of {s.requests}"),
         ("outputs", match),
@@ -167,26 +201,26 @@ def run_summary(s: RunSummary) -> None:
                                        if s.reference_wall_s else "")),
     ]
     if s.legacy:
-        rows.append(("legacy", ", ".join(s.legacy)))
+        rows.append(("legacy", esc(", ".join(s.legacy))))
     if s.faults:
-        rows.append(("faults", f"{', '.join(s.faults)} (fired {s.faults_fired}x)"))
+        rows.append(("faults", f"{esc(', '.join(s.faults))} (fired {s.faults_fired}x)"))
     if s.error:
-        rows.append(("error", f"[{STYLE_BAD}]{s.error}[/]"))
+        rows.append(("error", f"[{STYLE_BAD}]{esc(s.error)}[/]"))
     if s.bundle:
-        rows.append(("bundle", s.bundle))
+        rows.append(("bundle", esc(s.bundle)))
     for k, v in rows:
         table.add_row(k, v)
     con.print(Panel(table, title="hicache run", expand=False))
     for m in s.mismatches[:5]:
-        con.print(f"  [{STYLE_BAD}]{m.rid}[/] first differs at token {m.index}: "
-                  f"expected {m.expected[:8]} got {m.got[:8]} {m.note}")
+        con.print(f"  [{STYLE_BAD}]{esc(m.rid)}[/] first differs at token {m.index}: "
+                  f"expected {esc(m.expected[:8])} got {esc(m.got[:8])} {esc(m.note)}",
+                  soft_wrap=True)
 
 
 # === doctor, signatures, capture ============================================================
 # The doctor's human-readable output. Drawn only from doctor.report.model.Diagnosis and the catalog
 # models; the JSON and Markdown forms are produced in doctor/ and printed by cli.py.
 
-from rich.markup import escape as esc  # noqa: E402 - evidence text is data, never markup
 
 SEVERITY_STYLE = {"critical": STYLE_BAD, "high": STYLE_BAD, "medium": STYLE_WARN, "low": STYLE_DIM}
 #: Console width from which the campaign summary shows every column side by side.
@@ -386,7 +420,8 @@ def capture_summary(result: Any) -> None:
     con.print(f"captured {len(ok)} of {len(result.manifest.targets)} rank(s) into "
               f"{esc(str(result.out))}")
     for t in result.manifest.targets:
-        state = f"[{STYLE_BAD}]{esc(t.error)}[/]" if t.error else f"[{STYLE_OK}]ok[/] {t.pyspy}"
+        state = f"[{STYLE_BAD}]{esc(t.error)}[/]" if t.error else \
+            f"[{STYLE_OK}]ok[/] {esc(t.pyspy)}"
         con.print(f"  rank {t.rank} pid {t.pid}: {state}", soft_wrap=True)
     for log in result.manifest.logs:
         con.print(f"  log {esc(log)}")
@@ -456,7 +491,7 @@ def campaign_summary(result: Any) -> None:
     for c in result.cells:
         obs = c.observed + (f" ({c.confidence:.2f})" if c.confidence is not None else "")
         mark = _cell_mark(c)
-        outcome = f"[{OUTCOME_STYLE.get(c.outcome, STYLE_WARN)}]{c.outcome}[/]"
+        outcome = f"[{OUTCOME_STYLE.get(c.outcome, STYLE_WARN)}]{esc(c.outcome)}[/]"
         expect = esc(c.expect.replace("|", " | "))
         if wide:
             row = [esc(c.id), expect, esc(obs), outcome, f"{c.wall_s:.1f}", mark,
@@ -582,7 +617,7 @@ def inject_summary(done: Any) -> None:
     """``hicache inject``: how the run ended and what the doctor names (a ``DiagnosedRun``)."""
     con = console()
     style = OUTCOME_STYLE.get(done.outcome, STYLE_WARN)
-    con.print(f"outcome [{style}]{done.outcome}[/]"
+    con.print(f"outcome [{style}]{esc(done.outcome)}[/]"
               + ("" if done.output_match is None else
                  f", outputs {'identical to' if done.output_match else 'differ from'} the "
                  "cache-disabled run") + f"; {done.faults_fired} fault firing(s)")

@@ -514,3 +514,59 @@ def test_readme_inject_example_ends_named(tmp_path: Path) -> None:
     out = json.loads(res.stdout)
     assert out["outcome"] != "healthy"
     assert out["signature"], out
+
+
+# --- text from outside on a terminal --------------------------------------------------------
+
+#: What a gloo error, a log line, a file name or a user's argument may carry: rich markup (a
+#: closing tag rich cannot match raises), terminal escapes (OSC 8 links, clear screen, colours,
+#: a window title), C1 controls and a very long token.
+HOSTILE = ["[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534]",
+           "rid=[bold]x[/bold] [/x]", "\x1b]8;;https://evil.example/\x1b\\link\x1b]8;;\x1b\\",
+           "\x1b[2J\x1b[H\x1b[31mred", "\x1b]0;title\x07", "a\x9bb\x07c\x00d", "t" * 5000]
+
+
+def _no_escapes(out: str) -> None:
+    assert "\x1b" not in out
+    assert not any(ord(c) < 32 and c not in "\n\t" for c in out)
+    assert not any(0x7f <= ord(c) <= 0x9f for c in out)
+
+
+def test_hostile_text_reaches_every_renderer_as_data(capsys: pytest.CaptureFixture[str]) -> None:
+    from hicache_runtime.contracts.bundle import RunOutcome
+    from hicache_runtime.launch.run import CachedTokens, Mismatch, RunSummary
+
+    text = " ".join(HOSTILE)
+    render.error(text, hint=text)
+    render.warn(text)
+    render.info(text)
+    summary = RunSummary(
+        outcome=RunOutcome.HANG, requests=4, completed=1, aborted=0, output_match=False,
+        cached_tokens=CachedTokens(device=1, host=2, storage=3), steps=9, wall_s=1.0,
+        topology={"tp": 2, "pp": 1}, legacy=[HOSTILE[1]], faults=[f"dma-lag:ms=1,rid={text}"],
+        bundle=HOSTILE[0], error=f"RuntimeError: {text}",
+        mismatches=[Mismatch(rid=HOSTILE[1], index=3, expected=[1, 2], got=[3],
+                             note=HOSTILE[2])])
+    render.run_summary(summary)
+    d = diagnose([str(SIGNATURE_CASE)])
+    d.summary = text
+    d.observations = [text]
+    d.problems = [text]
+    for v in d.verdicts:
+        v.title = v.root_cause = text
+        for e in v.evidence:
+            e.text, e.file = text, HOSTILE[0]
+    for r in d.ranks:
+        r.error, r.frame, r.site = text, HOSTILE[1], HOSTILE[2]
+    render.doctor_report(d, verbose=True)
+    res = _campaign_result()
+    res.cells[0].detail = text
+    res.cells[1].detail = text
+    res.cells[1].outcome = HOSTILE[1]
+    render.campaign_summary(res)
+    out, err = capsys.readouterr()
+    for stream in (out, err):
+        _no_escapes(stream)
+    # shown as the text it is: the markup brackets and the gloo prefix are still there
+    assert "[/__w/pytorch/pytorch/third_party/gloo" in out
+    assert "rid=[bold]x[/bold]" in err

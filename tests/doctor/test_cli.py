@@ -157,3 +157,24 @@ def test_capture_without_targets_is_bad_usage(runner: CliRunner) -> None:
     res = runner.invoke(app, ["capture", "--tree", "999999999"])
     assert res.exit_code == 2
     assert "no process" in res.output
+
+
+@pytest.mark.parametrize("args", [["doctor", MIXED], ["doctor", MIXED, "--json"],
+                                  ["--help"], ["faults", "list"], ["trace", "schema"]])
+def test_a_closed_pipe_ends_quietly_with_sigpipes_status(args: list[str]) -> None:
+    """``hicache ... | head``: the reader went away before anything was written. No message,
+    and 128 + SIGPIPE: not 1, which from the doctor means "no signature fits"."""
+    import signal
+    import subprocess
+    import sys
+
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        proc = subprocess.run([sys.executable, "-c", "import cli; cli.main()", *args],
+                              stdout=w, stderr=subprocess.PIPE, cwd=REPO, timeout=120,
+                              check=False)
+    finally:
+        os.close(w)
+    assert proc.returncode == 128 + signal.SIGPIPE, proc.stderr.decode()[-2000:]
+    assert proc.stderr == b""
