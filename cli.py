@@ -625,10 +625,14 @@ def doctor(
     found, a device).
     """
     from doctor.diagnose import diagnose
+    from doctor.read.incidents import split_incidents
     from doctor.report.markdown import diagnosis_markdown
 
     if json_out and markdown:
         raise ConfigError("doctor", "choose one of --json and --markdown")
+    incidents = split_incidents(inputs)
+    if len(incidents) > 1:
+        _several_incidents(incidents, json_out, markdown, out)
     diag = diagnose(inputs)
     text = diag.model_dump_json(indent=2) if json_out else (
         diagnosis_markdown(diag) if markdown else None)
@@ -646,6 +650,34 @@ def doctor(
 
         render.doctor_report(diag, verbose=verbose)
     raise typer.Exit(diag.exit_code)
+
+
+def _several_incidents(incidents: list[Any], json_out: bool, markdown: bool,
+                       out: Path | None) -> None:
+    """Inputs that hold several bundles: one diagnosis per incident, newest first."""
+    from doctor.diagnose import diagnose
+    from doctor.report.markdown import diagnosis_markdown
+    from doctor.report.model import Incident, Incidents
+
+    result = Incidents(incidents=[Incident(bundle=i.bundle, created_at=i.created_at,
+                                           diagnosis=diagnose(i.paths)) for i in incidents])
+    if json_out or (out is not None and not markdown):
+        text: str | None = result.model_dump_json(indent=2)
+    elif markdown:
+        text = "\n\n".join(
+            f"# Incident {n}: {i.bundle or 'other inputs'}\n\n" + diagnosis_markdown(i.diagnosis)
+            for n, i in enumerate(result.incidents, 1))
+    else:
+        text = None
+    if out is not None and text is not None:
+        out.write_text(text, encoding="utf-8")
+    elif text is not None:
+        print(text)
+    else:
+        import render
+
+        render.incident_list(result)
+    raise typer.Exit(result.exit_code)
 
 
 @signatures_app.command("list")

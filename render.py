@@ -276,6 +276,33 @@ def doctor_report(d: Any, verbose: bool = False) -> None:
             con.print(f"  {esc(line)}", soft_wrap=True)
 
 
+def incident_list(result: Any) -> None:
+    """Several incidents (a folder of bundles): one row each, newest first."""
+    con = console()
+    table = Table(title=f"{len(result.incidents)} incidents, newest first",
+                  title_justify="left")
+    _short(table, "#", justify="right")
+    _long(table, "bundle")
+    _short(table, "written")
+    _short(table, "outcome")
+    _long(table, "verdict")
+    for n, inc in enumerate(result.incidents, 1):
+        d = inc.diagnosis
+        name = Path(inc.bundle).name if inc.bundle else "(the other inputs)"
+        if d.verdicts:
+            v = d.verdicts[0]
+            verdict = (f"[{SEVERITY_STYLE.get(v.severity, STYLE_WARN)}]{esc(v.signature)}[/] "
+                       f"({v.confidence:.2f})")
+        else:
+            verdict = f"[{STYLE_DIM}]{esc(d.summary)}[/]"
+        outcome = esc(d.topology.get("outcome") or "-")
+        table.add_row(str(n), esc(name), esc(inc.created_at[:19].replace("T", " ")),
+                      outcome, verdict)
+    con.print(_fit(con, table, {"bundle": 20, "verdict": 24}))
+    con.print(f"[{STYLE_DIM}]one incident's whole report:[/] hicache doctor <bundle>",
+              soft_wrap=True)
+
+
 def _doctor_head(d: Any) -> Table:
     table = Table(show_header=False, box=None, pad_edge=False)
     table.add_column(style=STYLE_KEY, no_wrap=True)

@@ -240,3 +240,32 @@ class Diagnosis(BaseModel):
     inputs: list[InputSummary] = []
     problems: list[str] = []
     rule_log: list[str] = []
+
+
+INCIDENTS_KIND = "hicache-incidents"
+
+
+class Incident(BaseModel):
+    """One incident among several: its bundle (``None`` for the loose inputs), when the bundle
+    was written, and its own diagnosis."""
+
+    bundle: str | None = None
+    created_at: str = ""
+    diagnosis: Diagnosis
+
+
+class Incidents(BaseModel):
+    """What ``hicache doctor`` reports for inputs that hold several bundles: one diagnosis per
+    incident, newest first (added in 1.3). Exit code: 0 when any incident was diagnosed, else 1,
+    2 when nothing could be read at all."""
+
+    schema_version: str = DIAGNOSIS_SCHEMA_VERSION
+    kind: str = INCIDENTS_KIND
+    incidents: list[Incident]
+
+    @property
+    def exit_code(self) -> int:
+        codes = {i.diagnosis.exit_code for i in self.incidents}
+        if EXIT_DIAGNOSED in codes:
+            return EXIT_DIAGNOSED
+        return EXIT_NO_SIGNATURE if EXIT_NO_SIGNATURE in codes else EXIT_UNREADABLE

@@ -178,3 +178,65 @@ def test_a_closed_pipe_ends_quietly_with_sigpipes_status(args: list[str]) -> Non
         os.close(w)
     assert proc.returncode == 128 + signal.SIGPIPE, proc.stderr.decode()[-2000:]
     assert proc.stderr == b""
+
+
+BUNDLES = {  # fixture bundle -> the signature it shows
+    "write-ack-pop-empty/bundle-pp2-local-ack-drain": "write-ack-pop-empty",
+    "tree-invariant-violation/bundle-tp1-integrity": "tree-invariant-violation",
+    "rank-divergence-detected/bundle-tp2-consensus": "rank-divergence-detected",
+}
+
+
+def _bundle_folder(tmp_path: Path) -> Path:
+    """A ``hicache-bundles/`` folder with three runs' bundles written an hour apart, plus a
+    stray log that belongs to none of them."""
+    import shutil
+
+    root = tmp_path / "hicache-bundles"
+    for hour, case in enumerate(BUNDLES):
+        dest = root / f"run-{hour}" / Path(case).name
+        shutil.copytree(FIXTURES / case, dest, ignore=shutil.ignore_patterns("expected.json"))
+        manifest = json.loads((dest / "manifest.json").read_text())
+        manifest["created_at"] = f"2026-11-20T0{hour}:00:00+00:00"
+        (dest / "manifest.json").write_text(json.dumps(manifest))
+    (root / "notes.log").write_text("INFO nothing happened here\n")
+    return root
+
+
+def test_a_folder_of_bundles_is_one_incident_each_newest_first(
+        runner: CliRunner, tmp_path: Path) -> None:
+    root = _bundle_folder(tmp_path)
+    res = runner.invoke(app, ["doctor", str(root), "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["kind"] == "hicache-incidents"
+    incidents = out["incidents"]
+    assert [i["created_at"][:13] for i in incidents[:3]] == [
+        "2026-11-20T02", "2026-11-20T01", "2026-11-20T00"]
+    wanted = list(BUNDLES.values())[::-1]
+    assert [i["diagnosis"]["verdicts"][0]["signature"] for i in incidents[:3]] == wanted
+    for inc in incidents[:3]:  # no incident read another one's ranks
+        assert all(inc["bundle"] in s["path"] for s in inc["diagnosis"]["inputs"]), inc["bundle"]
+    assert incidents[3]["bundle"] is None  # the stray log: an incident of its own
+    assert incidents[3]["diagnosis"]["exit_code"] == 1
+
+    table = runner.invoke(app, ["doctor", str(root)])
+    assert table.exit_code == 0, table.output
+    assert "4 incidents, newest first" in table.output
+    rows = [ln for ln in table.output.splitlines() if re.match(r"\W+[1-4] ", ln)]
+    assert len(rows) == 4, table.output
+    assert "bundle-tp2-consensus" in rows[0]
+
+    md = runner.invoke(app, ["doctor", str(root), "--markdown"])
+    assert md.exit_code == 0
+    assert md.output.count("# Incident ") == 4
+
+
+def test_one_bundle_in_a_folder_is_still_one_diagnosis(runner: CliRunner, tmp_path: Path) -> None:
+    import shutil
+
+    case = next(iter(BUNDLES))
+    shutil.copytree(FIXTURES / case, tmp_path / "b" / "only")
+    res = runner.invoke(app, ["doctor", str(tmp_path / "b"), "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["kind"] != "hicache-incidents"
