@@ -217,8 +217,6 @@ def _seen(ev: Evidence) -> str:
         return f" (wrong output: {ev.mismatches} request(s) differ from the reference)"
     if ev.outcome == RunOutcome.HEALTHY:
         return " (the bundle records a healthy run)"
-    if any(e.short_type == "InjectedFault" for r in ev.all_ranks() for e in r.exceptions):
-        return " (an injected fault)"
     return ""
 
 

@@ -12,9 +12,12 @@ point entirely when nothing targets it on this rank.
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from faults.kinds import KINDS, FaultKind
@@ -37,6 +40,8 @@ class FiredFault:
     step: int
     rid: str | None
     thread: str
+    fatal: bool = False
+    """Its kind is the failure itself (``KindEntry.survivable`` is False)."""
 
     def as_dict(self) -> dict[str, object]:
         return dict(self.__dict__)
@@ -66,6 +71,9 @@ class FaultInjector:
         self._visits: dict[tuple[int, str, str], int] = defaultdict(int)
         self._lock = threading.Lock()
         self.fired: list[FiredFault] = []
+        self.journal: Path | None = None
+        """Where :meth:`write_journal` puts the firings before a fault ends the process with
+        no chance to report them (a rank kill): the launcher reads it for the bundle."""
 
     def armed(self, point: FaultPoint) -> bool:
         """Whether any spec can fire at ``point`` on this rank (checked once, at start-up)."""
@@ -103,12 +111,29 @@ class FaultInjector:
                 self._fired_count[idx] += 1
                 out.append(spec)
                 self.fired.append(FiredFault(spec.compact(), spec.kind.value, point.value,
-                                             self.rank.rank, step, rid, thread))
+                                             self.rank.rank, step, rid, thread,
+                                             fatal=not KINDS[spec.kind].survivable))
         if self.tracer is not None:
             for spec in out:
                 self.tracer.emit(Ev.FAULT, kind=spec.kind.value, point=point.value,
-                                 spec=spec.compact(), rid=rid)
+                                 spec=spec.compact(), rid=rid,
+                                 fatal=not KINDS[spec.kind].survivable)
         return out
+
+    def write_journal(self) -> None:
+        """Write every firing so far to :attr:`journal` (when set), atomically; never raises,
+        the fault about to act matters more than its record."""
+        if self.journal is None:
+            return
+        with self._lock:
+            text = json.dumps([f.as_dict() for f in self.fired])
+        tmp = self.journal.with_name(self.journal.name + ".tmp")
+        try:
+            self.journal.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, self.journal)
+        except OSError:
+            pass
 
     def draw(self, label: str, visit: int) -> float:
         """A seeded uniform number in [0, 1) for value choices inside a fault (e.g. jitter)."""

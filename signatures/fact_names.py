@@ -67,6 +67,8 @@ class Fact(str, Enum):
     """A rank's memory grows at a steady slope across samples."""
     OOM_KILLED = "oom-killed"
     """A rank was killed by SIGKILL (exit code -9), typically the kernel OOM killer."""
+    INJECTED_FAILURE = "injected-failure"
+    """A fault injector made a rank crash, hang or die on purpose (a fatal fault fired)."""
     HOST_CAPACITY_DIFFERS = "host-capacity-differs"
     """Ranks (pipeline stages) run with different host-pool token capacities."""
     EVICTION_DIVERGENCE = "eviction-divergence"

@@ -22,6 +22,7 @@ from doctor.evidence import (
 )
 from doctor.facts.exits import fact_exits, fact_size_abort
 from doctor.facts.factset import FactSet, witness
+from doctor.facts.injected import fact_injected
 from doctor.facts.trace import TRACE_FACTS
 from doctor.ranks.builder import Evidence
 from doctor.ranks.frames import FrameClassifier, startup_phase
@@ -60,6 +61,7 @@ def derive_facts(evidence: Evidence, frames: FrameClassifier, rows: list[RankRow
         lambda: _fact_collectives(findings, facts),
         lambda: fact_exits(evidence, frames, rows, facts),
         lambda: fact_size_abort(evidence, rows, facts),
+        lambda: fact_injected(evidence, facts),
         lambda: _fact_exceptions(evidence, frames, facts),
         lambda: _fact_logs(evidence, facts),
         lambda: _fact_same_collective(evidence, sites, rows, facts),

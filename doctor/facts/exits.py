@@ -9,6 +9,7 @@ timeouts, lost connections and blocked collectives consequences (``peer-exited-f
 from __future__ import annotations
 
 from doctor.facts.factset import FactSet, witness
+from doctor.facts.injected import killed_on_purpose
 from doctor.ranks.builder import Evidence
 from doctor.ranks.exits import describe, killed_without_dump, stopped_after_dump
 from doctor.ranks.frames import FrameClassifier
@@ -22,10 +23,14 @@ def fact_exits(ev: Evidence, frames: FrameClassifier, rows: list[RankRow],
                facts: FactSet) -> None:
     """Kills, fatal signals and the ranks that failed on their own (then their peers)."""
     died: list[int] = []
+    on_purpose = killed_on_purpose(ev)
     for r in ev.ranks.values():
         for x in r.exits:
             if stopped_after_dump(x):
                 continue  # the launcher stopped a rank after collecting its evidence
+            if r.rank in on_purpose and x.signal == "SIGKILL":
+                died.append(r.rank)  # an injected rank-kill (injected-failure says so)
+                continue
             if killed_without_dump(x) or (x.exit_code == -9 and x.dumped is None):
                 facts.add(Fact.OOM_KILLED, witness(f"rank {r.rank} {describe(x)}", x.source,
                                                    r.rank))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from doctor.evidence import InputStatus
 from doctor.facts.factset import FactSet
+from doctor.facts.injected import INJECTED_EXCEPTION, injected_failures
 from doctor.ranks.builder import Evidence
 from doctor.report.model import BlockedSite, CollectiveFinding, Divergence, RankCondition, RankRow
 from hicache_runtime.contracts.bundle import RunOutcome
@@ -126,18 +127,20 @@ def _mismatch(m: dict[str, object]) -> str:
 
 
 def _injected(ev: Evidence) -> list[str]:
-    """Exceptions the fault injector raised on purpose (``--fault crash:...``)."""
-    out: list[str] = []
-    for r in ev.all_ranks():
-        for e in r.exceptions:
-            if e.short_type == "InjectedFault":
-                who = f"Rank {r.rank}" if r.rank >= 0 else "A rank"
-                faults = f" (the run's --fault {', '.join(ev.faults)})" if ev.faults else ""
-                out.append(f"{who} raised an injected fault, {e.text}"
-                           f"{faults}: the test harness made it fail on purpose. This is not a "
-                           "cache protocol bug; whatever the other ranks show follows from it.")
-                return out
-    return out
+    """Failures the fault injector caused on purpose (``--fault crash|hang|rank-kill:...``)."""
+    fired = injected_failures(ev)
+    if fired:
+        what = "; ".join(f.describe() for f in fired[:3])
+    else:
+        what = next((f"rank {r.rank} raised an injected fault, {e.text}" if r.rank >= 0
+                     else f"a rank raised an injected fault, {e.text}"
+                     for r in ev.all_ranks() for e in r.exceptions
+                     if e.short_type == INJECTED_EXCEPTION), "")
+    if not what:
+        return []
+    faults = f" (the run's --fault {', '.join(ev.faults)})" if ev.faults else ""
+    return [f"{what[0].upper()}{what[1:]}{faults}: the test harness made it fail on purpose. "
+            "This is not a cache protocol bug; whatever the other ranks show follows from it."]
 
 
 def _outside_the_catalog(ev: Evidence, facts: FactSet) -> list[str]:

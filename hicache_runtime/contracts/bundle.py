@@ -93,6 +93,9 @@ class FiredFaultRecord(BaseModel):
     step: int
     rid: str | None = None
     thread: str
+    fatal: bool = False
+    """The fault is the failure itself (a crash, a hang, a killed rank: its kind is not
+    survivable): the rank failed on purpose, and what its peers show follows from it."""
 
 
 class CellOrigin(BaseModel):

@@ -46,6 +46,8 @@ RANK_PYSPY = "pyspy.json"
 RANK_PYSPY_ERR = "pyspy.err.txt"
 RANK_TORCH_FR = "torch_fr.pkl"
 RANK_LOG = "log.txt"
+RANK_FAULTS_FIRED = "faults_fired.json"
+"""The faults fired on a rank, written just before a fault ends it with no dump (rank-kill)."""
 RANK_STORAGE_CLIENT_LOG = "storage-client.log"
 """The L3 client library's own log lines (a backend that keeps them, e.g. Mooncake's glog)."""
 

@@ -79,6 +79,7 @@ def act_at(faults: FaultInjector | None, point: FaultPoint, step: int, tokens: i
         elif spec.kind is FaultKind.HANG:
             threading.Event().wait()
         elif spec.kind is FaultKind.RANK_KILL:
+            faults.write_journal()  # a killed rank reports nothing else of what fired
             os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -35,6 +35,7 @@ from hicache_runtime.contracts.rank_result import read_rank_result
 from hicache_runtime.contracts.run_files import (
     RANK_DIRS,
     RANK_ENTRY,
+    RANK_FAULTS_FIRED,
     RANK_LOG,
     RANK_STATE,
     RunDir,
@@ -86,9 +87,10 @@ def write_run_bundle(run_dir: Path, cfg: RuntimeConfig, bundle_root: Path | None
         dest = new_bundle_dir(bundle_root, outcome)
         if run.bundle.exists():
             shutil.copytree(run.bundle, dest, dirs_exist_ok=True)
-    for stale in dest.glob(f"{RANK_DIRS}/{RANK_ENTRY}"):  # folded into the manifest
-        stale.unlink()
     fired = [f for r in exits for f in _fired(run, r)]
+    for name in (RANK_ENTRY, RANK_FAULTS_FIRED):  # folded into the manifest
+        for stale in dest.glob(f"{RANK_DIRS}/{name}"):
+            stale.unlink()
     write_manifest(dest, build_manifest(cfg, outcome, reason, entries, fired,
                                         missing_ranks=missing, mismatches=mismatches))
     return dest
@@ -126,16 +128,25 @@ def _rank_entry(run: RunDir, cfg: RuntimeConfig, ex: RankExit, outcome: RunOutco
 
 
 def _fired(run: RunDir, rank: int) -> list[FiredFaultRecord]:
-    """Faults fired on a rank: from its result, else from its state dump."""
+    """Faults fired on a rank: from its result, else from its state dump, else from the
+    journal a fault that killed it left (see ``FaultInjector.write_journal``)."""
     try:
         result = read_rank_result(run.result(rank))
     except DumpFormatError:
         result = None
     if result is not None:
         return list(result.faults_fired)
-    try:
-        state = json.loads((run.rank_bundle(rank) / RANK_STATE).read_text())
-    except (OSError, ValueError):
-        return []
-    fired = state.get("faults_fired", []) if isinstance(state, dict) else []
-    return [FiredFaultRecord(**f) for f in fired]
+    for name, key in ((RANK_STATE, "faults_fired"), (RANK_FAULTS_FIRED, None)):
+        path = run.rank_bundle(rank) / name
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        fired = data.get(key, []) if key and isinstance(data, dict) else data
+        try:
+            out = [FiredFaultRecord.model_validate(f) for f in fired] \
+                if isinstance(fired, list) else []
+        except ValueError:  # pydantic's ValidationError included: a record cut short
+            continue
+        return out
+    return []

@@ -50,6 +50,7 @@ from hicache_runtime.contracts.outcome import EXIT_OK, CommTimeouts, classify, e
 from hicache_runtime.contracts.rank_result import write_rank_result
 from hicache_runtime.contracts.run_files import (
     RANK_ENTRY,
+    RANK_FAULTS_FIRED,
     RANK_TORCH_FR,
     RANK_TRACEBACK,
     RunDir,
@@ -175,6 +176,8 @@ def run_rank(run_dir: Path, rank: RankInfo, cfg: RuntimeConfig) -> int:
                            cfg.observability.pending_send_limit)
     rt = build_rank(cfg, rank, sync=sync, tp=TPComm(groups.tp_compute), tracer=tracer)
     dumper = RankDumper(run_dir, rt)
+    if rt.faults is not None:
+        rt.faults.journal = RunDir(run_dir).rank_bundle(rank.rank) / RANK_FAULTS_FIRED
     consensus = None
     if cfg.observability.consensus_check:
         consensus = ConsensusChecker(groups.consensus, tracer).start()

@@ -36,6 +36,7 @@ from hicache_runtime.contracts.bundle import (
     FiredFaultRecord,
     RankEntry,
     RunOutcome,
+    load_manifest,
     new_bundle_dir,
     write_manifest,
 )
@@ -548,12 +549,24 @@ def _summary(cfg: RuntimeConfig, outcome: RunOutcome, error: str | None, bundle:
         steps=steps, wall_s=round(wall, 3),
         topology={"tp": t.tp, "pp": t.pp, **({"dp": t.dp} if t.dp > 1 else {})},
         legacy=sorted(s.value for s in cfg.legacy), faults=[f.compact() for f in cfg.faults],
-        faults_fired=sum(len(x.faults_fired) for x in results.values()),
+        faults_fired=_fired_count(results, bundle),
         bundle=str(bundle) if bundle else None,
         error=error or (errors[0] if errors else None),
         cache_stats=CacheStats.of({r: results[r].stats if r in results else {}
                                    for r in range(t.grid_size)}),
         leaks=LeakCheck.of({r: x.drain for r, x in results.items()}, t.grid_size))
+
+
+def _fired_count(results: dict[int, RankResult], bundle: Path | None) -> int:
+    """Fault firings on every rank. A rank a fault killed leaves no result; its firings are
+    in the bundle's manifest (from the journal it wrote before dying), which then counts."""
+    reported = sum(len(x.faults_fired) for x in results.values())
+    if bundle is None:
+        return reported
+    try:
+        return max(reported, len(load_manifest(bundle).faults_fired))
+    except (OSError, ValueError):  # ValidationError is a ValueError
+        return reported
 
 
 def _write_bundle(root: Path, cfg: RuntimeConfig, rt: RankRuntime, outcome: RunOutcome,
