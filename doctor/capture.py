@@ -1,7 +1,9 @@
 """``hicache capture``: stacks of every rank of a live job, taken at about the same time.
 
-Targets are explicit pids, every Python process below a pid (``--tree``: a launcher, an SGLang
-server), or the workers of a torchrun agent (``--torchrun``). Rank ids come from each process's
+Targets are explicit pids, the ranks below a pid (``--tree``: a launcher, an SGLang server:
+the Python processes that say they are ranks, by ``RANK`` or an SGLang scheduler's title, else
+every Python process; never the run's helpers, such as the rank zygote), or the workers of a
+torchrun agent (``--torchrun``). Rank ids come from each process's
 ``RANK`` environment variable, else from its SGLang process title (``sglang::scheduler_TP1``),
 else from their order. All ``py-spy dump --json`` calls start together (one thread each, a
 timeout each), so the dumps show one moment of the job. Given log files are copied (their last
@@ -35,7 +37,12 @@ from hicache_runtime.contracts.bundle import now_iso
 from hicache_runtime.contracts.errors import ConfigError, ToolUnavailable
 from hicache_runtime.contracts.pyspy import dump as pyspy_dump
 from hicache_runtime.contracts.pyspy import find_pyspy
-from hicache_runtime.contracts.run_files import RANK_PYSPY, in_bundle, rank_dir_name
+from hicache_runtime.contracts.run_files import (
+    HELPER_PROCESS_ENV,
+    RANK_PYSPY,
+    in_bundle,
+    rank_dir_name,
+)
 
 PERMISSION_HINT = (
     "py-spy must be allowed to ptrace the ranks: run the capture as root (sudo -E hicache "
@@ -81,9 +88,17 @@ def find_targets(pids: list[int], tree: int | None, torchrun: int | None) -> lis
             continue
         if not _alive(root):
             raise ConfigError("capture", f"no process with pid {root}")
-        below = [p for p in _descendants(root) if _is_python(p)]
-        if root == torchrun:
-            below = [p for p in below if "RANK" in _environ(p)] or below
+        python = [p for p in _descendants(root) if _is_python(p)]
+        helpers = [p for p in python if _environ(p).get(HELPER_PROCESS_ENV)]
+        below = [p for p in python if p not in helpers]
+        # ranks say who they are (RANK, an SGLang scheduler's title); when some do, the rest
+        # (a tokenizer, a detokenizer, a data loader) are not ranks of the job
+        below = [p for p in below if _is_rank(p)] or below
+        if not below and helpers:
+            raise ConfigError(
+                "capture", f"no ranks below pid {root} yet, only the run's helper processes "
+                f"({', '.join(f'{_environ(p)[HELPER_PROCESS_ENV]} pid {p}' for p in helpers)})",
+                hint="the job is still starting its ranks: capture again in a moment")
         chosen += below or [root]
     if not chosen:
         raise ConfigError("capture", "nothing to capture",
@@ -217,6 +232,10 @@ def _ptrace_scope() -> str:
     except OSError:
         return ""
     return f" (kernel.yama.ptrace_scope is {value} here)"
+
+
+def _is_rank(pid: int) -> bool:
+    return "RANK" in _environ(pid) or bool(_TITLE.search(_cmdline(pid)))
 
 
 def _describe(pid: int) -> Target:

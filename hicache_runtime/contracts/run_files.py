@@ -52,6 +52,10 @@ RANK_STORAGE_CLIENT_LOG = "storage-client.log"
 """The L3 client library's own log lines (a backend that keeps them, e.g. Mooncake's glog)."""
 
 
+HELPER_PROCESS_ENV = "HICACHE_HELPER"
+"""Set (to the helper's name) in the environment of a run's processes that are not ranks (the
+rank zygote): ``hicache capture --tree`` leaves them out."""
+
 RANK_DIRS = "rank*"
 """Glob of the rank folders in a bundle."""
 

@@ -49,6 +49,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hicache_runtime.contracts.run_files import HELPER_PROCESS_ENV
+
 _MAX_MESSAGE = 1 << 20
 _MAX_FDS = 16
 _PR_SET_PDEATHSIG = 1
@@ -105,12 +107,13 @@ class Zygote:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # Room for each rank to show its own command line and environment (see _retitle).
         env_bytes = sum(len(k) + len(v) + 2 for k, v in os.environ.items())
-        env = {**os.environ, "PYTHONUNBUFFERED": "1",
-               _PAD_VAR: "-" * max(_MIN_PAD, 2 * env_bytes)}
+        # spaces, not a visible filler: ``ps`` shows the zygote's whole command line
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", HELPER_PROCESS_ENV: "zygote",
+               _PAD_VAR: " " * max(_MIN_PAD, 2 * env_bytes)}
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "hicache_runtime.launch.zygote", str(theirs.fileno()),
-                 "-" * _MIN_PAD],
+                 " " * _MIN_PAD],
                 pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
                 # out of the terminal's process group: a Ctrl-C reaches the launcher, which
                 # stops the ranks in order, not the zygote (whose death would kill them)

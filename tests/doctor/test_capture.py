@@ -261,3 +261,67 @@ def test_capture_json(job: subprocess.Popen[str], tmp_path: Path) -> None:
     assert out["failures"] == []
     assert [t["rank"] for t in out["manifest"]["targets"]] == [0, 1]
     assert all(t["pyspy"] for t in out["manifest"]["targets"])
+
+
+def _rank_children(pid: int) -> list[int]:
+    from doctor.capture import _descendants, _environ
+
+    return [p for p in _descendants(pid) if "RANK" in _environ(p)]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_capture_a_live_hicache_run_finds_its_ranks_not_the_zygote(tmp_path: Path) -> None:
+    """The README's live capture: ``hicache run --tp 2`` with rank 1 hung, ``hicache capture
+    --tree <its pid>``: two ranks captured (the zygote that forks them is no rank), and the
+    doctor sees a world of two."""
+    hicache = Path(sys.executable).with_name("hicache")
+    run = subprocess.Popen([str(hicache), "run", "--tp", "2", "--requests", "8",
+                            "--fault", "hang:rank=1,point=scheduler.step,step=3",
+                            "--protocol-timeout", "120", "--watchdog-timeout", "120"],
+                           cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_rank_children(run.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(_rank_children(run.pid)) == 2, "the ranks did not start"
+        time.sleep(2)  # rank 1 reaches its hang, rank 0 waits for it in a collective
+        res = CliRunner().invoke(app, ["capture", "--tree", str(run.pid),
+                                       "--out", str(tmp_path / "cap"), "--json"])
+        if "ptrace" in res.output:
+            pytest.skip("py-spy may not ptrace in this environment")
+        assert res.exit_code == 0, res.output
+        manifest = json.loads((tmp_path / "cap" / "capture.json").read_text())
+        assert sorted(t["rank"] for t in manifest["targets"]) == [0, 1]
+        assert not any("zygote" in t["cmdline"] for t in manifest["targets"])
+        d = diagnose([str(tmp_path / "cap")])
+        assert d.topology.get("world_size") == 2, d.topology
+    finally:
+        os.killpg(run.pid, 9)
+        run.wait(timeout=30)
+
+
+def test_helpers_alone_are_no_ranks_yet(tmp_path: Path) -> None:
+    """Captured before the ranks are forked: only the zygote is below the launcher. It is not
+    recorded as "rank 0" (it used to be, and the doctor then saw a healthy world of one)."""
+    from hicache_runtime.contracts.errors import ConfigError
+    from hicache_runtime.contracts.run_files import HELPER_PROCESS_ENV
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f'''
+            import os, subprocess, sys, time
+            env = {{**os.environ, "{HELPER_PROCESS_ENV}": "zygote"}}
+            kid = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                   env=env)
+            print("ready", flush=True)
+            time.sleep(600)
+        ''')], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert parent.stdout is not None
+        assert parent.stdout.readline().strip() == "ready"
+        with pytest.raises(ConfigError, match="only the run's helper processes"):
+            find_targets([], parent.pid, None)
+    finally:
+        os.killpg(parent.pid, 9)
+        parent.wait(timeout=10)
