@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import sys
 from collections.abc import Callable
 from datetime import datetime
@@ -25,7 +26,57 @@ import typer
 
 from hicache_runtime.contracts.errors import ConfigError, HiCacheError, ToolUnavailable
 
+
+class _HelpFormatter(typer._click.HelpFormatter):
+    """Help text wrapped at word boundaries: a hyphenated value (``write_through_selective``,
+    ``round-robin``) or a URL is never cut inside, a description gets the room left of the
+    terminal (``COLUMNS``) after the option names, and a long option name puts its
+    description on the next line. Paragraphs of a docstring are re-flowed; a paragraph that
+    starts with a ``\\b`` line is kept as written."""
+
+    def write_text(self, text: str) -> None:
+        self.write(_wrap(text, self.width, " " * self.current_indent) + "\n")
+
+    def write_dl(self, rows: Any, col_max: int = 30, col_spacing: int = 2) -> None:
+        rows = list(rows)
+        names = max((len(first) for first, _ in rows), default=0)
+        first_col = min(names, col_max) + col_spacing
+        width = max(self.width, first_col + self.current_indent + 24)
+        for first, second in rows:
+            # click shows a default given as text in parentheses: "[default: (1)]"
+            second = re.sub(r"\[default: \((.*)\)\]", r"[default: \1]", second)
+            pad = " " * self.current_indent
+            if not second:
+                self.write(f"{pad}{first}\n")
+                continue
+            body = _wrap(second, width, " " * (first_col + self.current_indent)).lstrip()
+            if len(first) <= first_col - col_spacing:
+                self.write(f"{pad}{first:<{first_col}}{body}\n")
+            else:
+                self.write(f"{pad}{first}\n{' ' * (first_col + self.current_indent)}{body}\n")
+
+
+def _wrap(text: str, width: int, indent: str) -> str:
+    """Paragraphs of ``text`` filled to ``width`` (counting ``indent``) at word boundaries."""
+    import textwrap
+
+    out = []
+    for par in re.split(r"\n\s*\n", text.strip("\n")):
+        lines = par.splitlines()
+        if lines and lines[0].strip() == "\b":
+            out.append("\n".join(indent + ln for ln in lines[1:]))
+            continue
+        out.append(textwrap.fill(" ".join(ln.strip() for ln in lines), width=width,
+                                 initial_indent=indent, subsequent_indent=indent,
+                                 break_on_hyphens=False, break_long_words=False))
+    return "\n\n".join(out)
+
+
+# Plain help, not rich's panels: at 80 columns the panels left a description ~19 characters
+# and cut option names; the formatter above wraps at words and honours COLUMNS.
+typer._click.Context.formatter_class = _HelpFormatter
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  rich_markup_mode=None, context_settings={"max_content_width": 200},
                   help="Run, break and diagnose a hierarchical KV cache (SGLang HiCache).")
 trace_app = typer.Typer(no_args_is_help=True, help="Export traces; print the bundle schema.")
 app.add_typer(trace_app, name="trace")
@@ -80,11 +131,9 @@ def _closed_pipe() -> None:
 
 
 def _one_line(text: str) -> str:
-    """An error message as shown: one line, and never rich markup (it may quote file names
-    and values from files, which may hold brackets)."""
-    import render
-
-    return render.esc(" ".join(text.split()))
+    """An error message as shown: one line (``render.error`` escapes it: it may quote file
+    names and values from files, which may hold brackets)."""
+    return " ".join(text.split())
 
 
 def _require_runtime(command: str) -> None:
@@ -148,7 +197,7 @@ def _options(
 # --- run ------------------------------------------------------------------------------------
 
 
-@app.command()
+@app.command(short_help="Run the runtime and judge it against a cache-disabled run.")
 @_handles_errors
 def run(
     tp: Annotated[int | None, typer.Option(help="Tensor-parallel ranks.",
@@ -193,7 +242,7 @@ def run(
         show_default="a private per-user directory under $TMPDIR")] = None,
     storage_url: Annotated[str | None, typer.Option(
         help="Redis URL (redis://127.0.0.1:6379/0), or the Mooncake master "
-             "(mooncake://HOST:RPC_PORT?metadata=http://HOST:PORT/metadata; without it "
+             "(mooncake://HOST:RPC_PORT with ?metadata=http://HOST:PORT/metadata; without it "
              "--storage mooncake starts a private store for the run).")] = None,
     storage_optional: Annotated[bool, typer.Option(
         help="Start even if the L3 backend is unreachable (it reconnects later).")] = False,
@@ -328,7 +377,7 @@ def _read_config(path: Path) -> dict[str, Any]:
 # --- campaign, inject -----------------------------------------------------------------------
 
 
-@app.command()
+@app.command(short_help="Run a fault campaign: every cell judged by its expectation.")
 @_handles_errors
 def campaign(
     spec: Annotated[Path | None, typer.Argument(
@@ -407,7 +456,7 @@ def _seeds(text: str) -> list[int]:
     return out
 
 
-@app.command()
+@app.command(short_help="Inject faults and name what they caused; replay, shrink.")
 @_handles_errors
 def inject(
     faults: Annotated[list[str] | None, typer.Argument(
@@ -553,7 +602,7 @@ def _inject_faults(faults: list[str], tp: int | None, pp: int | None,
 # --- trace ----------------------------------------------------------------------------------
 
 
-@trace_app.command("export")
+@trace_app.command("export", short_help="Runtime traces as one Perfetto/Chrome trace.")
 @_handles_errors
 def trace_export(
     traces: Annotated[list[Path], typer.Argument(help="JSONL traces or bundle directories.")],
@@ -581,7 +630,7 @@ def trace_export(
     print(f"wrote {stats.events} events to {out}{skipped} (open in https://ui.perfetto.dev)")
 
 
-@trace_app.command("schema")
+@trace_app.command("schema", short_help="The JSON Schema of crash bundles.")
 @_handles_errors
 def trace_schema(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write to a file.")] = None,
@@ -603,7 +652,7 @@ signatures_app = typer.Typer(no_args_is_help=True,
 app.add_typer(signatures_app, name="signatures")
 
 
-@app.command()
+@app.command(short_help="Name the crash signature behind a dead or hung job.")
 @_handles_errors
 def doctor(
     inputs: Annotated[list[str], typer.Argument(
@@ -700,7 +749,7 @@ def signatures_list(
     render.signature_table(catalog)
 
 
-@signatures_app.command("show")
+@signatures_app.command("show", short_help="One signature: meaning, recognisers, root cause, fix.")
 @_handles_errors
 def signatures_show(
     signature: Annotated[str, typer.Argument(help="Signature id, e.g. write-ack-pop-empty.")],
@@ -716,7 +765,7 @@ def signatures_show(
     render.signature_detail(sig)
 
 
-@signatures_app.command("new")
+@signatures_app.command("new", short_help="Draft a catalog entry from an incident's evidence.")
 @_handles_errors
 def signatures_new(
     source: Annotated[Path, typer.Option("--from", help="A diagnosis written by "
@@ -743,7 +792,7 @@ def signatures_new(
         print(text, end="")
 
 
-@signatures_app.command("sources")
+@signatures_app.command("sources", short_help="What the upstream index was built from.")
 @_handles_errors
 def signatures_sources(
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
@@ -762,7 +811,7 @@ def signatures_sources(
     render.index_sources(rows)
 
 
-@signatures_app.command("schema")
+@signatures_app.command("schema", short_help="JSON Schemas: catalog, diagnosis, capture, campaign.")
 @_handles_errors
 def signatures_schema(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write to a file.")] = None,
@@ -784,11 +833,12 @@ def signatures_schema(
 
 
 faults_app = typer.Typer(no_args_is_help=True,
-                         help="The faults --fault injects: kinds, parameters, selectors, points.")
+                         help="The faults --fault injects: kinds, parameters, selectors, points.",
+                         short_help="Fault kinds, parameters, selectors and points.")
 app.add_typer(faults_app, name="faults")
 
 
-@faults_app.command("list")
+@faults_app.command("list", short_help="Every fault kind: parameters, selectors, points.")
 @_handles_errors
 def faults_list(
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
@@ -815,7 +865,7 @@ def _signature(sig_id: str) -> Any:
         raise ConfigError("signature", str(exc.args[0])) from None
 
 
-@app.command()
+@app.command(short_help="Write runbooks: one per signature, or one for an incident.")
 @_handles_errors
 def runbook(
     signature: Annotated[list[str] | None, typer.Option(
@@ -903,7 +953,7 @@ def _emit_docs(docs: dict[str, str], out: Path | None, html_out: bool, single: b
         print(f"wrote {len(docs)} runbook(s) to {out}")
 
 
-@app.command()
+@app.command(short_help="py-spy dumps of every rank of a live job, taken at once.")
 @_handles_errors
 def capture(
     pid: Annotated[list[int] | None, typer.Option("--pid", help="A rank's pid (repeatable).")]
@@ -961,6 +1011,12 @@ def main(argv: list[str] | None = None) -> None:
             _closed_pipe()
         except typer.Exit as done:
             sys.exit(done.exit_code)
+    except SystemExit as done:
+        # click's own answer to a closed pipe while it printed help or usage: it wraps the
+        # streams so nothing more is written and exits 1, which would read as "unhealthy"
+        if type(sys.stdout).__name__ == "PacifyFlushWrapper":
+            sys.exit(128 + 13)  # 128 + SIGPIPE, as _closed_pipe
+        raise done from None
     except typer.Abort:
         print("error: aborted", file=sys.stderr)
         sys.exit(EXIT_UNHEALTHY)

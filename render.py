@@ -21,6 +21,7 @@ from rich.measure import Measurement
 from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from doctor.evidence import InputStatus
 from doctor.report.model import RankCondition
@@ -70,8 +71,8 @@ def esc(text: object) -> str:
 
 
 #: Width of output that does not go to a terminal (a pipe, a file, CI logs) and has no
-#: ``COLUMNS``: rich would assume 80, which folds the wider tables needlessly.
-PIPE_WIDTH = 100
+#: ``COLUMNS``: the width a reader's terminal or editor most likely has.
+PIPE_WIDTH = 80
 
 
 def _width(stderr: bool) -> int | None:
@@ -144,9 +145,23 @@ def _fit(con: Console, table: Table, mins: dict[str, int]) -> Table:
     return table
 
 
+def para(con: Console, body: str, lead: str = "", indent: int = 0) -> None:
+    """A paragraph of prose (markup; outside text in it already through :func:`esc`), wrapped
+    at word boundaries to the console's width; its continuation lines start under its first
+    word, after ``lead`` (a label or a bullet) and ``indent`` spaces. Only a single token
+    longer than the line is cut. Commands meant to be copied are printed whole instead."""
+    head = Text(" " * indent) + (Text.from_markup(lead) + " " if lead else Text())
+    hang = head.cell_len
+    lines = Text.from_markup(body).wrap(con, max(20, con.width - hang), overflow="fold")
+    for n, line in enumerate(lines):
+        line.rstrip()
+        con.print((head if n == 0 else Text(" " * hang)) + line, soft_wrap=True)
+
+
 def error(message: str, hint: str = "") -> None:
     """One line on stderr (plus a hint line): how user errors are shown. Both are plain text
-    (they quote what the user typed): never markup."""
+    (they quote what the user typed): never markup. Never wrapped: scripts and CI logs grep
+    them, and a terminal wraps them anyway."""
     con = console(stderr=True)
     con.print(f"[{STYLE_BAD}]error:[/] {esc(message)}", soft_wrap=True)
     if hint:
@@ -237,39 +252,38 @@ def doctor_report(d: Any, verbose: bool = False) -> None:
     con = console()
     con.print(Panel(_doctor_head(d), title="hicache doctor", expand=False))
     for o in d.observations:
-        con.print(f"  • {esc(o)}", soft_wrap=True)
+        para(con, esc(o), "•", indent=2)
     if d.ranks:
         con.print(_fit(con, _rank_table(d), {"frame / call site": 16, "error": 14,
                                              "last seq": 12}))
     if d.first_divergence is not None:
         fd = d.first_divergence
         vals = ", ".join(f"rank {r}: {v}" for r, v in sorted(fd.values.items()))
-        con.print(f"[{STYLE_KEY}]first divergent decision[/] {esc(fd.label)} "
-                  f"#{fd.index}: {esc(vals)}", soft_wrap=True)
+        para(con, f"{esc(fd.label)} #{fd.index}: {esc(vals)}",
+             f"[{STYLE_KEY}]first divergent decision[/]")
     for v in d.verdicts[:1]:
         _verdict_detail(con, v)
     for look in getattr(d, "lookalikes", [])[:2]:
-        con.print(f"[{STYLE_KEY}]looks like[/] {esc(look.title)} ({look.score:.2f}): "
-                  f"{esc(look.meaning)}\n    [{STYLE_KEY}]what to do[/] {esc(look.advice)}",
-                  soft_wrap=True)
+        para(con, f"{esc(look.title)} ({look.score:.2f}): {esc(look.meaning)}",
+             f"[{STYLE_KEY}]looks like[/]")
+        para(con, esc(look.advice), f"[{STYLE_KEY}]what to do[/]", indent=4)
         for e in look.evidence[:3]:
             where = f"{e.file}:{e.line}" if e.file and e.line else (e.file or "")
-            con.print(f"    [{STYLE_DIM}]{esc(where)}[/] {esc(e.text)}", soft_wrap=True)
+            para(con, f"[{STYLE_DIM}]{esc(where)}[/] {esc(e.text)}", indent=4)
     if not d.verdicts and d.near_misses:
         con.print(f"[{STYLE_WARN}]not enough evidence to name a signature; closest "
                   "candidates:[/]")
     for n in d.near_misses:
-        con.print(f"[{STYLE_DIM}]similar to[/] {n.signature}, {n.score:.2f}, because "
-                  f"{esc(n.because)}", soft_wrap=True)
+        para(con, f"{n.signature}, {n.score:.2f}, because {esc(n.because)}",
+             f"[{STYLE_DIM}]similar to[/]")
     for m in d.missing:
-        con.print(f"[{STYLE_WARN}]missing:[/] {esc(m.what)}\n    [{STYLE_KEY}]{esc(m.command)}[/]",
-                  soft_wrap=True)
+        para(con, esc(m.what), f"[{STYLE_WARN}]missing:[/]")
+        con.print(f"    [{STYLE_KEY}]{esc(m.command)}[/]", soft_wrap=True)  # copied whole
     for p in d.problems[:20]:
-        con.print(f"[{STYLE_WARN}]input problem:[/] {esc(p)}", soft_wrap=True)
+        para(con, esc(p), f"[{STYLE_WARN}]input problem:[/]")
     for i in d.inputs:
         if i.status != InputStatus.READ:
-            con.print(f"[{STYLE_WARN}]unreadable:[/] {esc(i.path)}: {esc(i.message)}",
-                      soft_wrap=True)
+            para(con, f"{esc(i.path)}: {esc(i.message)}", f"[{STYLE_WARN}]unreadable:[/]")
     if verbose:
         con.print(f"[{STYLE_KEY}]rule log[/]")
         for line in d.rule_log:
@@ -356,15 +370,17 @@ def _verdict_detail(con: Console, v: Any) -> None:
     con.print(f"[{STYLE_KEY}]evidence[/]")
     for e in v.evidence:
         where = f"{e.file}:{e.line}" if e.file and e.line is not None else (e.file or "")
-        con.print(f"  [{STYLE_DIM}]{esc(where)}[/] {esc(e.text)}", soft_wrap=True)
-    con.print(f"[{STYLE_KEY}]root cause[/] {esc(v.root_cause)}", soft_wrap=True)
-    con.print(f"[{STYLE_KEY}]fix[/] " + esc("; ".join(v.upstream_fix)), soft_wrap=True)
+        para(con, f"[{STYLE_DIM}]{esc(where)}[/] {esc(e.text)}", indent=2)
+    para(con, esc(v.root_cause), f"[{STYLE_KEY}]root cause[/]")
+    for fix in v.upstream_fix:  # one each: they are sentences ("...; ...": doubled stops)
+        para(con, esc(fix), f"[{STYLE_KEY}]fix[/]")
     for m in v.mitigations:
         extra = esc(" ".join((*m.flags, *m.env)))
-        con.print(f"[{STYLE_KEY}]mitigate[/] {esc(m.text)}" + (f"  [{STYLE_DIM}]{extra}[/]"
-                                                              if extra else ""), soft_wrap=True)
-    cell = f"; campaign cell {v.campaign_cell}" if v.campaign_cell else ""
-    con.print(f"[{STYLE_KEY}]runbook[/] {v.runbook}{cell}", soft_wrap=True)
+        para(con, esc(m.text) + (f"  [{STYLE_DIM}]{extra}[/]" if extra else ""),
+             f"[{STYLE_KEY}]mitigate[/]")
+    con.print(f"[{STYLE_KEY}]runbook[/] {esc(v.runbook)}", soft_wrap=True)  # a command
+    if v.campaign_cell:
+        con.print(f"[{STYLE_KEY}]campaign cell[/] {esc(v.campaign_cell)}", soft_wrap=True)
 
 
 def signature_table(catalog: Any) -> None:
@@ -429,13 +445,12 @@ def signature_detail(sig: Any) -> None:
         con.print(f"  fact {f.fact.value}  {f.weight:+.2f}")
     for leg in rec.legacy:
         con.print(f"  legacy {leg.switch}  +{leg.weight:.2f}")
-    con.print(f"[{STYLE_KEY}]root cause[/] {esc(' '.join(sig.root_cause.split()))}",
-              soft_wrap=True)
+    para(con, esc(' '.join(sig.root_cause.split())), f"[{STYLE_KEY}]root cause[/]")
     for fix in sig.upstream_fix:
-        con.print(f"[{STYLE_KEY}]fix[/] {esc(fix.ref)}: {esc(fix.summary)}", soft_wrap=True)
+        para(con, f"{esc(fix.ref)}: {esc(fix.summary)}", f"[{STYLE_KEY}]fix[/]")
     for m in sig.mitigations:
-        con.print(f"[{STYLE_KEY}]mitigate[/] {esc(m.text)} {esc(' '.join((*m.flags, *m.env)))}",
-                  soft_wrap=True)
+        para(con, f"{esc(m.text)} {esc(' '.join((*m.flags, *m.env)))}",
+             f"[{STYLE_KEY}]mitigate[/]")
     if sig.campaign:
         con.print(f"[{STYLE_KEY}]campaign cell[/] {esc(sig.campaign.cell)} -> "
                   f"{sig.campaign.expect}")

@@ -143,14 +143,17 @@ def test_tables_fit_the_terminal_with_every_header(width: int, monkeypatch: pyte
         assert word in text, word
 
 
-def test_output_to_a_pipe_is_100_columns_unless_columns_says(
+def test_output_to_a_pipe_is_80_columns_unless_columns_says(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.delenv("TERMINAL_WIDTH", raising=False)
     monkeypatch.delenv("COLUMNS", raising=False)
     render.signature_table(load_catalog())
     text = capsys.readouterr().out
-    assert 80 < max(len(line.rstrip()) for line in text.splitlines()) <= 100
-    _check_tables(text, 100, tables=1)
+    assert 70 < max(len(line.rstrip()) for line in text.splitlines()) <= 80
+    _check_tables(text, 80, tables=1)
+    monkeypatch.setenv("COLUMNS", "132")
+    render.signature_table(load_catalog())
+    assert max(len(line.rstrip()) for line in capsys.readouterr().out.splitlines()) > 80
 
 
 def test_cli_tables_at_80_columns_in_a_pipe() -> None:
@@ -164,6 +167,67 @@ def test_cli_tables_at_80_columns_in_a_pipe() -> None:
         assert boxes, args
         for box in boxes:
             assert all(len(line) <= 80 and line[-1] in "┓┃┩│┘" for line in box), args
+
+
+def _every_command() -> list[list[str]]:
+    """Every command path of the CLI, the bare groups included."""
+    paths: list[list[str]] = [[]]
+    group = typer.main.get_command(app)
+    assert isinstance(group, typer.core.TyperGroup)
+    for name, cmd in group.commands.items():
+        paths.append([name])
+        paths += [[name, sub] for sub in getattr(cmd, "commands", {})]
+    return paths
+
+
+@pytest.mark.parametrize("columns", ["80", "132"])
+def test_help_fits_the_columns_and_wraps_at_words(columns: str) -> None:
+    """Every command's help at COLUMNS (a terminal and a pipe alike): no line wider (a single
+    token longer than the room excepted), no value cut inside a word or at a hyphen, no
+    description truncated with '...', and the docstrings re-flowed, not left ragged."""
+    words: set[str] = set()
+    for path in _every_command():
+        res = runner.invoke(app, [*path, "--help"], env={"COLUMNS": columns})
+        assert res.exit_code == 0, (path, res.output)
+        for line in res.stdout.splitlines():
+            assert len(line) <= int(columns) or " " not in line.strip(), (path, line)
+            assert not re.search(r"\w\.\.\.$", line.rstrip()), (path, line)  # truncated
+            assert not re.search(r"[\w]-$", line.rstrip()), (path, line)  # cut at a hyphen
+        words |= set(res.stdout.split())
+    for whole in ("write_through_selective", "--enable-dynamic-chunking", "round-robin",
+                  "shortest-queue", "page_first_direct"):
+        assert any(whole in w for w in words), whole
+
+
+def test_help_through_a_real_pipe_is_80_columns() -> None:
+    env = {k: v for k, v in __import__("os").environ.items()
+           if k not in ("TERMINAL_WIDTH", "COLUMNS")}
+    proc = subprocess.run([sys.executable, str(ROOT / "cli.py"), "run", "--help"], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert max(len(line) for line in proc.stdout.splitlines()) <= 80
+    assert "write_through_selective" in proc.stdout
+
+
+def test_report_prose_wraps_at_words_under_the_first_word(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Observations, evidence, root cause and mitigations at 80 columns: lines fit, words stay
+    whole, continuation lines hang under the text (not under the label)."""
+    monkeypatch.delenv("TERMINAL_WIDTH", raising=False)
+    monkeypatch.setenv("COLUMNS", "80")
+    d = diagnose([str(RANK_CASE)])
+    render.doctor_report(d)
+    text = capsys.readouterr().out
+    prose = [ln for ln in text.splitlines() if ln and ln[0] not in "╭│╰┏┃┡└┗━"]
+    assert prose
+    for line in prose:
+        assert len(line) <= 80 or " " not in line.strip(" •"), line
+    words = set(" ".join(d.observations).split())
+    assert words <= set(text.split()), words - set(text.split())
+    lines = text.splitlines()
+    for i, line in enumerate(lines[1:], 1):
+        if lines[i - 1].startswith("mitigate ") and not line.startswith(("mitigate", "runbook")):
+            assert line.startswith(" " * len("mitigate ")), line
 
 
 # --- Markdown ---------------------------------------------------------------------------------
@@ -408,7 +472,7 @@ def test_help_shows_the_config_defaults() -> None:
     assert run["write_policy"].show_default == cfg.cache.write_policy.value
     assert run["protocol_timeout"].show_default == str(cfg.observability.protocol_timeout_s)
     res = runner.invoke(app, ["run", "--help"], env={"COLUMNS": "200"})
-    assert f"[default: ({cfg.workload.requests})]" in res.stdout
+    assert f"[default: {cfg.workload.requests}]" in res.stdout
 
 
 def test_faults_list_matches_what_the_parser_accepts() -> None:
