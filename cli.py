@@ -286,31 +286,37 @@ def run(
     from hicache_runtime.contracts.legacy import parse_legacy
 
     data: dict[str, Any] = _read_config(config) if config else {}
-    overrides = {
-        "topology.tp": tp, "topology.pp": pp, "topology.dp": dp,
-        "topology.dp_policy": dp_policy, "workload.requests": requests,
-        "workload.kind": workload, "seed": seed,
-        "cache.device_tokens": device_tokens, "cache.host_tokens": host_tokens,
-        "cache.page_size": page_size, "cache.write_policy": write_policy,
-        "cache.mem_layout": mem_layout,
-        "workload.max_new_tokens": max_new_tokens, "observability.trace_path": trace,
-        "observability.bundle_dir": bundle_dir,
-        "observability.watchdog_timeout_s": watchdog_timeout, "storage.backend": storage,
-        "storage.path": storage_path, "storage.url": storage_url,
-        "storage.prefetch_policy": prefetch_policy,
-        "model.sidecars": tuple(p.strip() for p in sidecar_pools.split(",") if p.strip())
-        if sidecar_pools else None,
-        "storage.required": False if storage_optional else None,
-        "observability.protocol_timeout_s": protocol_timeout,
-        "observability.consensus_check": True if consensus_check else None,
-        "scheduler.enable_dynamic_chunking": True if enable_dynamic_chunking else None,
+    given = {  # config key -> (the flag that sets it, its value); errors name the flag
+        "topology.tp": ("--tp", tp), "topology.pp": ("--pp", pp), "topology.dp": ("--dp", dp),
+        "topology.dp_policy": ("--dp-policy", dp_policy),
+        "workload.requests": ("--requests", requests), "workload.kind": ("--workload", workload),
+        "seed": ("--seed", seed), "cache.device_tokens": ("--device-tokens", device_tokens),
+        "cache.host_tokens": ("--host-tokens", host_tokens),
+        "cache.page_size": ("--page-size", page_size),
+        "cache.write_policy": ("--write-policy", write_policy),
+        "cache.mem_layout": ("--mem-layout", mem_layout),
+        "workload.max_new_tokens": ("--max-new-tokens", max_new_tokens),
+        "observability.trace_path": ("--trace", trace),
+        "observability.bundle_dir": ("--bundle-dir", bundle_dir),
+        "observability.watchdog_timeout_s": ("--watchdog-timeout", watchdog_timeout),
+        "storage.backend": ("--storage", storage), "storage.path": ("--storage-path", storage_path),
+        "storage.url": ("--storage-url", storage_url),
+        "storage.prefetch_policy": ("--prefetch-policy", prefetch_policy),
+        "model.sidecars": ("--sidecar-pools", tuple(
+            p.strip() for p in sidecar_pools.split(",") if p.strip()) if sidecar_pools else None),
+        "storage.required": ("--storage-optional", False if storage_optional else None),
+        "observability.protocol_timeout_s": ("--protocol-timeout", protocol_timeout),
+        "observability.consensus_check": ("--consensus-check",
+                                          True if consensus_check else None),
+        "scheduler.enable_dynamic_chunking": ("--enable-dynamic-chunking",
+                                              True if enable_dynamic_chunking else None),
     }
-    data.update({k: v for k, v in overrides.items() if v is not None})
+    data.update({k: v for k, (_, v) in given.items() if v is not None})
     if fault:
         data["faults"] = parse_faults(fault)
     if legacy:
         data["legacy"] = parse_legacy(legacy)
-    cfg = load_config(data)
+    cfg = load_config(data, names={k: f for k, (f, v) in given.items() if v is not None})
     if torchrun_dir is not None:
         # The ranks run on other machines: only their sizes are checked, not this machine.
         from hicache_runtime.config import check_run_limits
@@ -582,12 +588,13 @@ def _inject_faults(faults: list[str], tp: int | None, pp: int | None,
     from hicache_runtime.launch.run import DEFAULT_BUNDLE_ROOT
 
     data: dict[str, Any] = _read_config(config) if config else {}
-    data.update({k: v for k, v in {"topology.tp": tp, "topology.pp": pp, "seed": seed,
-                                   "workload.requests": requests}.items() if v is not None})
+    given = {"topology.tp": ("--tp", tp), "topology.pp": ("--pp", pp), "seed": ("--seed", seed),
+             "workload.requests": ("--requests", requests)}
+    data.update({k: v for k, (_, v) in given.items() if v is not None})
     data["faults"] = parse_faults(faults)
     if legacy:
         data["legacy"] = parse_legacy(legacy)
-    cfg = load_config(data)
+    cfg = load_config(data, names={k: f for k, (f, v) in given.items() if v is not None})
     _check_machine(cfg)
     done = run_and_diagnose(cfg, warm=bool(warm), compare=True,
                             bundle_root=bundle_dir or cfg.observability.bundle_dir

@@ -16,6 +16,7 @@ are ``faults.kinds.KINDS``; validation here reads them from there.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import re
 from collections.abc import Iterable
@@ -131,10 +132,16 @@ MAX_SPEC_CHARS = 1024
 """Longest compact spec: a real one is a few dozen characters; specs come from files too."""
 
 
+SELECTORS = ("rank", "tp", "pp", "rid", "step", "steps", "p", "count")
+"""The keys every kind takes (``step=N`` is short for ``steps=N-N``)."""
+
+
 def parse_fault(text: str) -> FaultSpec:
     """Parse the compact form ``kind[:key=value,...]`` into a :class:`FaultSpec`.
 
-    Raises :class:`InvalidFaultSpec` with the offending part named (quoted, bounded).
+    Raises :class:`InvalidFaultSpec` naming every problem at once, each with the part as the
+    user wrote it (quoted, bounded): an unknown key or value with the nearest valid one, a key
+    given twice, a key with no value; the hint lists the keys the kind takes.
     """
     if not isinstance(text, str):
         raise InvalidFaultSpec(f"a fault spec is a string like 'dma-lag:ms=20', not "
@@ -143,30 +150,72 @@ def parse_fault(text: str) -> FaultSpec:
         raise InvalidFaultSpec(f"{_quote(text)}: a fault spec is at most {MAX_SPEC_CHARS} "
                                "characters")
     head, _, tail = text.strip().partition(":")
-    try:
-        kind = FaultKind(head.strip())
-    except ValueError:
-        known = ", ".join(k.value for k in FaultKind)
-        raise InvalidFaultSpec(
-            f"unknown fault kind {_quote(head.strip())}", hint=f"known kinds: {known}"
-        ) from None
+    kind = _kind(head.strip())
+    keys = (*SELECTORS, *(p.name for p in KINDS[kind].params))
     fields: dict[str, Any] = {"kind": kind}
+    problems: list[str] = []
+    seen: dict[str, str] = {}
     for part in filter(None, (p.strip() for p in tail.split(","))):
         m = _PAIR_RE.match(part)
         if not m:
-            raise InvalidFaultSpec(f"{_quote(text)}: expected key=value, got {_quote(part)}")
+            problems.append(f"expected key=value, got {_quote(part)}")
+            continue
         key, value = m.group(1), m.group(2)
-        if key == "step":
-            key, value = "steps", f"{value}-{value}"
-        if key == "steps":
-            lo, sep, hi = value.partition("-")
-            if not sep or not lo.isdigit() or not hi.isdigit() or len(lo) > 18 or len(hi) > 18:
-                raise InvalidFaultSpec(f"{_quote(text)}: steps must look like 10-20, got "
-                                       f"{_quote(value)}")
+        field = "steps" if key == "step" else key
+        if field in seen:
+            problems.append(f"{_quote(seen[field])} and {_quote(part)} set {field} twice")
+            continue
+        seen[field] = part
+        problem = _pair_problem(kind, keys, key, value)
+        if problem:
+            problems.append(problem)
+        elif key == "step":
+            fields["steps"] = (int(value), int(value))
+        elif key == "steps":
+            lo, _, hi = value.partition("-")
             fields["steps"] = (int(lo), int(hi))
         else:
             fields[key] = value
+    if problems:
+        raise InvalidFaultSpec(f"{_quote(text)}: " + "; ".join(problems),
+                               hint=f"{kind.value} takes {', '.join(keys)} "
+                                    "(hicache faults list says what each means)")
     return _validate(fields, text)
+
+
+def _kind(name: str) -> FaultKind:
+    try:
+        return FaultKind(name)
+    except ValueError:
+        known = [k.value for k in FaultKind]
+        raise InvalidFaultSpec(f"unknown fault kind {_quote(name)}{_nearest(name, known)}",
+                               hint=f"known kinds: {', '.join(known)}") from None
+
+
+def _pair_problem(kind: FaultKind, keys: tuple[str, ...], key: str, value: str) -> str | None:
+    """What is wrong with one ``key=value`` of a ``kind`` spec, before the model sees it."""
+    if key not in keys:
+        return f"{kind.value} has no key {_quote(key)}{_nearest(key, keys)}"
+    if not value:
+        return f"{key}= has no value"
+    if key == "step" and not (value.isdigit() and len(value) <= 18):
+        return f"step= takes one step like 12 (a range is steps=10-20), got {_quote(value)}"
+    if key == "steps":
+        lo, sep, hi = value.partition("-")
+        if not (sep and lo.isdigit() and hi.isdigit() and len(lo) <= 18 and len(hi) <= 18):
+            return f"steps= takes a range like 10-20, got {_quote(value)}"
+    if key == "point":
+        acts = KINDS[kind].param("point").choices
+        if value not in acts:
+            return (f"{kind.value} cannot act at {_quote(value)}{_nearest(value, acts)} "
+                    f"(it acts at {_either(acts)})")
+    return None
+
+
+def _nearest(word: str, valid: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` for the closest valid word, or nothing."""
+    close = difflib.get_close_matches(word, list(valid), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def parse_faults(texts: list[str]) -> list[FaultSpec]:
@@ -209,9 +258,14 @@ def _validate(fields: dict[str, Any], text: str) -> FaultSpec:
     try:
         return FaultSpec.model_validate(fields)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(x) for x in err["loc"]) or "spec"
-        raise InvalidFaultSpec(f"{_quote(text)}: {where}: {err['msg']}") from None
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(x) for x in err["loc"])
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            got = fields.get(str(err["loc"][0])) if err["loc"] else None
+            shown = f"{where}={_quote(str(got), 40)[1:-1]}" if got is not None else where
+            problems.append(f"{shown}: {msg}" if where else msg)
+        raise InvalidFaultSpec(f"{_quote(text)}: " + "; ".join(problems)) from None
 
 
 def _param_problem(spec: FaultSpec) -> str | None:

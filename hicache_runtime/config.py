@@ -11,6 +11,7 @@ import math
 import os
 import re
 import resource
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -326,11 +327,18 @@ class RuntimeConfig(BaseModel):
 _AT_RE = re.compile(r"^@([\w.]+): (.*)$", re.S)
 
 
-def load_config(data: dict[str, Any] | None = None, **top: Any) -> RuntimeConfig:
+MAX_PROBLEMS = 8
+"""The most problems one configuration error lists (a file may hold thousands)."""
+
+
+def load_config(data: dict[str, Any] | None = None, *, names: Mapping[str, str] | None = None,
+                **top: Any) -> RuntimeConfig:
     """Validate loose values into a :class:`RuntimeConfig`.
 
     ``data`` may nest sections (``{"cache": {"page_size": 16}}``) or use dotted keys
-    (``{"cache.page_size": 16}``). Raises :class:`ConfigError` naming the first bad field.
+    (``{"cache.page_size": 16}``). Raises :class:`ConfigError` naming every bad field found
+    (up to :data:`MAX_PROBLEMS`), each as ``names`` calls it (the flag the user typed) or by
+    its dotted key.
     """
     merged: dict[str, Any] = {}
     for key, value in {**(data or {}), **top}.items():
@@ -338,11 +346,20 @@ def load_config(data: dict[str, Any] | None = None, **top: Any) -> RuntimeConfig
     try:
         return RuntimeConfig.model_validate(merged)
     except ValidationError as exc:
-        raise _config_error(exc) from None
+        raise _config_error(exc, names or {}) from None
 
 
-def _config_error(exc: ValidationError) -> ConfigError:
-    err = exc.errors()[0]
+def _config_error(exc: ValidationError, names: Mapping[str, str]) -> ConfigError:
+    problems = [_problem(err) for err in exc.errors()[:MAX_PROBLEMS]]
+    (field, msg), rest = problems[0], problems[1:]
+    more = "".join(f"; {names.get(f, f)}: {m}" for f, m in rest)
+    if exc.error_count() > MAX_PROBLEMS:
+        more += f"; and {exc.error_count() - MAX_PROBLEMS} more"
+    return ConfigError(field, msg + more, shown=names.get(field))
+
+
+def _problem(err: Any) -> tuple[str, str]:
+    """One validation error as (the field's dotted key, what is wrong with it)."""
     field = ".".join(str(p) for p in err["loc"])
     msg = str(err["msg"])
     msg = msg.removeprefix("Value error, ")
@@ -352,7 +369,7 @@ def _config_error(exc: ValidationError) -> ConfigError:
     if "input" in err and err["type"] not in ("value_error", "assertion_error"):
         # The input may be huge (a file's value, aliases expanded): quote a bounded repr.
         msg = f"{msg} (got {short_repr(err['input'])})"
-    return ConfigError(_short_field(field) or "config", msg)
+    return _short_field(field) or "config", msg
 
 
 def _short_field(field: str) -> str:

@@ -59,15 +59,32 @@ def _one_line_error(args: list[str], field: str) -> None:
 
 
 def test_negative_size_is_one_line_exit_2() -> None:
-    _one_line_error(["--device-tokens", "-8"], "cache.device_tokens")
+    _one_line_error(["--device-tokens", "-8"], "--device-tokens")
 
 
 def test_page_size_must_divide_pools() -> None:
-    _one_line_error(["--device-tokens", "100", "--page-size", "8"], "cache.device_tokens")
+    _one_line_error(["--device-tokens", "100", "--page-size", "8"], "--device-tokens")
 
 
 def test_unknown_policy() -> None:
-    _one_line_error(["--write-policy", "sometimes"], "cache.write_policy")
+    _one_line_error(["--write-policy", "sometimes"], "--write-policy")
+
+
+def test_every_bad_flag_is_named_as_typed_at_once(tmp_path: Path) -> None:
+    """Errors name the flags the user typed, all of them in one go; a value from a config
+    file is named by its key in the file."""
+    res = runner.invoke(app, ["run", "--tp", "0", "--pp", "0", "--write-policy", "sometimes"])
+    assert res.exit_code == 2
+    line = res.stderr.splitlines()[0]
+    for flag in ("--tp:", "--pp:", "--write-policy:"):
+        assert flag in line, line
+    assert "topology." not in line
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("topology:\n  pp: 0\n")
+    res = runner.invoke(app, ["run", "--config", str(cfg), "--tp", "0"])
+    line = res.stderr.splitlines()[0]
+    assert "--tp:" in line
+    assert "topology.pp:" in line, line
 
 
 def test_unknown_fault_and_legacy() -> None:

@@ -196,7 +196,7 @@ def test_malformed_storage_urls_are_one_line(url: str) -> None:
     res = CliRunner().invoke(app, ["run", "--storage", "redis", "--storage-url", url])
     assert res.exit_code == 2, res.output
     assert res.exception is None or isinstance(res.exception, SystemExit), res.exception
-    assert res.stderr.splitlines()[0].startswith("error: storage.url: "), res.stderr
+    assert res.stderr.splitlines()[0].startswith("error: --storage-url: "), res.stderr
 
 
 @pytest.mark.parametrize("url", ["redis://127.0.0.1:6379/0", "rediss://user:pw@h:1/2",

@@ -31,10 +31,12 @@ class HiCacheError(Exception):
 
 
 class ConfigError(HiCacheError, ValueError):
-    """A configuration value is invalid. ``field`` names it (dotted path)."""
+    """A configuration value is invalid. ``field`` names it (dotted path); ``shown`` is how the
+    user named it, when that differs (the command-line flag that set it)."""
 
-    def __init__(self, field: str, message: str, *, hint: str = "") -> None:
-        super().__init__(f"{field}: {message}", hint=hint)
+    def __init__(self, field: str, message: str, *, hint: str = "",
+                 shown: str | None = None) -> None:
+        super().__init__(f"{shown or field}: {message}", hint=hint)
         self.field = field
 
 

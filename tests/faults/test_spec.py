@@ -28,7 +28,7 @@ def test_compact_round_trip(text: str) -> None:
 
 @pytest.mark.parametrize(("text", "needle"), [
     ("nope:ms=3", "unknown fault kind"),
-    ("stage-lag:pages=3", "takes no pages"),
+    ("stage-lag:pages=3", "has no key .pages."),
     ("stage-lag:ms=-1", "ms"),
     ("crash", "needs point="),
     ("crash:point=storage.get", "cannot act at"),
@@ -39,6 +39,31 @@ def test_compact_round_trip(text: str) -> None:
 def test_bad_specs_name_the_problem(text: str, needle: str) -> None:
     with pytest.raises(InvalidFaultSpec, match=needle):
         parse_fault(text)
+
+
+@pytest.mark.parametrize(("text", "wanted"), [
+    # the part as typed, never rewritten (step=1-2 used to be echoed as '1-2-1-2')
+    ("crash:point=scheduler.step,step=1-2", ["step= takes one step like 12", "'1-2'"]),
+    ("dma-lag:msx=5", ["has no key 'msx'; did you mean 'ms'?"]),
+    ("dma-lg:ms=5", ["unknown fault kind 'dma-lg'; did you mean 'dma-lag'?"]),
+    ("crash:point=sched.step", ["did you mean 'scheduler.step'?",
+                                "(it acts at scheduler.step, cache.events or model.forward)"]),
+    ("dma-lag:ms=5,ms=6", ["'ms=5' and 'ms=6' set ms twice"]),
+    ("crash:point=cache.events,step=3,steps=1-4", ["set steps twice"]),
+    ("dma-lag:ms=", ["ms= has no value"]),
+    ("dma-lag:rid=,ms=1", ["rid= has no value"]),
+    # every problem at once, each with the value given
+    ("dma-lag:msx=5,count=,rnk=1", ["'msx'", "count= has no value", "did you mean 'rank'?"]),
+    ("dma-lag:ms=abc,p=2", ["p=2: Input should be less than or equal to 1", "ms=abc:"]),
+])
+def test_spec_errors_say_everything_wrong_with_the_part_typed(text: str,
+                                                               wanted: list[str]) -> None:
+    with pytest.raises(InvalidFaultSpec) as info:
+        parse_fault(text)
+    for part in wanted:
+        assert part in str(info.value), str(info.value)
+    if "kind" not in str(info.value) and "=abc" not in text:
+        assert "rank, tp, pp, rid, step, steps, p, count" in info.value.hint
 
 
 def test_several_specs_in_one_string() -> None:
