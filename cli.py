@@ -147,7 +147,8 @@ def _require_runtime(command: str) -> None:
         found = False
     if not found:
         raise ToolUnavailable(f"hicache {command} needs the runtime (torch, redis), which is "
-                              "not installed: pip install 'hicache-doctor[runtime]'")
+                              "not installed: pip install -e '.[runtime]' in the "
+                              "hicache-doctor checkout")
 
 
 def _version() -> str:
@@ -425,10 +426,11 @@ def campaign(
         raise ConfigError("only", f"no cell of campaign {camp.name!r} matches {only!r}",
                           hint="hicache campaign --list shows the cell ids")
     if list_cells:
-        if json_out:
-            print(json.dumps([c.model_dump() for c in cells], indent=2))
+        if json_out:  # each cell with the settings it runs with (campaign defaults + its own)
+            print(json.dumps([{**c.model_dump(), "settings": {**camp.defaults, **c.config}}
+                              for c in cells], indent=2, default=str))
         else:
-            render.campaign_cells(cells)
+            render.campaign_cells(cells, camp.defaults)
         raise typer.Exit(EXIT_OK)
     with render.campaign_progress(len(cells), enabled=not json_out) as hook:
         result = run_campaign(camp, bundle_root=bundle_dir, only=only, seeds=seed_list,

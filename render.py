@@ -593,15 +593,21 @@ def campaign_properties(result: Any) -> None:
                 con.print(f"    bundle {esc(v.bundle)}", soft_wrap=True)
 
 
-def campaign_cells(cells: list[Any]) -> None:
-    table = Table(show_header=True, box=None, pad_edge=False)
-    _long(table, "cell")
-    _long(table, "expect")
-    _short(table, "warm")
-    for c in cells:
-        table.add_row(esc(c.id), esc(c.expect.replace("|", " | ")), "yes" if c.warm else "")
+def campaign_cells(cells: list[Any], defaults: dict[str, Any]) -> None:
+    """``campaign --list``: the settings every cell shares, then each cell (its id whole, to
+    copy into ``--only``), what it must show and what it sets on top."""
     con = console()
-    con.print(_fit(con, table, {"cell": 24, "expect": 16}))
+    shared = ", ".join(f"{k}={v}" for k, v in defaults.items()) or "the runtime's defaults"
+    para(con, f"{len(cells)} cells; each runs with {esc(shared)} unless it sets otherwise",
+         f"[{STYLE_DIM}]campaign[/]")
+    for c in cells:
+        con.print(esc(c.id), soft_wrap=True)
+        extra = ", ".join(f"{k}={v}" for k, v in c.config.items() if defaults.get(k) != v)
+        parts = [f"expect {esc(c.expect.replace('|', ' | '))}",
+                 *(["warm-up run first (fills L3)"] if c.warm else []),
+                 *([f"seed {c.seed}"] if c.seed else []),
+                 *([f"sets {esc(extra)}"] if extra else [])]
+        para(con, "; ".join(parts), indent=4)
 
 
 def replay_summary(r: Any) -> None:

@@ -76,7 +76,8 @@ def pyspy_command() -> list[str]:
     found = find_pyspy()
     if not found:
         raise ToolUnavailable("py-spy is not installed",
-                              hint="pip install 'hicache-doctor[capture]' (or pip install py-spy)")
+                              hint="pip install py-spy (or the capture extra: pip install -e "
+                                   "'.[capture]' in the hicache-doctor checkout)")
     return [found]
 
 

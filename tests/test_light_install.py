@@ -1,4 +1,4 @@
-"""The triage install: ``pip install hicache-doctor`` without the ``runtime`` extra.
+"""The triage install: ``pip install .`` (a checkout) without the ``runtime`` extra.
 
 The doctor, the catalog and runbooks work without torch: their own test modules pass in an
 interpreter where importing torch fails; the runtime commands say in one line how to install
@@ -110,7 +110,7 @@ def test_runtime_commands_say_how_to_install_the_runtime(tmp_path: Path,
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr[-2000:]
     assert f"hicache {args[0]} needs the runtime" in lines[0]
-    assert "pip install 'hicache-doctor[runtime]'" in lines[0]
+    assert "pip install -e '.[runtime]'" in lines[0]
 
 
 _LOADED = """\

@@ -84,7 +84,8 @@ def _shrink_result() -> ShrinkResult:
 
 def _draw_all() -> None:
     render.campaign_summary(_campaign_result())
-    render.campaign_cells(select(load_campaign(None), None, None))
+    camp = load_campaign(None)
+    render.campaign_cells(select(camp, None, None), camp.defaults)
     render.shrink_summary(_shrink_result())
     render.signature_table(load_catalog())
     render.doctor_report(diagnose([str(RANK_CASE)]))

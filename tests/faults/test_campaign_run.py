@@ -108,6 +108,12 @@ def test_cli_campaign_exit_codes(tmp_path: Path) -> None:
     res = runner.invoke(app, ["campaign", "--list"])
     assert res.exit_code == 0
     assert "tp2/skip-empty-sync/host-alloc-fail:tp=1" in res.output
+    # what the README says it shows: pool sizes, timeouts, the L3 warm-up
+    for shown in ("cache.device_tokens=512", "observability.protocol_timeout_s=4.0",
+                  "warm-up run first", "sets storage.backend=file"):
+        assert shown in " ".join(res.output.split()), shown
+    listed = json.loads(runner.invoke(app, ["campaign", "--list", "--json"]).output)
+    assert listed[0]["settings"]["cache.device_tokens"] == 512
 
 
 def test_replay_and_shrink_a_campaign_bundle(spec_file: Path, tmp_path: Path,

@@ -36,7 +36,7 @@ from tests.runtime.test_l3_redis import backend_stats, built_ranks, l3_backend, 
 __all__ = ["built_ranks"]  # the fixture, shared with the Redis tests
 
 MISSING = None if mc.mooncake_installed() and mooncake_binary("mooncake_master") else \
-    "the Mooncake client is not installed (pip install 'hicache-doctor[mooncake]')"
+    "the Mooncake client is not installed (pip install -e '.[mooncake]' in the checkout)"
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -39,7 +39,7 @@ from tests.storage.test_backend_contract import (  # noqa: F401
 )
 
 MISSING = None if mc.mooncake_installed() and mooncake_binary("mooncake_master") else \
-    "the Mooncake client is not installed (pip install 'hicache-doctor[mooncake]')"
+    "the Mooncake client is not installed (pip install -e '.[mooncake]' in the checkout)"
 needs_mooncake = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 
 URL = "mooncake://127.0.0.1:50051?metadata=http://127.0.0.1:8080/metadata"

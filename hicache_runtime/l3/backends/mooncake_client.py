@@ -37,7 +37,8 @@ from hicache_runtime.contracts.errors import ConfigError, StorageUnavailable, To
 
 SCHEME = "mooncake"
 URL_HINT = "use mooncake://HOST:RPC_PORT?metadata=http://HOST:PORT/metadata"
-INSTALL_HINT = ("pip install 'hicache-doctor[mooncake]' (the mooncake-transfer-engine wheel; "
+INSTALL_HINT = ("pip install -e '.[mooncake]' in the hicache-doctor checkout (the "
+                "mooncake-transfer-engine wheel; "
                 "it needs the libibverbs1, librdmacm1 and libnuma1 system libraries)")
 DEFAULT_BUFFER_BYTES = 16 << 20
 _PARAMS = ("metadata", "protocol", "device", "segment", "buffer", "host")
