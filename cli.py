@@ -561,7 +561,9 @@ def _replay(bundle: Path, *, shrink: bool, max_runs: int, confirm: int, out: Pat
     if shrink:
         from faults.campaign.shrink import shrink_bundle
 
-        result = shrink_bundle(bundle, output, max_runs=max_runs, confirm=confirm, warm=warm)
+        shown = not json_out or sys.stderr.isatty()
+        result = shrink_bundle(bundle, output, max_runs=max_runs, confirm=confirm, warm=warm,
+                               on_trial=render.shrink_step if shown else None)
         if json_out:
             print(result.model_dump_json(indent=2))
         else:

@@ -625,6 +625,15 @@ def replay_summary(r: Any) -> None:
         con.print(f"  bundle {esc(r.trial.bundle)}", soft_wrap=True)
 
 
+def shrink_step(t: Any, done: int, planned: int) -> None:
+    """One line on stderr per run of ``inject --shrink`` as it ends (stdout stays the
+    result): which change, whether it failed the same way, how long it took."""
+    how = (f"[{STYLE_OK}]same failure[/]" if t.reproduced
+           else f"[{STYLE_DIM}]not reproduced[/] ({esc(t.observed)})")
+    para(console(stderr=True), f"{esc(t.change)}: {how}, {t.wall_s:.1f}s",
+         f"[{STYLE_DIM}]run {done}/{planned}[/]")
+
+
 def shrink_summary(r: Any) -> None:
     con = console()
     if not r.reproduced:

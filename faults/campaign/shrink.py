@@ -45,6 +45,9 @@ _STEPPED = frozenset({FaultKind.STAGE_LAG, FaultKind.HOST_ALLOC_FAIL, FaultKind.
                       FaultKind.CRASH, FaultKind.HANG, FaultKind.DMA_LAG})
 
 Trial = Callable[[RuntimeConfig, str], tuple[TrialRecord, DiagnosedRun]]
+TrialHook = Callable[[TrialRecord, int, int], None]
+"""Told of every run as it ends: the run, how many have run, how many may (budget and
+confirmation runs); what ``inject --shrink`` shows while it searches."""
 """Runs a candidate config (with a description of the change) and judges it."""
 
 DEFAULT_CONFIRM = 3
@@ -106,6 +109,9 @@ class _Search:
     record: ShrinkTrial
     """The current case's last run (its bundle is the result's)."""
     trials: list[ShrinkTrial] = field(default_factory=list)
+    on_trial: TrialHook | None = None
+    planned: int = 0
+    """Runs the whole search may make: the budget plus the confirmation runs."""
 
     @property
     def spent(self) -> bool:
@@ -116,6 +122,8 @@ class _Search:
         record, obs = self.trial(cfg, change)
         trial = ShrinkTrial(**record.model_dump(), confirm=confirm)
         self.trials.append(trial)
+        if self.on_trial is not None:
+            self.on_trial(trial, len(self.trials), self.planned)
         return trial, obs
 
     def attempt(self, cfg: RuntimeConfig, change: str) -> bool:
@@ -138,7 +146,8 @@ class _Search:
 
 def shrink(case: ReplayCase, first: TrialRecord, first_obs: DiagnosedRun, *, trial: Trial,
            max_runs: int, confirm: int = DEFAULT_CONFIRM,
-           step_runs: int = DEFAULT_STEP_RUNS) -> ShrinkResult:
+           step_runs: int = DEFAULT_STEP_RUNS,
+           on_trial: TrialHook | None = None) -> ShrinkResult:
     """Shrink ``case``; ``first`` is its unshrunk replay (counted against ``max_runs``).
 
     Each kept step ran ``step_runs`` times, all failing the same way; the final case then
@@ -150,7 +159,8 @@ def shrink(case: ReplayCase, first: TrialRecord, first_obs: DiagnosedRun, *, tri
                          f"{step_runs})")
     start = ShrinkTrial(**first.model_dump(), kept=first.reproduced)
     s = _Search(case=case, trial=trial, max_runs=max_runs, step_runs=step_runs, cfg=case.cfg,
-                obs=first_obs, record=start, trials=[start])
+                obs=first_obs, record=start, trials=[start], on_trial=on_trial,
+                planned=max_runs + (confirm if first.reproduced else 0))
     original = _summary(case.cfg, first)
     confirmed = 0
     if first.reproduced:
@@ -235,7 +245,8 @@ def _summary(cfg: RuntimeConfig, record: TrialRecord) -> CaseSummary:
 
 
 def shrink_bundle(bundle: Path, out: Path, *, max_runs: int = 16,
-                  confirm: int = DEFAULT_CONFIRM, warm: bool | None = None) -> ShrinkResult:
+                  confirm: int = DEFAULT_CONFIRM, warm: bool | None = None,
+                  on_trial: TrialHook | None = None) -> ShrinkResult:
     """Replay ``bundle``, shrink it, rerun the result ``confirm`` times, and leave in ``out``
     the smallest reproducing run's bundle (``out/bundle``) and a one-cell campaign spec that
     reruns it (``out/cell.yaml``, marked flaky when the confirmation runs were not all
@@ -250,8 +261,10 @@ def shrink_bundle(bundle: Path, out: Path, *, max_runs: int = 16,
             return run_trial(case, cfg, work=work, bundle_root=bundles, change=change)
 
         first, first_obs = trial(case.cfg, "replay")
+        if on_trial is not None:
+            on_trial(first, 1, max_runs + confirm)
         result = shrink(case, first, first_obs, trial=trial, max_runs=max_runs,
-                        confirm=confirm)
+                        confirm=confirm, on_trial=on_trial)
         if result.final_bundle is None:
             return result
         out.mkdir(parents=True, exist_ok=True)

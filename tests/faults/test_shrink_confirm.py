@@ -77,3 +77,25 @@ def test_a_real_deterministic_case_is_confirmed_through_the_cli(
 def test_shrink_bundle_confirms_by_default(crash_bundle: Path, tmp_path: Path) -> None:
     result = shrink_bundle(crash_bundle, tmp_path / "s", max_runs=1)
     assert (result.confirmed, result.confirm_runs, result.flaky) == (3, 3, False)
+
+
+def test_shrink_shows_each_run_as_it_ends(crash_bundle: Path, tmp_path: Path) -> None:
+    """inject --shrink used to show nothing until its final table: each run is now one line
+    on stderr as it ends (stdout stays the result)."""
+    res = CliRunner().invoke(app, ["inject", "--replay", str(crash_bundle), "--shrink",
+                                   "--max-runs", "2", "--confirm", "1",
+                                   "--out", str(tmp_path / "s")])
+    assert res.exit_code == 0, res.output
+    steps = [ln for ln in res.stderr.splitlines() if ln.startswith("run ")]
+    assert steps[0].startswith("run 1/3 replay: same failure"), res.stderr
+    assert len(steps) == 3, res.stderr
+    assert "confirm 1/1" in steps[-1]
+    assert "run 1/" not in res.stdout
+
+
+def test_shrink_reports_every_run_to_its_hook(crash_bundle: Path, tmp_path: Path) -> None:
+    seen: list[tuple[str, int, int]] = []
+    result = shrink_bundle(crash_bundle, tmp_path / "s", max_runs=2, confirm=1,
+                           on_trial=lambda t, n, total: seen.append((t.change, n, total)))
+    assert [n for _, n, _ in seen] == list(range(1, result.runs + 1))
+    assert {total for _, _, total in seen} == {3}
