@@ -24,6 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from doctor.evidence import InputStatus
+from doctor.read.ingest import EMPTY
 from doctor.report.model import RankCondition
 
 if TYPE_CHECKING:
@@ -338,8 +339,11 @@ def _doctor_head(d: Any) -> Table:
     if d.missing_ranks:
         ranges = getattr(d, "missing_rank_ranges", "") or str(d.missing_ranks)
         table.add_row("missing ranks", f"[{STYLE_BAD}]{esc(ranges)}[/]")
-    read = sum(i.status == InputStatus.READ for i in d.inputs)
-    table.add_row("inputs", f"{read} read, {len(d.inputs) - read} unreadable")
+    read = sum(i.status == InputStatus.READ and i.kind != EMPTY for i in d.inputs)
+    empty = sum(i.status == InputStatus.READ and i.kind == EMPTY for i in d.inputs)
+    table.add_row("inputs", f"{read} read, "
+                  f"{sum(i.status != InputStatus.READ for i in d.inputs)} unreadable"
+                  + (f", {empty} empty" if empty else ""))
     fp = getattr(d, "fingerprint", None)
     if fp is not None:
         table.add_row("fingerprint", f"{fp.id}" + (f" ({esc(fp.exception)})"

@@ -168,6 +168,13 @@ class RuleResult:
     kind: EvidenceKind = EvidenceKind.MESSAGE
     partial: bool = False
     """It rests on partial evidence only (see :class:`MechanismHit`)."""
+    said: str = ""
+    """The recogniser in words, for reports (the ``recogniser`` label may be a regex, which
+    the rule log shows and a "similar to" sentence should not)."""
+
+    @property
+    def plain(self) -> str:
+        return self.said or self.recogniser
 
     def line(self) -> str:
         sign = f"{self.weight:+.2f}" if self.matched else "  -  "
@@ -238,8 +245,8 @@ class Score:
 
     def because(self) -> str:
         """Why it scored what it did, in one sentence (for near misses)."""
-        pos = [r.recogniser for r in self.matched if r.weight > 0]
-        neg = [r.recogniser for r in self.matched if r.weight < 0]
+        pos = [r.plain for r in self.matched if r.weight > 0]
+        neg = [r.plain for r in self.matched if r.weight < 0]
         missing = sorted((r for r in self.rules if not r.matched and r.weight > 0),
                          key=lambda r: -r.weight)[:2]
         parts = [("matched " + ", ".join(pos)) if pos else "nothing specific matched"]
@@ -248,7 +255,7 @@ class Score:
         if not self.structural:
             parts.append("no structural evidence (a message alone never names a signature)")
         if missing:
-            parts.append("missing " + "; ".join(r.recogniser for r in missing))
+            parts.append("missing " + "; ".join(r.plain for r in missing))
         return "; ".join(parts)
 
 
@@ -474,7 +481,20 @@ def _exception_rule(sig_id: str, type_rx: str, msg_rx: str, weight: float, obs: 
     label = f"exception {type_rx} /{msg_rx}/"
     why = f"{len(hits)} exception(s) match" if hits else "no such exception"
     return RuleResult(sig_id, label, bool(hits), weight, False, why,
-                      [e.witness for e in hits[:3]], kind=EvidenceKind.MESSAGE)
+                      [e.witness for e in hits[:3]], kind=EvidenceKind.MESSAGE,
+                      said=_exception_in_words(type_rx, msg_rx, hits))
+
+
+def _exception_in_words(type_rx: str, msg_rx: str, hits: list[ObservedException]) -> str:
+    """An exception recogniser as a reader says it: the exception that matched, else its
+    class names and, when the template is plain text, its message."""
+    if hits:
+        return f"the exception {hits[0].type.rsplit('.', 1)[-1]}"
+    names = list(dict.fromkeys(re.findall(r"[A-Z][A-Za-z0-9_]+", type_rx)))
+    kind = " or ".join(names[:3]) + (" (or kin)" if len(names) > 3 else "") if names \
+        else "an exception"
+    literal = msg_rx if re.fullmatch(r"[\w ,:'-]+", msg_rx) else ""
+    return f"an exception {kind}" + (f" saying '{literal}'" if literal else "")
 
 
 def _frames_rule(sig: Signature, obs: Observation,

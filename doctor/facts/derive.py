@@ -27,6 +27,7 @@ from doctor.facts.trace import TRACE_FACTS
 from doctor.ranks.builder import Evidence
 from doctor.ranks.frames import FrameClassifier, startup_phase
 from doctor.ranks.table import failing_exception, is_comm_error, site_label
+from doctor.read.ingest import EMPTY
 from doctor.report.model import (
     BlockedSite,
     CollectiveFinding,
@@ -325,7 +326,8 @@ def _fact_no_failure(ev: Evidence, facts: FactSet, mechs: Sequence[MechanismHit]
         if any(pid not in _QUIET and not pid.startswith(("nccl-", "gloo-"))
                and not _MARKER_KEY.search(pid) for pid in r.hits):
             return
-    if any(i.status == InputStatus.READ for i in ev.inputs):
+    # empty inputs are not output that records no failure: nothing was given at all
+    if any(i.status == InputStatus.READ and i.kind != EMPTY for i in ev.inputs):
         facts.add(Fact.NO_FAILURE, Witness("no exception, stack, hang, crash or error line in "
                                            "the inputs"))
 

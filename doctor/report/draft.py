@@ -25,6 +25,17 @@ _PLACEHOLDERS = {"N": r"-?\d+(?:\.\d+)?", "X": r"0x[0-9a-fA-F]+", "ID": r"\S+"}
 _STRUCTURAL_FACTS = {f.value for f in Fact} - {"hang", "crash", "wrong-output", "no-failure"}
 
 
+def _failure_kind(d: Diagnosis) -> str:
+    """The shape the incident showed: the run's recorded outcome when it has one, else a
+    crash when any rank raised (its peers blocked in collectives are the consequence), a hang
+    when ranks only blocked."""
+    outcome = str(d.topology.get("outcome") or "")
+    if outcome in ("crash", "hang", "wrong-output"):
+        return outcome
+    fp = d.fingerprint
+    return "hang" if fp is not None and fp.blocked and not fp.exception else "crash"
+
+
 def draft_signature(d: Diagnosis, sig_id: str | None = None) -> dict[str, Any]:
     """The draft as plain data (YAML-ready), validated against the catalog model."""
     fp = d.fingerprint
@@ -53,7 +64,7 @@ def draft_signature(d: Diagnosis, sig_id: str | None = None) -> dict[str, Any]:
         "id": sig_id,
         "title": f"{TODO} {title}",
         "severity": "high",
-        "kind": "hang" if fp.blocked else "crash",
+        "kind": _failure_kind(d),
         "meaning": f"{TODO} what happened, in a paragraph. Fingerprint {fp.id}; seen: "
                    + " | ".join(evidence[:6]),
         "recognisers": recognisers,

@@ -9,6 +9,7 @@ an input named it, else with a placeholder and the way to find the pid.
 
 from __future__ import annotations
 
+from doctor.facts.observation import statements
 from doctor.ranks.builder import Evidence
 from doctor.report.bounds import rank_ranges
 from doctor.report.model import MissingItem, RankCondition, RankRow
@@ -62,10 +63,9 @@ def _partial(ev: Evidence, single_line: bool) -> list[MissingItem]:
                          "before it: the frames say where something failed, not what)",
                     command="grep -n -A80 'Traceback (most recent call last)' <full log>  "
                             "# the whole traceback, to its last line"))
-    if single_line and not items:
-        src = next((fl.source for r in ev.all_ranks() for fl in r.failure_lines.values()),
-                   None) or next((e.source for r in ev.all_ranks() for e in r.exceptions),
-                                 None)
+    src = next((fl.source for r in ev.all_ranks() for fl in r.failure_lines.values()),
+               None) or next((e.source for r in ev.all_ranks() for e in r.exceptions), None)
+    if single_line and not items and statements(ev):  # no line at all: nothing to widen
         where = f" at {src.file}:{src.line}" if src is not None and src.line else ""
         items.append(MissingItem(
             rank=None, what=f"more than the one failure line{where}: the traceback or stack "

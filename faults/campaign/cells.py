@@ -34,6 +34,7 @@ from hicache_runtime.contracts.bundle import (
     CellOrigin,
     FiredFaultRecord,
     annotate_origin,
+    label_bundle,
     load_manifest,
 )
 from hicache_runtime.contracts.legacy import parse_legacy
@@ -348,12 +349,14 @@ def run_cell(spec: CampaignSpec, cell: CellSpec, work: Path, bundle_root: Path, 
                           error=f"{type(exc).__name__}: {exc}".splitlines()[0],
                           detail="the cell could not run", faults=list(cell.faults),
                           properties={p.value: None for p in spec.properties})
-    if done.bundle is not None:
-        annotate_origin(Path(done.bundle), CellOrigin(campaign=spec.name, cell=cell.id,
-                                                     expect=cell.expect, warm=cell.warm))
+    bundle = done.bundle
+    if bundle is not None:
+        annotate_origin(Path(bundle), CellOrigin(campaign=spec.name, cell=cell.id,
+                                                 expect=cell.expect, warm=cell.warm))
+        bundle = str(label_bundle(Path(bundle), cell.id))
     result = CellResult(id=cell.id, expect=cell.expect, observed=done.observed, passed=False,
                         outcome=done.outcome, output_match=done.output_match,
-                        verdict=done.signature, confidence=done.confidence, bundle=done.bundle,
+                        verdict=done.signature, confidence=done.confidence, bundle=bundle,
                         error=done.error, faults_fired=done.faults_fired,
                         wall_s=round(time.monotonic() - t0, 2), faults=list(cell.faults),
                         leaked_pages=done.leaked_pages, leaks=done.leaks)

@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import sys
 from datetime import UTC, datetime
 from enum import Enum
@@ -219,6 +220,21 @@ def new_bundle_dir(root: Path, outcome: RunOutcome) -> Path:
         path, n = Path(f"{base}-{n}"), n + 1
     path.mkdir(parents=True)
     return path
+
+
+def label_bundle(bundle: Path, label: str) -> Path:
+    """Rename ``bundle`` to carry ``label`` (a campaign cell id) after its time and outcome, so
+    a folder of a campaign's bundles says which cell left each; returns the new path, or the
+    old one when the rename is not possible."""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", label).strip("-.")[:80]
+    target = bundle.with_name(f"{bundle.name}-{slug}")
+    if not slug or target.exists():
+        return bundle
+    try:
+        bundle.rename(target)
+    except OSError:
+        return bundle
+    return target
 
 
 def rank_dir(bundle: Path, rank: int) -> Path:

@@ -84,3 +84,16 @@ def test_symlinks_are_not_followed_and_nested_archives_are_bounded(tmp_path: Pat
     d = diagnose([str(tmp_path)])
     assert d.verdicts[0].signature == "write-ack-pop-empty"
     assert all("loop" not in i.path for i in d.inputs)
+
+
+def test_an_empty_directory_is_said_to_be_empty(tmp_path: Path) -> None:
+    """Not "1 read", not "output that records no failure", not "send more than the one
+    failure line": nothing was given."""
+    import render
+
+    (tmp_path / "empty").mkdir()
+    d = diagnose([str(tmp_path / "empty")])
+    assert d.summary == "no failure evidence: the inputs are empty"
+    assert d.lookalikes == []
+    assert d.missing == []
+    assert "0 read, 0 unreadable, 1 empty" in str(render._doctor_head(d).columns[1]._cells)

@@ -112,3 +112,31 @@ def test_signatures_new_refuses_a_fifo_and_a_device_without_reading_them(tmp_pat
         res = CliRunner().invoke(app, ["signatures", "new", "--from", str(path)])
         assert res.exit_code == 2
         assert "not a regular file" in res.output
+
+
+def test_a_crash_with_blocked_peers_drafts_a_crash(tmp_path: Path) -> None:
+    """The injected-crash bundle: rank 3 raised, its peers blocked in collectives after it.
+    The draft says crash (it used to say hang: any blocked rank made it one)."""
+    bundle = Path(__file__).parents[1] / "fixtures/doctor/no-fit/runtime-tp2pp2-injected-crash"
+    diag = tmp_path / "d.json"
+    runner = CliRunner()
+    runner.invoke(app, ["doctor", str(bundle), "--json", "--out", str(diag)])
+    res = runner.invoke(app, ["signatures", "new", "--from", str(diag), "--id", "x-crash",
+                              "--out", str(tmp_path / "x.yaml")])
+    assert res.exit_code == 0, res.output
+    assert yaml.safe_load((tmp_path / "x.yaml").read_text())["kind"] == "crash"
+
+
+def test_similar_to_lines_say_recognisers_in_words() -> None:
+    """A near miss's "because" names exceptions by class, never by the catalog's regex."""
+    import re
+
+    from doctor.diagnose import diagnose
+    from tests.doctor.conftest import case_inputs, fixture_cases
+
+    seen = 0
+    for case in fixture_cases():
+        for near in diagnose(case_inputs(case)).near_misses:
+            seen += "exception" in near.because
+            assert not re.search(r"\(\?|\\[wdsb]|\(\\w|\|\w+\)|\.\*", near.because), near.because
+    assert seen, "no near miss mentioned an exception: the test saw nothing"

@@ -4,6 +4,8 @@ tests/multirank/test_campaigns.py)."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -63,6 +65,10 @@ def test_cells_pass_by_production_shape(spec_file: Path, bundle_root: Path) -> N
     assert origin is not None
     assert origin.cell == legacy.id
     assert origin.warm
+    # the folder of a campaign's bundles says which cell left each
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", legacy.id)
+    assert Path(legacy.bundle or "").name.endswith("-wrong-output-" + str(os.getpid()) + "-"
+                                                   + slug), legacy.bundle
 
 
 def test_cells_that_do_not_behave_fail(tmp_path: Path, bundle_root: Path) -> None:
