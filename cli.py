@@ -399,6 +399,10 @@ def campaign(
     junit: Annotated[Path | None, typer.Option(help="Write JUnit XML here.")] = None,
     markdown: Annotated[Path | None, typer.Option(help="Write a Markdown report here.")]
     = None,
+    html_dir: Annotated[Path | None, typer.Option(
+        "--html", help="Write HTML pages into this directory: the matrix of cells "
+                       "(index.html) and an incident page per cell that left a bundle.")]
+    = None,
     bundle_dir: Annotated[Path, typer.Option(help="Where the cells' crash bundles go.")]
     = Path("hicache-bundles"),
     json_out: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")]
@@ -439,6 +443,12 @@ def campaign(
         junit.write_text(junit_xml(result), encoding="utf-8")
     if markdown is not None:
         markdown.write_text(markdown_report(result), encoding="utf-8")
+    if html_dir is not None:
+        from faults.campaign.reports import html_pages
+
+        html_dir.mkdir(parents=True, exist_ok=True)
+        for name, text in html_pages(result).items():
+            (html_dir / name).write_text(text, encoding="utf-8")
     if json_out:
         print(result.model_dump_json(indent=2))
     else:
@@ -676,6 +686,10 @@ def doctor(
     = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show the rule log.")]
     = False,
+    html_out: Annotated[Path | None, typer.Option(
+        "--html", help="Also write the incident page here: verdict, a timeline of every "
+                       "rank's run, evidence and playbook (several incidents: a directory "
+                       "with an index).")] = None,
 ) -> None:
     """Name the crash signature of a dead or hung deployment from its artifacts.
 
@@ -692,8 +706,10 @@ def doctor(
         raise ConfigError("doctor", "choose one of --json and --markdown")
     incidents = split_incidents(inputs)
     if len(incidents) > 1:
-        _several_incidents(incidents, json_out, markdown, out)
+        _several_incidents(incidents, json_out, markdown, out, html_out)
     diag = diagnose(inputs)
+    if html_out is not None:
+        _incident_pages([(None, "", diag)], html_out)
     text = diag.model_dump_json(indent=2) if json_out else (
         diagnosis_markdown(diag) if markdown else None)
     if out is not None:
@@ -712,8 +728,31 @@ def doctor(
     raise typer.Exit(diag.exit_code)
 
 
+def _incident_pages(incidents: list[tuple[str | None, str, Any]], path: Path) -> None:
+    """The incident page of one diagnosis at ``path``; of several, ``path`` is a directory
+    with an index page and one page per incident (``incident-<n>.html``)."""
+    from doctor.report.html import incident_page, incidents_index
+    from doctor.report.runbook import incident_runbook
+    from signatures.loader import load_catalog
+
+    catalog = load_catalog()
+    if len(incidents) == 1:
+        diag = incidents[0][2]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(incident_page(diag, incident_runbook(diag, catalog)), encoding="utf-8")
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for n, (bundle, created, diag) in enumerate(incidents, 1):
+        name = f"incident-{n}.html"
+        (path / name).write_text(incident_page(diag, incident_runbook(diag, catalog)),
+                                 encoding="utf-8")
+        rows.append((name, bundle or "(the other inputs)", created, diag))
+    (path / "index.html").write_text(incidents_index(rows), encoding="utf-8")
+
+
 def _several_incidents(incidents: list[Any], json_out: bool, markdown: bool,
-                       out: Path | None) -> None:
+                       out: Path | None, html_out: Path | None = None) -> None:
     """Inputs that hold several bundles: one diagnosis per incident, newest first."""
     from doctor.diagnose import diagnose
     from doctor.report.markdown import diagnosis_markdown
@@ -721,6 +760,9 @@ def _several_incidents(incidents: list[Any], json_out: bool, markdown: bool,
 
     result = Incidents(incidents=[Incident(bundle=i.bundle, created_at=i.created_at,
                                            diagnosis=diagnose(i.paths)) for i in incidents])
+    if html_out is not None:
+        _incident_pages([(i.bundle, i.created_at, i.diagnosis) for i in result.incidents],
+                        html_out)
     if json_out or (out is not None and not markdown):
         text: str | None = result.model_dump_json(indent=2)
     elif markdown:
@@ -901,7 +943,7 @@ def runbook(
     if from_diagnosis is not None:
         diag = _read_diagnosis(from_diagnosis)
         _emit_docs({"incident": incident_runbook(diag, catalog)}, out, html_out, single=True,
-                   json_out=json_out)
+                   json_out=json_out, incident=diag)
         return
     sigs = [_signature(s) for s in signature] if signature else catalog.signatures
     docs = {s.id: signature_runbook(s) for s in sigs}
@@ -932,8 +974,10 @@ def _read_diagnosis(path: Path) -> Any:
 
 
 def _emit_docs(docs: dict[str, str], out: Path | None, html_out: bool, single: bool,
-               json_out: bool = False) -> None:
-    from doctor.report.runbook import to_html
+               json_out: bool = False, incident: Any = None) -> None:
+    """Write (or print) runbooks; with ``--html`` each also as a page, whose links go only to
+    pages that exist beside it (those written now, and those already there)."""
+    from doctor.report.html import incident_page, runbook_page
 
     written: dict[str, dict[str, str]] = {name: {} for name in docs}
     if out is not None and single:
@@ -942,15 +986,20 @@ def _emit_docs(docs: dict[str, str], out: Path | None, html_out: bool, single: b
         out.write_text(text, encoding="utf-8")
         written[name]["markdown"] = str(out)
         if html_out:
-            out.with_suffix(".html").write_text(to_html(text, out.stem), encoding="utf-8")
-            written[name]["html"] = str(out.with_suffix(".html"))
+            html_path = out.with_suffix(".html")
+            pages = {p.name for p in out.parent.glob("*.html")} - {html_path.name}
+            html_path.write_text(incident_page(incident, text, pages) if incident is not None
+                                 else runbook_page(text, out.stem, pages), encoding="utf-8")
+            written[name]["html"] = str(html_path)
     elif out is not None:
         out.mkdir(parents=True, exist_ok=True)
+        pages = {f"{n}.html" for n in docs} | {p.name for p in out.glob("*.html")}
         for name, text in docs.items():
             (out / f"{name}.md").write_text(text, encoding="utf-8")
             written[name]["markdown"] = str(out / f"{name}.md")
             if html_out:
-                (out / f"{name}.html").write_text(to_html(text, name), encoding="utf-8")
+                (out / f"{name}.html").write_text(runbook_page(text, name, pages),
+                                                  encoding="utf-8")
                 written[name]["html"] = str(out / f"{name}.html")
     if json_out:
         print(json.dumps({"runbooks": [{"name": name, "markdown": text,

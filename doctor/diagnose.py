@@ -40,6 +40,7 @@ from doctor.report.model import (
     Verdict,
 )
 from doctor.report.narrative import observations
+from doctor.report.timeline import build_timeline
 from hicache_runtime.contracts.bundle import RunOutcome
 from signatures.fact_names import Fact
 from signatures.index import load_index, warm_up
@@ -95,6 +96,7 @@ def analyse(ev: Evidence, catalog: Catalog) -> Diagnosis:
     diag = _report(ev, catalog, scores, facts, looks)
     diag.ranks, diag.blocked_sites, diag.collectives = rows, sites, findings
     diag.first_divergence = first
+    diag.timeline = guard("timeline", lambda: build_timeline(ev, rows, first), None)
     diag.observations = guard("observations", lambda: observations(
         ev, facts, rows, sites, findings, first), [])
     diag.missing = guard("missing evidence", lambda: missing_items(

@@ -28,6 +28,8 @@ MAX_HITS_KEPT = 4
 MAX_COLLECTIVES_PER_GROUP = 4096
 MAX_DECISIONS_PER_KEY = 20000
 MAX_EVENTS = 20000
+MAX_TIMELINE = 4000
+"""Timed trace events kept per rank for the incident page (the first and the last halves)."""
 MAX_SAMPLES = 512
 MAX_ARRIVALS = 200_000
 MAX_SITES = 256
@@ -254,6 +256,20 @@ class Decision:
     source: SourceRef
 
 
+@dataclass(frozen=True)
+class TimedEvent:
+    """A traced event placed in time, for the incident page's timeline: ``t_ns`` on the
+    runtime's monotonic clock (shared by the ranks of one machine), the scheduler step, the
+    event kind (``hicache_runtime.contracts.events.Ev``), a short label, and ``key`` pairing
+    a collective's enter with its exit (``group#seq``)."""
+
+    t_ns: int
+    step: int
+    kind: str
+    label: str
+    key: str = ""
+
+
 @dataclass
 class ExitRecord:
     """How a rank's process ended (torchrun failure block, bundle entry, capture)."""
@@ -324,6 +340,8 @@ class RankEvidence:
     decisions: dict[tuple[str, str], list[Decision]] = field(default_factory=dict)
     events: Bounded[tuple[str, dict[str, Any], SourceRef, int]] = field(
         default_factory=lambda: Bounded(MAX_EVENTS // 2, MAX_EVENTS // 2))
+    timeline: Bounded[TimedEvent] = field(
+        default_factory=lambda: Bounded(MAX_TIMELINE // 2, MAX_TIMELINE // 2))
     samples: dict[str, deque[tuple[float, SourceRef]]] = field(default_factory=dict)
     state: dict[str, Any] | None = None
     state_source: SourceRef | None = None

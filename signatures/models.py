@@ -249,9 +249,22 @@ class Fix(_Strict):
 
 
 class Mitigation(_Strict):
+    """What an operator can do now. ``flags`` are what to type (server flags or whole
+    commands: runbooks print them as a shell block), ``env`` environment variables; an
+    instruction ("start without --x") belongs in ``text``."""
+
     text: str
     flags: list[str] = []
     env: list[str] = []
+
+    @field_validator("flags")
+    @classmethod
+    def _typeable(cls, v: list[str]) -> list[str]:
+        for flag in v:
+            if re.match(r"(drop|remove|without|GET|POST|PUT|DELETE|PATCH)\b", flag):
+                raise ValueError(f"{flag!r} is not something to type: say it in text, or give "
+                                 "the command (curl -X ... for an HTTP endpoint)")
+        return v
 
 
 class CampaignCell(_Strict):

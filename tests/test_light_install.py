@@ -22,7 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 #: The import name of each base dependency (distribution name -> module).
-IMPORT_NAME = {"pyyaml": "yaml"}
+IMPORT_NAME = {"pyyaml": "yaml", "markdown-it-py": "markdown_it"}
 
 #: Code the triage commands run (``faults`` and ``trace`` included): torch-free
 #: (tests/test_layers.py holds the layering).
@@ -38,6 +38,8 @@ NEEDS_TORCH_MODULES = ("tests/doctor/test_runtime_bundle.py",)
 NEEDS_TORCH_TESTS = (
     "tests/doctor/test_flight_recorder.py::test_torch_analyzer_fails_on_the_same_gloo_dumps",
     "tests/doctor/test_flight_recorder.py::test_fresh_gloo_dumps_of_a_crossed_hang",
+    # captures a live `hicache run`, which is the runtime
+    "tests/doctor/test_capture.py::test_capture_a_live_hicache_run_finds_its_ranks_not_the_zygote",
 )
 
 _BLOCK_TORCH = """\

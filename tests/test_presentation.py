@@ -24,9 +24,9 @@ from typer.testing import CliRunner
 import render
 from cli import app
 from doctor.diagnose import diagnose
+from doctor.report.html import runbook_page
 from doctor.report.markdown import diagnosis_markdown, md_code, md_escape
 from doctor.report.model import Diagnosis
-from doctor.report.runbook import to_html
 from faults.campaign.cells import CampaignResult, CellResult, select
 from faults.campaign.plan import load_campaign
 from faults.campaign.reports import markdown as campaign_markdown
@@ -341,8 +341,10 @@ def test_diagnosis_markdown_escapes_artifact_text() -> None:
 
 # --- runbook HTML -------------------------------------------------------------------------------
 
-HTML_TAGS = {"html", "head", "meta", "title", "body", "h1", "h2", "h3", "h4", "li", "p", "pre",
-             "code", "strong", "a"}
+HTML_TAGS = {"html", "head", "meta", "title", "style", "body", "h1", "h2", "h3", "h4", "ol",
+             "ul", "li", "p", "pre", "code", "strong", "em", "a", "div", "table", "thead",
+             "tbody", "tr", "th", "td", "hr", "blockquote", "br", "figure", "figcaption", "svg",
+             "g", "rect", "line", "path", "text"}
 
 
 def _poison(value: Any) -> Any:
@@ -408,14 +410,26 @@ def test_runbook_html_from_a_crafted_diagnosis(tmp_path: Path, poison_signature:
         assert any(t == "h2" for t, _ in parsed.tags)
 
 
-def test_runbook_html_links_only_http_and_siblings() -> None:
-    page = to_html("- [docs](https://example.com/a?b=1&c=2) [next](write-ack-pop-empty.md) "
-                   "[x](javascript:alert(1)) [y](JAVASCRIPT:alert%281%29) [z](//evil.example) "
-                   "[f](file:///etc/passwd) [d](data:text/html,hi) \\[e\\](javascript:1) "
-                   "**[b](vbscript:1)** `[c](javascript:1)`", "t")
+def test_runbook_html_links_only_http_and_siblings_that_exist() -> None:
+    text = ("- [docs](https://example.com/a?b=1&c=2) [next](write-ack-pop-empty.md) "
+            "[gone](not-written.md) "
+            "[x](javascript:alert(1)) [y](JAVASCRIPT:alert%281%29) [z](//evil.example) "
+            "[f](file:///etc/passwd) [d](data:text/html,hi) \\[e\\](javascript:1) "
+            "**[b](vbscript:1)** `[c](javascript:1)` ![i](https://example.com/track.png)")
+    page = runbook_page(text, "t", pages={"write-ack-pop-empty.html"})
     hrefs = [a.get("href") for t, a in _parse(page).tags if t == "a"]
-    assert hrefs == ["https://example.com/a?b=1&c=2", "write-ack-pop-empty.html"]
-    assert "<script" not in to_html("<script>x</script> `<b>` **<i>**", "<title>")
+    # an image is only a link: nothing is fetched until someone clicks
+    assert hrefs == ["https://example.com/a?b=1&c=2", "write-ack-pop-empty.html",
+                     "https://example.com/track.png"]
+    assert "gone (not-written.md)" in page  # a page not written stays text
+    assert "<img" not in page  # an image would load from a remote address
+    assert "<script" not in runbook_page("<script>x</script> `<b>` **<i>**", "<title>")
+    # numbered steps stay numbered: list items inside their list
+    parsed = _parse(runbook_page("1. one\n2. two\n\n- a\n- b\n", "t"))
+    tags = [t for t, _ in parsed.tags]
+    assert tags.count("ol") == 1
+    assert tags.count("ul") == 1
+    assert tags.count("li") == 4
 
 
 def test_runbook_json_lists_documents_and_files(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any, BinaryIO
 
-from doctor.evidence import MAX_ARRIVALS, Decision, RankHint, SourceRef
+from doctor.evidence import MAX_ARRIVALS, Decision, RankHint, SourceRef, TimedEvent
 from doctor.ranks.builder import EvidenceBuilder
 from hicache_runtime.contracts.events import Ev
 from hicache_runtime.contracts.jsonl import iter_lines
@@ -48,7 +48,14 @@ _SAMPLE_ATTRS = {"rss_mb": "rss_mb", "rss": "rss_mb", "pending_sends": "pending_
 #: Decisions about one request: comparable across ranks only if its arrival is traced.
 REQUEST_KEYED = frozenset({Ev.REQ_ADMIT, Ev.MATCH, Ev.PREFETCH_HIT, Ev.PREFETCH_SETTLE,
                            Ev.CHUNK_SIZE})
-_WANTED = {k.encode() for k in (*DECISIONS, *NOTABLE, Ev.REQ_ARRIVE)}
+#: Events drawn on the incident page's per-rank timeline (with their time and step).
+TIMELINE = frozenset({
+    Ev.BATCH, Ev.COLLECTIVE_ENTER, Ev.COLLECTIVE_EXIT, Ev.FAULT, Ev.REQ_ABORT,
+    Ev.BACKUP_SUBMIT, Ev.BACKUP_ACK, Ev.PREFETCH_SUBMIT, Ev.PREFETCH_SETTLE,
+    Ev.PREFETCH_TERMINATE, Ev.STORAGE, Ev.WATCHDOG, Ev.INTEGRITY, Ev.CONSENSUS,
+    Ev.WORKER_DIED, Ev.PP_SEND, Ev.PP_RECV,
+})
+_WANTED = {k.encode() for k in (*DECISIONS, *NOTABLE, *TIMELINE, Ev.REQ_ARRIVE)}
 _SAMPLE_BYTES = tuple(f'"{a}"'.encode() for a in _SAMPLE_ATTRS)
 _KIND = b'"kind":'
 MAX_TRACE_LINE = 1 << 20
@@ -104,6 +111,9 @@ def _file_event(ev: dict[str, Any], src: SourceRef, hint: RankHint,
             slot.add_sample(sample, float(value), src)
     if kind in NOTABLE:
         slot.events.append((kind, attrs, src, step))
+    t_ns = _int(ev.get("t_ns"))
+    if kind in TIMELINE and t_ns is not None:
+        slot.timeline.append(_timed(kind, attrs, t_ns, step))
     spec = DECISIONS.get(kind)
     if spec is not None and not _traced_conditionally(kind, attrs):
         key_attr, fields = spec
@@ -113,6 +123,24 @@ def _file_event(ev: dict[str, Any], src: SourceRef, hint: RankHint,
             slot.add_decision(Decision(kind, key, json.dumps(value, sort_keys=True, default=str),
                                        step, src))
     return True
+
+
+def _timed(kind: str, attrs: dict[str, Any], t_ns: int, step: int) -> TimedEvent:
+    """A timeline event: what it says in a few words (bounded: the trace is untrusted)."""
+    key = ""
+    if kind in (Ev.COLLECTIVE_ENTER, Ev.COLLECTIVE_EXIT):
+        key = f"{attrs.get('group')}#{attrs.get('seq')}"[:80]
+        label = f"{attrs.get('op', '?')} {key}" + (
+            f" from {attrs['site']}" if kind == Ev.COLLECTIVE_ENTER and attrs.get("site")
+            else f" {attrs['state']}" if attrs.get("state") else "")
+    elif kind == Ev.FAULT:
+        label = str(attrs.get("spec") or attrs.get("kind") or "fault")
+    elif kind == Ev.BATCH:
+        label = f"step {step}"
+    else:
+        what = attrs.get("rid") or attrs.get("op") or attrs.get("error") or attrs.get("ok")
+        label = kind + (f" {what}" if what not in (None, "") else "")
+    return TimedEvent(t_ns, step, kind, label[:160], key)
 
 
 def _traced_conditionally(kind: str, attrs: dict[str, Any]) -> bool:

@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 
 from doctor.evidence import InputStatus
 
-DIAGNOSIS_SCHEMA_VERSION = "1.3"
+DIAGNOSIS_SCHEMA_VERSION = "1.4"
 DIAGNOSIS_KIND = "hicache-diagnosis"
 EXIT_DIAGNOSED, EXIT_NO_SIGNATURE, EXIT_UNREADABLE = 0, 1, 2
 
@@ -198,6 +198,50 @@ class Divergence(BaseModel):
         return f"{self.kind} {self.key}" if self.key else self.kind
 
 
+class TimelineSpan(BaseModel):
+    """A stretch of one rank's run: a collective from entry to exit (``end_ms`` None: the rank
+    was still inside it when its evidence ends), or the window a fault acted in."""
+
+    kind: str
+    start_ms: float
+    end_ms: float | None = None
+    label: str
+    state: str = ""
+    """How a collective ended (``completed``, ``failed``, ``timeout``; empty: never did)."""
+
+
+class TimelineMark(BaseModel):
+    """A moment on one rank: a fault fired, a step began, a transfer, an abort, a check."""
+
+    kind: str
+    at_ms: float
+    label: str
+
+
+class TimelineLane(BaseModel):
+    """One rank's traced run: its spans and marks, where its evidence ends (``end_ms``) and
+    in what state it stopped, and when it took the first divergent decision."""
+
+    rank: int
+    role: str = ""
+    state: str = ""
+    end_ms: float
+    spans: list[TimelineSpan] = []
+    marks: list[TimelineMark] = []
+    divergence_ms: float | None = None
+
+
+class Timeline(BaseModel):
+    """The ranks' traced events on one clock: milliseconds since the earliest event of any
+    rank, on the runtime's monotonic clock (shared by the ranks of one machine). Added in
+    1.4; what the incident page draws."""
+
+    end_ms: float
+    lanes: list[TimelineLane]
+    divergence: str = ""
+    """The first divergent decision's label, when there is one."""
+
+
 class MissingItem(BaseModel):
     rank: int | None
     what: str
@@ -230,6 +274,8 @@ class Diagnosis(BaseModel):
     blocked_sites: list[BlockedSite] = []
     collectives: list[CollectiveFinding] = []
     first_divergence: Divergence | None = None
+    timeline: Timeline | None = None
+    """The ranks' traced runs on one clock (bundles with traces; added in 1.4)."""
     missing: list[MissingItem] = []
     missing_ranks: list[int] = []
     """The first ``MAX_LISTED_RANKS`` missing ranks (all of them: ``missing_rank_count``)."""

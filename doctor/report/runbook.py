@@ -1,4 +1,4 @@
-"""Runbooks in Markdown (and a minimal HTML rendering of it).
+"""Runbooks in Markdown (pages of them: :mod:`doctor.report.html`).
 
 * ``signature_runbook(sig)``: the playbook of one catalog signature — overview, severity, how
   to confirm, diagnosis path from the error back to the cause, mitigation commands, upstream
@@ -9,15 +9,12 @@
 
 A stored diagnosis (``--from diag.json``) is untrusted: it may have been crafted, and its
 evidence is artifact text anyway. Everything taken from it is escaped Markdown or a code span
-(:mod:`doctor.report.markdown`), and :func:`to_html` escapes all text and makes links only to
-``http(s)://`` addresses and to sibling runbook files, so no ``javascript:`` or ``data:`` URL,
-tag or attribute from a diagnosis reaches the HTML.
+(:mod:`doctor.report.markdown`); the HTML pages escape all text again and make links only to
+``http(s)://`` addresses and to sibling pages that exist, so no ``javascript:`` or ``data:``
+URL, tag or attribute from a diagnosis reaches the HTML.
 """
 
 from __future__ import annotations
-
-import html
-import re
 
 from doctor.report.markdown import cite, md_code, md_escape
 from doctor.report.model import Diagnosis
@@ -145,80 +142,3 @@ def _incident_evidence(d: Diagnosis) -> list[str]:
         out += ["### Collect what is missing", ""] + [f"- {e_(m.what)}: {md_code(m.command)}"
                                                       for m in d.missing] + [""]
     return out
-
-
-_ITEM = re.compile(r"^\s*(-|\d+\.) ")
-#: Inline Markdown that to_html understands, in priority order: a backslash escape, a code span
-#: (any number of backticks), bold, a link. Everything else is text and is HTML-escaped.
-_INLINE = re.compile(r"\\(?P<esc>[!-/:-@\[-`{-~])"
-                     r"|(?P<fence>`+)(?P<code>.+?)(?P=fence)(?!`)"
-                     r"|\*\*(?P<bold>.+?)\*\*"
-                     r"|\[(?P<label>[^\[\]]+)\]\((?P<href>[^()\s]+)\)")
-#: Links that may become ``<a href>``: absolute http(s) addresses, and sibling runbook files
-#: (``write-ack-pop-empty.md``, pointed at their ``.html`` twin). Any other target - another
-#: scheme (javascript:, data:, file:), a path, a protocol-relative ``//host`` - stays text.
-_WEB = re.compile(r"https?://[^\s<>\"'`]+", re.IGNORECASE)
-_SIBLING = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\.md")
-
-
-def to_html(markdown: str, title: str) -> str:
-    """A small, dependency-free Markdown-to-HTML rendering (headings, lists, code, tables as
-    preformatted text, links, bold and code spans). All text is escaped; see
-    :func:`_safe_href` for which links are made."""
-    body: list[str] = []
-    in_code = False
-    for line in markdown.splitlines():
-        if line.strip().startswith("```"):
-            body.append("</pre>" if in_code else "<pre>")
-            in_code = not in_code
-            continue
-        if in_code:
-            body.append(html.escape(line))
-            continue
-        m = re.match(r"^(#{1,6}) (.*)$", line)
-        if m:
-            n = len(m[1])
-            body.append(f"<h{n}>{_inline(m[2])}</h{n}>")
-        elif _ITEM.match(line):
-            body.append(f"<li>{_inline(_ITEM.sub('', line))}</li>")
-        elif line.startswith("|"):
-            body.append(f"<pre>{html.escape(line)}</pre>")
-        elif line.strip():
-            body.append(f"<p>{_inline(line)}</p>")
-    if in_code:
-        body.append("</pre>")
-    return ("<!doctype html><html><head><meta charset='utf-8'><title>"
-            f"{html.escape(title)}</title></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
-
-
-def _safe_href(target: str) -> str | None:
-    """The ``href`` for a Markdown link target, or None when it must stay text."""
-    if _WEB.fullmatch(target):
-        return target
-    if _SIBLING.fullmatch(target):
-        return target[: -len(".md")] + ".html"
-    return None
-
-
-def _inline(text: str) -> str:
-    out: list[str] = []
-    pos = 0
-    for m in _INLINE.finditer(text):
-        out.append(html.escape(text[pos:m.start()]))
-        pos = m.end()
-        if m["esc"] is not None:
-            out.append(html.escape(m["esc"]))
-        elif m["code"] is not None:
-            code = m["code"]
-            if code.startswith(" ") and code.endswith(" ") and code.strip():
-                code = code[1:-1]
-            out.append(f"<code>{html.escape(code)}</code>")
-        elif m["bold"] is not None:
-            out.append(f"<strong>{_inline(m['bold'])}</strong>")
-        else:
-            href = _safe_href(m["href"])
-            label = _inline(m["label"])
-            out.append(f'<a href="{html.escape(href)}">{label}</a>' if href is not None
-                       else f"{label} ({html.escape(m['href'])})")
-    out.append(html.escape(text[pos:]))
-    return "".join(out)

@@ -1,4 +1,5 @@
-"""Campaign reports for machines and people: JUnit XML (CI systems) and Markdown.
+"""Campaign reports for machines and people: JUnit XML (CI systems), Markdown, and HTML pages
+(a matrix of the cells, an incident page with a timeline per cell that left a bundle).
 
 A property campaign's reports carry its properties too: JUnit gets a second suite with one
 test case per property (a failure lists the violating cells and their bundles), Markdown a
@@ -7,10 +8,13 @@ table per property.
 
 from __future__ import annotations
 
+import html
+import re
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 from doctor.report.markdown import md_code, md_escape
-from faults.campaign.cells import CampaignResult, PropertyResult
+from faults.campaign.cells import CampaignResult, CellResult, PropertyResult
 
 
 def junit_xml(result: CampaignResult) -> str:
@@ -126,3 +130,66 @@ def _markdown_properties(result: CampaignResult) -> list[str]:
                          f"{md_escape('; '.join(v.faults))} | {md_escape(v.outcome)} | "
                          f"{md_escape(v.detail)} | {bundle} |")
     return lines
+
+
+def html_pages(result: CampaignResult) -> dict[str, str]:
+    """The campaign as pages: ``index.html``, a matrix of its cells (rows: topology and fault;
+    columns: the fixed protocol and each legacy switch; each cell its expectation, what it
+    showed and pass or fail), and one incident page per cell that left a bundle (its verdict,
+    the timeline of its ranks' runs, its evidence and playbook), linked from the matrix."""
+    from doctor.diagnose import diagnose
+    from doctor.report.html import incident_page, page
+    from doctor.report.runbook import incident_runbook
+    from signatures.loader import load_catalog
+
+    catalog = load_catalog()
+    pages: dict[str, str] = {}
+    links: dict[str, str] = {}
+    for c in result.cells:
+        if c.bundle is None or not Path(c.bundle).is_dir():
+            continue
+        name = "cell-" + re.sub(r"[^A-Za-z0-9._-]+", "-", c.id).strip("-.")[:120] + ".html"
+        d = diagnose([c.bundle])
+        pages[name] = incident_page(d, incident_runbook(d, catalog), {"index.html"}).replace(
+            "<body>\n", f'<body>\n<p><a href="index.html">campaign {html.escape(result.name)}'
+                        f"</a> / cell <code>{html.escape(c.id)}</code></p>\n", 1)
+        links[c.id] = name
+    pages["index.html"] = page(f"Campaign {result.name}", _matrix(result, links))
+    return pages
+
+
+def _matrix(result: CampaignResult, links: dict[str, str]) -> str:
+    e = html.escape
+    rows: dict[str, dict[str, CellResult]] = {}
+    modes: list[str] = []
+    for c in result.cells:
+        parts = c.id.split("/")
+        mode = parts[1] if len(parts) >= 3 else "cell"
+        row = f"{parts[0]} {'/'.join(parts[2:])}" if len(parts) >= 3 else c.id
+        rows.setdefault(row, {})[mode] = c
+        if mode not in modes:
+            modes.append(mode)
+    modes.sort(key=lambda m: (m != "fixed", m))
+    out = [f"<h1>Campaign {e(result.name)}</h1>",
+           f"<p>{result.passed} of {len(result.cells)} cells behaved as expected "
+           f"({result.failed} did not{_skipped(result.skipped)}), {result.wall_s:.0f} s, started "
+           f"{e(result.started_at)}.</p>",
+           '<table class="matrix"><thead><tr><th>topology and fault</th>'
+           + "".join(f"<th>{e(m)}</th>" for m in modes) + "</tr></thead><tbody>"]
+    for row, cells in rows.items():
+        out.append(f"<tr><th>{e(row)}</th>")
+        for m in modes:
+            c = cells.get(m)
+            if c is None:
+                out.append("<td></td>")
+                continue
+            state = "skip" if c.skipped is not None else "pass" if c.passed else "fail"
+            seen = e(c.observed) + (f" ({c.confidence:.2f})" if c.confidence is not None else "")
+            if c.id in links:
+                seen = f'<a href="{e(links[c.id])}">{seen}</a>'
+            out.append(f'<td class="{state}" data-cell="{e(c.id)}" data-state="{state}">'
+                       f"<strong>{state}</strong><br>expected {e(c.expect)}<br>showed {seen}"
+                       f"<br>{c.wall_s:.1f} s</td>")
+        out.append("</tr>")
+    out.append("</tbody></table>")
+    return "\n".join(out)
