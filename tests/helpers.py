@@ -104,3 +104,17 @@ class CacheRig:
 
 def _first_diff(a: list[float], b: list[float]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), -1)
+
+
+#: A campaign of two single-rank cells, small: the sum-hit-pages reproduction (a warm L3,
+#: sidecar holes, 24 requests) and its fixed twin.
+SUM_HIT_PAGES_CAMPAIGN = """
+name: tp1
+defaults: {workload.requests: 24, cache.device_tokens: 512, cache.host_tokens: 768,
+           storage.backend: file, model.sidecars: [all_pages]}
+matrix:
+  - legacy: [[], [sum-hit-pages]]
+    faults: [["storage-shortfall:mode=holes,pool=sidecar,pages=1,at=1"]]
+    warm: true
+    expect: {fixed: healthy, sum-hit-pages: prefetch-gap-overcount}
+"""

@@ -18,6 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
+from tests.helpers import SUM_HIT_PAGES_CAMPAIGN
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "doctor"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -26,17 +27,7 @@ Image = pytest.importorskip("PIL.Image", reason="pillow is not installed")
 pytestmark = pytest.mark.skipif(CHROMIUM is None,
                                 reason="Chromium is not installed (apt-get install chromium)")
 
-# A campaign of two single-rank cells (the sum-hit-pages reproduction and its fixed twin).
-SPEC = """
-name: tp1
-defaults: {workload.requests: 24, cache.device_tokens: 512, cache.host_tokens: 768,
-           storage.backend: file, model.sidecars: [all_pages]}
-matrix:
-  - legacy: [[], [sum-hit-pages]]
-    faults: [["storage-shortfall:mode=holes,pool=sidecar,pages=1,at=1"]]
-    warm: true
-    expect: {fixed: healthy, sum-hit-pages: prefetch-gap-overcount}
-"""
+SPEC = SUM_HIT_PAGES_CAMPAIGN
 
 
 @pytest.fixture(scope="module")

@@ -19,18 +19,9 @@ from faults.campaign.plan import load_campaign
 from faults.campaign.replay import replay
 from faults.campaign.shrink import shrink_bundle
 from hicache_runtime.contracts.bundle import load_manifest
+from tests.helpers import SUM_HIT_PAGES_CAMPAIGN
 
-# The sum-hit-pages reproduction, small: a warm L3, sidecar holes, 24 requests.
-SPEC = """
-name: tp1
-defaults: {workload.requests: 24, cache.device_tokens: 512, cache.host_tokens: 768,
-           storage.backend: file, model.sidecars: [all_pages]}
-matrix:
-  - legacy: [[], [sum-hit-pages]]
-    faults: [["storage-shortfall:mode=holes,pool=sidecar,pages=1,at=1"]]
-    warm: true
-    expect: {fixed: healthy, sum-hit-pages: prefetch-gap-overcount}
-"""
+SPEC = SUM_HIT_PAGES_CAMPAIGN
 BAD_EXPECTATIONS = """
 name: wrong
 defaults: {workload.requests: 12}
