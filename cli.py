@@ -405,6 +405,9 @@ def campaign(
     = None,
     bundle_dir: Annotated[Path, typer.Option(help="Where the cells' crash bundles go.")]
     = Path("hicache-bundles"),
+    storage_url: Annotated[str | None, typer.Option(
+        help="The Redis or Mooncake store of cells with storage.backend redis or mooncake (a "
+             "spec may not name one).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")]
     = False,
 ) -> None:
@@ -414,7 +417,7 @@ def campaign(
     _require_runtime("campaign")
     import render
     from faults.campaign.cells import run_campaign, seed_bases, select
-    from faults.campaign.plan import MAX_CELLS, load_campaign
+    from faults.campaign.plan import MAX_CELLS, load_campaign, needs_store
     from faults.campaign.reports import junit_xml
     from faults.campaign.reports import markdown as markdown_report
 
@@ -429,6 +432,11 @@ def campaign(
     if not cells:
         raise ConfigError("only", f"no cell of campaign {camp.name!r} matches {only!r}",
                           hint="hicache campaign --list shows the cell ids")
+    redis_cells = needs_store(camp, cells)
+    if redis_cells and storage_url is None and not list_cells:
+        raise ConfigError("--storage-url", f"{len(redis_cells)} cell(s) use a Redis store "
+                          f"({redis_cells[0]}, ...), which only the command line names",
+                          hint="hicache campaign SPEC --storage-url redis://host:port/db")
     if list_cells:
         if json_out:  # each cell with the settings it runs with (campaign defaults + its own)
             print(json.dumps([{**c.model_dump(), "settings": {**camp.defaults, **c.config}}
@@ -438,7 +446,7 @@ def campaign(
         raise typer.Exit(EXIT_OK)
     with render.campaign_progress(len(cells), enabled=not json_out) as hook:
         result = run_campaign(camp, bundle_root=bundle_dir, only=only, seeds=seed_list,
-                              hook=hook)
+                              hook=hook, storage_url=storage_url)
     if junit is not None:
         junit.write_text(junit_xml(result), encoding="utf-8")
     if markdown is not None:

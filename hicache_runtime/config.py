@@ -327,6 +327,28 @@ class RuntimeConfig(BaseModel):
 _AT_RE = re.compile(r"^@([\w.]+): (.*)$", re.S)
 
 
+LOCATION_KEYS: frozenset[str] = frozenset({
+    "observability.trace_path", "observability.bundle_dir", "storage.path", "storage.url"})
+"""The config keys that name a place: a file or directory the run writes, a server it
+contacts. An untrusted config source (a campaign spec, a bundle being replayed) may not set
+them; only the command line does (``docs/threat-model.md``)."""
+
+
+def location_keys(data: dict[str, Any]) -> list[str]:
+    """The :data:`LOCATION_KEYS` that ``data`` sets (dotted keys, nested sections, or both)."""
+    merged: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(key, str):
+            _set_dotted(merged, key, value)
+    found = []
+    for dotted in sorted(LOCATION_KEYS):
+        section, _, name = dotted.partition(".")
+        node = merged.get(section)
+        if isinstance(node, dict) and node.get(name) is not None:
+            found.append(dotted)
+    return found
+
+
 MAX_PROBLEMS = 8
 """The most problems one configuration error lists (a file may hold thousands)."""
 

@@ -156,8 +156,8 @@ def seed_bases(cells: list[CellSpec]) -> dict[str, CellSpec]:
 
 
 def run_campaign(spec: CampaignSpec, *, bundle_root: Path, only: str | None = None,
-                 seeds: list[int] | None = None,
-                 hook: CellHook | None = None) -> CampaignResult:
+                 seeds: list[int] | None = None, hook: CellHook | None = None,
+                 storage_url: str | None = None) -> CampaignResult:
     from hicache_runtime.launch.run import ReferenceMemo  # torch: imported once a cell runs
 
     started = datetime.now(UTC).isoformat(timespec="seconds")
@@ -168,7 +168,8 @@ def run_campaign(spec: CampaignSpec, *, bundle_root: Path, only: str | None = No
         for cell in select(spec, only, seeds):
             if hook is not None:
                 hook(cell, None)
-            result = run_cell(spec, cell, Path(work), bundle_root, memo=memo)
+            result = run_cell(spec, cell, Path(work), bundle_root, memo=memo,
+                              storage_url=storage_url)
             if hook is not None:
                 hook(cell, result)
             results.append(result)
@@ -226,10 +227,14 @@ class CampaignMemo:
         self.warm_stores[key] = saved
 
 
-def cell_config(spec: CampaignSpec, cell: CellSpec, work: Path,
-                bundle_root: Path) -> RuntimeConfig:
-    """The runtime config of a cell: campaign defaults, then the cell's overrides."""
+def cell_config(spec: CampaignSpec, cell: CellSpec, work: Path, bundle_root: Path,
+                storage_url: str | None = None) -> RuntimeConfig:
+    """The runtime config of a cell: campaign defaults, then the cell's overrides; the places
+    it writes (bundles, the file store) are the campaign's, and a Redis or Mooncake store is
+    the one the command line named (``storage_url``), never one from the spec."""
     data: dict[str, object] = {**spec.defaults, **cell.config}
+    if data.get("storage.backend") in ("redis", "mooncake") and storage_url is not None:
+        data["storage.url"] = storage_url
     data.update({"topology.tp": cell.tp, "topology.pp": cell.pp, "seed": cell.seed,
                  "faults": tuple(parse_faults(cell.faults)),
                  "legacy": parse_legacy(cell.legacy),
@@ -328,13 +333,13 @@ def _fired(bundle: Path) -> list[FiredFaultRecord]:
 
 
 def run_cell(spec: CampaignSpec, cell: CellSpec, work: Path, bundle_root: Path, *,
-             memo: CampaignMemo | None = None) -> CellResult:
+             memo: CampaignMemo | None = None, storage_url: str | None = None) -> CellResult:
     """Run one cell (after its warm-up run, if any) and judge it."""
     from hicache_runtime.l3.registry import unavailable
 
     t0 = time.monotonic()
     try:
-        cfg = cell_config(spec, cell, work, bundle_root)
+        cfg = cell_config(spec, cell, work, bundle_root, storage_url)
         missing = unavailable(cfg.storage)
         if missing is not None:
             return CellResult(id=cell.id, expect=cell.expect, observed="skipped", passed=False,

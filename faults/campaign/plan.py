@@ -46,7 +46,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from faults.kinds import SURVIVABLE
 from faults.spec import FaultKind, check_topology, parse_faults
-from hicache_runtime.config import RuntimeConfig, check_run_limits, load_config
+from hicache_runtime.config import (
+    LOCATION_KEYS,
+    RuntimeConfig,
+    check_run_limits,
+    load_config,
+    location_keys,
+)
 from hicache_runtime.config_files import load_file, parse_text, short_repr
 from hicache_runtime.contracts.errors import ConfigError, InvalidFaultSpec
 from hicache_runtime.contracts.legacy import LegacySwitch, parse_legacy
@@ -187,6 +193,16 @@ class CampaignSpec(BaseModel):
 
     @model_validator(mode="after")
     def _bounded(self) -> CampaignSpec:
+        for where, config in [("defaults", self.defaults),
+                              *((f"cell {c.id[:80]}", c.config) for c in self.cells),
+                              *((f"matrix {i}", m.config) for i, m in enumerate(self.matrix))]:
+            named = location_keys(config)
+            if named:
+                raise ValueError(
+                    f"{where} sets {', '.join(named)}: a campaign spec may not name a path, "
+                    "URL or server (a spec is untrusted: it could overwrite a file or write to "
+                    "someone's store); the campaign picks its own directories, and a store is "
+                    "given on the command line (hicache campaign --storage-url URL)")
         total = self.size
         if total > MAX_CELLS:
             raise ValueError(f"the campaign expands to {total} cells; at most {MAX_CELLS} "
@@ -238,9 +254,9 @@ def _not_fixed(legacy: list[list[str]], expects: list[str], faults: list[list[st
     return ""
 
 
-#: Config fields a cell sets through its own keys, or that belong to the machine it runs on.
-_NOT_CELL_CONFIG = ("topology.", "seed", "faults", "legacy", "observability.bundle_dir",
-                    "observability.trace_path", "storage.path")
+#: Config fields a cell sets through its own keys, or that belong to the machine it runs on
+#: (the places a run writes or contacts: never in a spec).
+_NOT_CELL_CONFIG = ("topology.", "seed", "faults", "legacy", *sorted(LOCATION_KEYS))
 
 
 def cell_from_config(cfg: RuntimeConfig, *, expect: str, warm: bool,
@@ -309,11 +325,24 @@ def _validate(data: Any, where: str) -> CampaignSpec:
         for key, expect in matrix.expect.items():
             check_expectation(expect, known, f"{where}: matrix {i}, expect.{key}")
     for cell in cells:
+        settings = cell_settings(spec, cell)
+        if settings.get("storage.backend") == "redis":  # its server comes from --storage-url
+            settings["storage.url"] = PLACEHOLDER_REDIS
         try:
-            check_run_limits(load_config(cell_settings(spec, cell)))
+            check_run_limits(load_config(settings))
         except ConfigError as exc:
             raise ConfigError(f"campaign cell {cell.id}", f"{exc} ({where})") from None
     return spec
+
+
+PLACEHOLDER_REDIS = "redis://127.0.0.1:6379/0"
+"""Stands in for the ``--storage-url`` a Redis cell will run with, while a spec is checked."""
+
+
+def needs_store(spec: CampaignSpec, cells: list[CellSpec]) -> list[str]:
+    """The ids of ``cells`` that run against a Redis store, which only the command line may
+    name (a Mooncake cell without one starts a private store)."""
+    return [c.id for c in cells if cell_settings(spec, c).get("storage.backend") == "redis"]
 
 
 def cell_settings(spec: CampaignSpec, cell: CellSpec) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from faults.spec import FaultKind, FaultSpec
-from hicache_runtime.config import RuntimeConfig, check_run_limits, load_config
+from hicache_runtime.config import LOCATION_KEYS, RuntimeConfig, check_run_limits, load_config
 from hicache_runtime.contracts.bundle import Manifest
 from hicache_runtime.contracts.errors import ConfigError, DumpFormatError
 from hicache_runtime.contracts.run_files import MANIFEST
@@ -188,8 +188,8 @@ def guard_config(raw: dict[str, Any], *, storage_url: str | None = None) -> Guar
     for i, spec in enumerate(cfg.faults):
         _check_fault(i, spec)
     notes: list[str] = []
-    changes: dict[str, Any] = {"observability.trace_path": None,
-                               "observability.bundle_dir": None, "storage.path": None}
+    # every place the bundle names is dropped (storage.url is decided below)
+    changes: dict[str, Any] = dict.fromkeys(LOCATION_KEYS - {"storage.url"})
     obs, st = cfg.observability, cfg.storage
     if obs.trace_path is not None:
         notes.append(f"the bundle's trace file {printable(str(obs.trace_path))} is not "

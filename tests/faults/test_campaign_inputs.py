@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -154,3 +155,60 @@ def test_a_spec_built_in_code_is_size_checked_before_its_cell_runs(tmp_path: Pat
     with pytest.raises(ConfigError, match=r"workload\.requests"):
         cell_config(spec, cell, tmp_path, tmp_path / "bundles")
     assert not (tmp_path / "bundles").exists()
+
+
+@pytest.mark.parametrize("where", [
+    "defaults: {{{key}: {value}}}\ncells:\n  - expect: healthy\n",
+    "cells:\n  - expect: healthy\n    config: {{{key}: {value}}}\n",
+    "matrix:\n  - faults: [[]]\n    config: {{{key}: {value}}}\n    expect: {{fixed: healthy}}\n",
+])
+@pytest.mark.parametrize(("key", "value"), [
+    ("observability.trace_path", "{victim}"), ("observability.bundle_dir", "{victim}.d"),
+    ("storage.path", "{victim}.store"), ("storage.url", "'redis://127.0.0.1:6379/5'"),
+    ("storage", "{{path: {victim}.nested}}"),
+])
+def test_a_spec_cannot_name_a_path_or_a_server(tmp_path: Path, where: str, key: str,
+                                                value: str) -> None:
+    """A spec that names a file, a directory or a store (dotted or nested) is refused before
+    anything runs: it used to truncate the file it named with trace lines and write keys to
+    the Redis it named. `--list` refuses it too; nothing is written anywhere."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    spec = _spec(tmp_path, where.format(key=key, value=value.format(victim=victim)))
+    res = CliRunner().invoke(app, ["campaign", str(spec), "--list"])
+    assert res.exit_code == 2, res.output
+    assert "may not name a path, URL or server" in res.stderr
+    assert victim.read_text() == "precious\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml", "victim.txt"]
+
+
+def test_the_store_of_a_campaign_comes_from_the_command_line(tmp_path: Path) -> None:
+    from faults.campaign.cells import cell_config
+
+    spec = load_campaign(_spec(tmp_path, "defaults: {storage.backend: redis}\n"
+                                          "cells:\n  - expect: healthy\n"))
+    cell = spec.expand()[0]
+    cfg = cell_config(spec, cell, tmp_path, tmp_path / "b", "redis://127.0.0.1:6390/3")
+    assert cfg.storage.url == "redis://127.0.0.1:6390/3"
+    assert cfg.observability.bundle_dir == tmp_path / "b"
+    with pytest.raises(ConfigError, match="redis"):
+        cell_config(spec, cell, tmp_path, tmp_path / "b")  # no store named: none is invented
+
+
+def test_a_redis_campaign_runs_against_the_store_the_command_line_names(
+        tmp_path: Path, redis_server: Any) -> None:
+    """A spec asks for the redis backend; the server is the one --storage-url names (a real
+    Redis), and without it the campaign refuses to start."""
+    import redis
+
+    spec = _spec(tmp_path, "name: r\ndefaults: {storage.backend: redis, workload.requests: 8}\n"
+                           "cells:\n  - expect: healthy\n")
+    res = CliRunner().invoke(app, ["campaign", str(spec)])
+    assert res.exit_code == 2
+    assert "--storage-url" in res.stderr
+    client = redis.Redis.from_url(redis_server.url)
+    before = client.dbsize()
+    res = CliRunner().invoke(app, ["campaign", str(spec), "--storage-url", redis_server.url,
+                                   "--bundle-dir", str(tmp_path / "b"), "--json"])
+    assert res.exit_code == 0, res.output
+    assert client.dbsize() > before, "the cell wrote its pages to the named store"
