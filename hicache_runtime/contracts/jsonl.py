@@ -56,17 +56,19 @@ def iter_lines(stream: BinaryIO, max_line: int = MAX_LINE,
 
 def open_regular(path: Path) -> BinaryIO:
     """Open ``path`` for reading if it is a regular file (after symlinks), else raise
-    :class:`DumpFormatError` saying what it is."""
-    fh = path.open("rb")
+    :class:`DumpFormatError` saying what it is. Opened without blocking and checked before
+    anything is read: a FIFO would otherwise wait forever for a writer in ``open`` itself."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
-        mode = os.fstat(fh.fileno()).st_mode
-    except OSError:
-        fh.close()
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise DumpFormatError(f"{path}: not a regular file ({describe_mode(mode)}); "
+                                  "not read")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
         raise
-    if not stat.S_ISREG(mode):
-        fh.close()
-        raise DumpFormatError(f"{path}: not a regular file ({describe_mode(mode)}); not read")
-    return fh
 
 
 def describe_mode(mode: int) -> str:

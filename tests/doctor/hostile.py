@@ -165,6 +165,14 @@ def events_dev_zero(d: Path) -> Path:
     return d
 
 
+def events_fifo(d: Path) -> Path:
+    """A bundle whose ``rank0/events.jsonl`` is a FIFO nobody writes to."""
+    path = d / "rank0" / "events.jsonl"
+    path.parent.mkdir(parents=True)
+    os.mkfifo(path)
+    return d
+
+
 MALFORMED_EVENTS = [
     '{"t_ns": 5, "kind": "a.b", "attrs": []}',  # attrs not an object (was AttributeError)
     '{"t_ns": "soon", "kind": "a.b", "attrs": {}}',  # time not an int

@@ -253,6 +253,14 @@ def test_trace_export_refuses_dev_zero(tmp_path: Path) -> None:
     assert not (tmp_path / "out.json").exists()
 
 
+def test_trace_export_of_a_fifo_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """It used to open the file before checking what it was: a FIFO hung it forever."""
+    bundle = hostile.events_fifo(tmp_path / "bundle")
+    run = run_capped(["trace", "export", str(bundle), "-o", "out.json"], tmp_path, timeout_s=60)
+    _one_line_error(run, "not a regular file (a FIFO)")
+    assert not (tmp_path / "out.json").exists()
+
+
 @pytest.mark.slow
 def test_trace_export_of_a_sparse_2gib_line(tmp_path: Path) -> None:
     empty = hostile.sparse_events(tmp_path / "a", events=0)
