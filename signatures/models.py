@@ -98,6 +98,11 @@ class FrameRecogniser(_Strict):
             func, _, file = x.partition("@")
             check_regex(func)
             check_regex(file)
+            for part in (func, file):
+                # A part that matches the empty name matches every frame: a '@' meant as a
+                # character split the pattern there (escape it as \x40)
+                if part and re.search(part, "") is not None:
+                    raise ValueError(f"frame pattern {x!r}: {part!r} matches every name")
         return v
 
 

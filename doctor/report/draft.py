@@ -25,6 +25,12 @@ _PLACEHOLDERS = {"N": r"-?\d+(?:\.\d+)?", "X": r"0x[0-9a-fA-F]+", "ID": r"\S+"}
 _STRUCTURAL_FACTS = {f.value for f in Fact} - {"hang", "crash", "wrong-output", "no-failure"}
 
 
+def _literal(name: str) -> str:
+    """A function name as a pattern that matches only it. ``@`` separates a frame pattern's
+    function from its file, so it is written ``\x40`` (``re.escape`` leaves it as is)."""
+    return re.escape(name).replace("@", r"\x40")
+
+
 def _failure_kind(d: Diagnosis) -> str:
     """The shape the incident showed: the run's recorded outcome when it has one, else a
     crash when any rank raised (its peers blocked in collectives are the consequence), a hang
@@ -49,7 +55,7 @@ def draft_signature(d: Diagnosis, sig_id: str | None = None) -> dict[str, Any]:
                                       "message": _message_regex(exc_msg), "weight": 0.3}]
     if fp.functions:
         recognisers["frames"] = {"where": "any", "weight": 0.3,
-                                 "any": [rf"(^|\.){re.escape(f)}$" for f in fp.functions]}
+                                 "any": [rf"(^|\.){_literal(f)}$" for f in fp.functions]}
     facts = [f for f in fp.facts if f in _STRUCTURAL_FACTS]
     if facts:
         recognisers["facts"] = [{"fact": f, "weight": 0.3} for f in facts]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
@@ -140,3 +141,37 @@ def test_similar_to_lines_say_recognisers_in_words() -> None:
             seen += "exception" in near.because
             assert not re.search(r"\(\?|\\[wdsb]|\(\\w|\|\w+\)|\.\*", near.because), near.because
     assert seen, "no near miss mentioned an exception: the test saw nothing"
+
+
+def test_a_function_named_with_an_at_sign_is_drafted_as_itself(tmp_path: Path) -> None:
+    """`@` splits a frame pattern into function and file: a drafted `(^|\\.)@$` was loaded as
+    a pattern matching every frame. The draft escapes it; the loader refuses a part that
+    matches any name."""
+    import re
+
+    from signatures.models import FrameRecogniser
+
+    log = tmp_path / "server.log"
+    log.write_text("Traceback (most recent call last):\n"
+                   '  File "/srv/app/sglang/srt/managers/scheduler.py", line 10, in @\n'
+                   "    run()\n"
+                   '  File "/srv/app/sglang/srt/managers/scheduler.py", line 20, in a@b\n'
+                   "    go()\n"
+                   "RuntimeError: boom 12\n")
+    diag = tmp_path / "d.json"
+    runner = CliRunner()
+    runner.invoke(app, ["doctor", str(log), "--json", "--out", str(diag)])
+    res = runner.invoke(app, ["signatures", "new", "--from", str(diag), "--id", "at-sign",
+                              "--out", str(tmp_path / "x.yaml")])
+    assert res.exit_code == 0, res.output
+    frames = Signature.model_validate(yaml.safe_load((tmp_path / "x.yaml").read_text())) \
+        .recognisers.frames
+    assert frames is not None
+    for pattern in frames.any:
+        func, sep, _ = pattern.partition("@")
+        assert not sep, pattern  # no bare '@' left to split on
+        assert not re.search(func, "writing_check"), pattern
+    assert any(re.search(p, "@") for p in frames.any) or any(re.search(p, "a@b")
+                                                              for p in frames.any)
+    with pytest.raises(ValueError, match="matches every name"):
+        FrameRecogniser(any=[r"(^|\.)@$"], weight=0.3)
