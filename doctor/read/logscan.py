@@ -12,11 +12,13 @@ Which lines reach the slow path (:class:`~doctor.read.text.lines.LineHandler`):
 * every line while a block (traceback, thread dump, torchrun summary) is open, so multi-line
   records are read whole even when ranks interleave.
 
-Line numbers are exact (newlines are counted in C with ``bytes.count``).
+Line numbers are exact (newlines are counted in C with ``bytes.count``), counting every line
+boundary ``str.splitlines`` knows (:class:`LineEndings`).
 """
 
 from __future__ import annotations
 
+import re
 from typing import BinaryIO
 
 from doctor.read.prefilter import TriggerIndex
@@ -27,6 +29,52 @@ HEAD_LINES = 500
 CHUNK_HEAD_LINES = 8
 MAX_LINE = 1 << 20
 """A "line" longer than this is cut (binary junk, minified JSON) and reported once."""
+
+
+_ONE_BYTE = bytes.maketrans(b"\x0b\x0c\x1c\x1d\x1e", b"\n\n\n\n\n")
+_LONE_CR = re.compile(rb"\r(?!\n)")
+_MULTI_BYTE = ("\u2028".encode(), "\u2029".encode(), "\x85".encode())
+_HELD = (b"\r", *(sep[:n] for sep in _MULTI_BYTE for n in range(1, len(sep))))
+"""Chunk endings that may be the first bytes of a separator the next chunk completes."""
+
+
+class LineEndings:
+    """Every line boundary ``str.splitlines`` knows, made ``\n`` as the bytes stream past:
+    a lone ``\r`` (old Mac files, progress bars, logs copied through some terminals), the
+    vertical tab, form feed and file/group/record separators, and UTF-8's NEL, LINE SEPARATOR
+    and PARAGRAPH SEPARATOR. ``\r\n`` stays (the line parsers drop the ``\r``). A separator
+    cut by a chunk boundary is held back until the next chunk says what it is."""
+
+    def __init__(self) -> None:
+        self._held = b""
+
+    def __call__(self, chunk: bytes) -> bytes:
+        chunk = self._held + chunk if self._held else chunk
+        self._held = next((h for h in _HELD if chunk.endswith(h)), b"")
+        if self._held:
+            chunk = chunk[:-len(self._held)]
+        return _normalise(chunk)
+
+    def flush(self) -> bytes:
+        """What was held back, at the end of the stream (a final ``\r`` ends a line)."""
+        held, self._held = self._held, b""
+        return _normalise(held + b"\n" if held == b"\r" else held)
+
+
+_RARE = (b"\x0b", b"\x0c", b"\x1c", b"\x1d", b"\x1e")
+
+
+def _normalise(chunk: bytes) -> bytes:
+    # each `in` is a memchr-speed scan; translating every chunk would cost a third of the
+    # scanner's throughput for separators almost no log has
+    if any(c in chunk for c in _RARE):
+        chunk = chunk.translate(_ONE_BYTE)
+    if b"\r" in chunk:
+        chunk = _LONE_CR.sub(b"\n", chunk)
+    for sep in _MULTI_BYTE:
+        if sep[:1] in chunk and sep in chunk:  # the lead byte by memchr first: ASCII logs
+            chunk = chunk.replace(sep, b"\n")
+    return chunk
 
 
 class LogScanner:
@@ -44,10 +92,14 @@ class LogScanner:
         """Read ``stream`` to its end; never raises on content (I/O errors propagate)."""
         carry = b""
         skipping = False  # inside the rest of an over-long line
+        endings = LineEndings()
         while True:
-            chunk = stream.read(CHUNK)
+            raw = stream.read(CHUNK)
+            chunk = endings(raw) if raw else endings.flush()
             if not chunk:
-                break
+                if not raw:
+                    break
+                continue
             if skipping:
                 nl = chunk.find(b"\n")
                 if nl < 0:

@@ -4,6 +4,7 @@ line numbers are exact, and odd lines (huge, CRLF, no final newline) are handled
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -87,3 +88,37 @@ def test_huge_line_crlf_and_missing_final_newline(monkeypatch: pytest.MonkeyPatc
             b"IndexError: pop from empty list")
     summary, _ = _scan(data)
     assert ("IndexError", "pop from empty list", "x.log:4", 1) in summary["-1"][1]
+
+
+SEPARATORS = {"lone CR": b"\r", "CRLF": b"\r\n", "vertical tab": b"\x0b", "form feed": b"\x0c",
+              "file separator": b"\x1c", "record separator": b"\x1e",
+              "NEL": "\x85".encode(), "LINE SEPARATOR": "\u2028".encode(),
+              "PARAGRAPH SEPARATOR": "\u2029".encode()}
+
+
+@pytest.mark.parametrize("sep", SEPARATORS.values(), ids=SEPARATORS.keys())
+@pytest.mark.parametrize("chunk", [1 << 22, 7, 3])
+def test_every_line_boundary_splitlines_knows_is_a_line_end(
+        sep: bytes, chunk: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A log named at 0.85 with LF is named the same with any separator str.splitlines
+    accepts (a lone CR gave no signature at all), also when a separator is cut by a chunk
+    boundary; line numbers count the same lines."""
+    from doctor.diagnose import diagnose
+
+    monkeypatch.setattr(logscan, "CHUNK", chunk if chunk > 64 else 1 << 22)
+    src = (FIXTURES / "write-ack-pop-empty" / "sglang-pp2-classic" / "server.log").read_bytes()
+    text = src.replace(b"\n", sep)
+    if chunk <= 64:  # feed it in tiny reads through the separator normaliser itself
+        endings = logscan.LineEndings()
+        out = b"".join(endings(text[i:i + chunk]) for i in range(0, len(text), chunk))
+        out += endings.flush()
+        assert out.replace(b"\r\n", b"\n") == src, "a separator cut by a read was lost"
+        return
+    log = tmp_path / "server.log"
+    log.write_bytes(text)
+    d = diagnose([str(log)])
+    assert d.verdicts, d.summary
+    assert d.verdicts[0].signature == "write-ack-pop-empty"
+    assert d.verdicts[0].confidence == 0.85
+    lf = {(e.line, e.text) for e in d.verdicts[0].evidence}
+    assert all(line is None or line <= src.count(b"\n") + 1 for line, _ in lf)
