@@ -38,6 +38,7 @@ from hicache_runtime.contracts.errors import ConfigError, ToolUnavailable
 from hicache_runtime.contracts.pyspy import dump as pyspy_dump
 from hicache_runtime.contracts.pyspy import find_pyspy
 from hicache_runtime.contracts.run_files import (
+    DP_RANK_ENV,
     HELPER_PROCESS_ENV,
     RANK_PYSPY,
     in_bundle,
@@ -61,6 +62,8 @@ class Target:
     tp: int | None = None
     pp: int | None = None
     cmdline: str = ""
+    dp: int | None = None
+    """The data-parallel group (every group numbers its ranks from 0)."""
 
 
 @dataclass
@@ -105,12 +108,32 @@ def find_targets(pids: list[int], tree: int | None, torchrun: int | None) -> lis
         raise ConfigError("capture", "nothing to capture",
                           hint="give --pid PID (repeatable), --tree PID or --torchrun PID")
     targets = [_describe(p) for p in dict.fromkeys(chosen)]
+    _global_ranks(targets)
     used = {t.rank for t in targets if t.rank is not None}
     free = (r for r in range(len(targets) + len(used)) if r not in used)
     for t in targets:
         if t.rank is None:
             t.rank = next(free)
     return sorted(targets, key=lambda t: t.rank if t.rank is not None else -1)
+
+
+def _global_ranks(targets: list[Target]) -> None:
+    """One rank id per process. Every DP group numbers its ranks from 0, so ``RANK`` repeats
+    across groups: a rank in group ``d`` of ``size``-rank groups becomes ``d * size + rank``
+    (as the runtime numbers DP bundles). Any rank still claimed twice is given up for the
+    later process, which then gets a free id: two dumps must never share a folder."""
+    groups = {t.dp for t in targets if t.rank is not None}
+    if len(groups) > 1:
+        size = 1 + max(t.rank for t in targets if t.rank is not None)
+        for t in targets:
+            if t.rank is not None:
+                t.rank += (t.dp or 0) * size
+    seen: set[int] = set()
+    for t in targets:
+        if t.rank is not None and t.rank in seen:
+            t.rank = None
+        elif t.rank is not None:
+            seen.add(t.rank)
 
 
 def capture(targets: list[Target], out: Path, *, logs: Sequence[Path] = (),
@@ -139,7 +162,8 @@ def capture(targets: list[Target], out: Path, *, logs: Sequence[Path] = (),
 
 def _dump(cmd: list[str], extra: list[str], t: Target, out: Path, timeout_s: float
           ) -> CaptureTarget:
-    rec = CaptureTarget(pid=t.pid, rank=t.rank, tp=t.tp, pp=t.pp, cmdline=t.cmdline[:500])
+    rec = CaptureTarget(pid=t.pid, rank=t.rank, tp=t.tp, pp=t.pp, dp=t.dp,
+                        cmdline=t.cmdline[:500])
     rank_dir = out / rank_dir_name(t.rank)
     rank_dir.mkdir(exist_ok=True)
     res = pyspy_dump(t.pid, command=cmd, extra=extra, timeout_s=timeout_s)
@@ -211,15 +235,20 @@ def pyspy_error(output: str, returncode: int, limit: int = 500) -> str:
 
 
 def _copy_log(src: Path, dest_dir: Path, max_bytes: int) -> str:
+    """Copy ``src`` under ``dest_dir`` (its tail when larger than ``max_bytes``); a name
+    already taken (two ranks' ``server.log``) gets ``-2``, ``-3``: nothing is overwritten."""
     dest_dir.mkdir(parents=True, exist_ok=True)
-    dest = dest_dir / src.name
+    dest, n = dest_dir / src.name, 1
+    while dest.exists():
+        n += 1
+        dest = dest_dir / f"{src.stem}-{n}{src.suffix}"
     with src.open("rb") as fin, dest.open("wb") as fout:
         size = src.stat().st_size
         if size > max_bytes:
             fin.seek(size - max_bytes)
             fin.readline()  # start at a line boundary
         shutil.copyfileobj(fin, fout, 1 << 20)
-    return f"logs/{src.name}"
+    return f"logs/{dest.name}"
 
 
 def _is_permission(error: str | None) -> bool:
@@ -249,6 +278,9 @@ def _describe(pid: int) -> Target:
     if m:
         t.tp = int(m["tp"]) if m["tp"] else None
         t.pp = int(m["pp"]) if m["pp"] else None
+        t.dp = int(m["dp"]) if m["dp"] else None
+    if env.get(DP_RANK_ENV, "").isdigit():
+        t.dp = int(env[DP_RANK_ENV])
     return t
 
 

@@ -44,6 +44,7 @@ class CaptureTarget(BaseModel):
     rank: int | None = None
     tp: int | None = None
     pp: int | None = None
+    dp: int | None = None
     cmdline: str = ""
     pyspy: str | None = Field(None, description="path of its py-spy JSON, relative")
     pyspy_text: str | None = None

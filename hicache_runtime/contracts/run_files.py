@@ -52,6 +52,8 @@ RANK_STORAGE_CLIENT_LOG = "storage-client.log"
 """The L3 client library's own log lines (a backend that keeps them, e.g. Mooncake's glog)."""
 
 
+DP_RANK_ENV = "HICACHE_DP_RANK"
+"""A rank's data-parallel group, in its environment (each group numbers its ranks from 0)."""
 HELPER_PROCESS_ENV = "HICACHE_HELPER"
 """Set (to the helper's name) in the environment of a run's processes that are not ranks (the
 rank zygote): ``hicache capture --tree`` leaves them out."""

@@ -26,11 +26,12 @@ from multiprocessing.connection import Connection
 
 from hicache_runtime.contracts.errors import ConfigError
 from hicache_runtime.contracts.events import Ev
+from hicache_runtime.contracts.run_files import DP_RANK_ENV
 from hicache_runtime.kv.request import Req, ReqStatus
 from hicache_runtime.launch.dp_routing import LoadBoard
 from hicache_runtime.telemetry.tracer import Tracer
 
-ENV_DP_RANK = "HICACHE_DP_RANK"
+ENV_DP_RANK = DP_RANK_ENV
 """The rank's DP group (every rank of a run with several groups)."""
 ENV_BOARD = "HICACHE_DP_BOARD"
 """The shared-memory name of the controller's load board."""

@@ -325,3 +325,48 @@ def test_helpers_alone_are_no_ranks_yet(tmp_path: Path) -> None:
     finally:
         os.killpg(parent.pid, 9)
         parent.wait(timeout=10)
+
+
+DP_LAUNCHER = textwrap.dedent('''
+    import os, subprocess, sys, time
+    kids = [subprocess.Popen([sys.executable, sys.argv[1]], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "RANK": str(r), "HICACHE_DP_RANK": str(d)})
+            for d in (0, 1) for r in (0, 1)]
+    for k in kids:
+        k.stdout.readline()
+    print("ready", flush=True)
+    time.sleep(600)
+''')
+
+
+def test_ranks_of_two_dp_groups_and_logs_of_one_name_never_overwrite(tmp_path: Path) -> None:
+    """Every DP group numbers its ranks from 0: four processes used to land in two rank
+    folders (each saying "ok"), and two ranks' server.log in one file."""
+    (tmp_path / "rank.py").write_text(RANK)
+    (tmp_path / "launcher.py").write_text(DP_LAUNCHER)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "launcher.py"),
+                             str(tmp_path / "rank.py")], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        targets = find_targets([], proc.pid, None)
+        assert sorted(t.rank for t in targets) == [0, 1, 2, 3]
+        assert sorted((t.dp, t.rank) for t in targets) == [(0, 0), (0, 1), (1, 2), (1, 3)]
+        logs = []
+        for host in ("a", "b"):
+            (tmp_path / host).mkdir()
+            logs.append(tmp_path / host / "server.log")
+            logs[-1].write_text(f"[2026-01-01 00:00:00 TP0] from {host}\n")
+        result = capture(targets, tmp_path / "cap", logs=logs, timeout_s=20, resample_s=0)
+        if result.hint is not None:
+            pytest.skip(f"py-spy may not ptrace in this environment: {result.failures[0]}")
+        assert sorted(p.parent.name for p in (tmp_path / "cap").glob("rank*/pyspy.json")) == \
+            ["rank0", "rank1", "rank2", "rank3"]
+        copies = sorted((tmp_path / "cap" / "logs").iterdir())
+        assert [p.name for p in copies] == ["server-2.log", "server.log"]
+        assert {p.read_text() for p in copies} == {log.read_text() for log in logs}
+        assert result.manifest.logs == ["logs/server.log", "logs/server-2.log"]
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait(timeout=10)
