@@ -257,7 +257,9 @@ def start_ranks(cfg: RuntimeConfig, run_dir: Path, port: int, *, first_device: i
                     "OMP_NUM_THREADS": str(torch_threads()), "PYTHONUNBUFFERED": "1",
                     **(env or {}), **((entry_env or {}) if r == 0 else {})}
         rank_env.pop("HICACHE_SELF_PYSPY", None)
-        argv = [sys.executable, "-m", "hicache_runtime.launch.rank_process",
+        # -P: the working directory is not on the path, so a stray timeit.py or random.py
+        # where the user runs hicache is never imported in place of the standard library's
+        argv = [sys.executable, "-P", "-m", "hicache_runtime.launch.rank_process",
                 "--run-dir", str(run_dir)]
         fds = entry_fds if r == 0 else ()
         if forking:

@@ -112,7 +112,9 @@ class Zygote:
                _PAD_VAR: " " * max(_MIN_PAD, 2 * env_bytes)}
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "hicache_runtime.launch.zygote", str(theirs.fileno()),
+                # -P: nothing from the working directory shadows what the ranks import
+                [sys.executable, "-P", "-m", "hicache_runtime.launch.zygote",
+                 str(theirs.fileno()),
                  " " * _MIN_PAD],
                 pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
                 # out of the terminal's process group: a Ctrl-C reaches the launcher, which
@@ -317,11 +319,12 @@ def _become_rank(req: dict[str, Any], fds: list[int], zygote_pid: int) -> None:
         os.environ.update(req["env"])
         argv = req["argv"]
         _retitle(argv, req["env"])
-        if argv[:2] != [sys.executable, "-m"] or len(argv) < 3:
-            raise ValueError(f"a rank is 'python -m MODULE ...', not {argv!r}")
-        sys.argv = [argv[2], *argv[3:]]
-        module = __import__(argv[2], fromlist=["main"])
-        code = module.main(argv[3:])
+        run = argv[2:] if argv[1:2] == ["-P"] else argv[1:]  # the zygote itself runs with -P
+        if argv[:1] != [sys.executable] or run[:1] != ["-m"] or len(run) < 2:
+            raise ValueError(f"a rank is 'python [-P] -m MODULE ...', not {argv!r}")
+        sys.argv = [run[1], *run[2:]]
+        module = __import__(run[1], fromlist=["main"])
+        code = module.main(run[2:])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:

@@ -19,8 +19,14 @@ pytestmark = pytest.mark.skipif(not zygote.usable(), reason="no fork-based launc
 TARGET = "tests.runtime.zygote_target"
 
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
 @pytest.fixture
-def zyg() -> zygote.Zygote:
+def zyg(monkeypatch: pytest.MonkeyPatch) -> zygote.Zygote:
+    # the zygote runs with -P (no working directory on its path): the test target is found
+    # through PYTHONPATH, as any module outside the installed packages would be
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
     z = zygote.Zygote()
     yield z
     z.close()
@@ -118,3 +124,18 @@ def test_the_launcher_forks_ranks_from_one_zygote(tmp_path: Path) -> None:
             res.cleanup()
         pids.append(zygote.shared().proc.pid)
     assert pids[0] == pids[1], "the second launch reused the warm zygote"
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_stray_module_where_hicache_runs_is_not_imported(tmp_path: Path) -> None:
+    """A timeit.py in the working directory shadowed the standard library's in the zygote
+    (python -m puts the working directory first on the path): every rank failed to start with
+    an ImportError from torch. Ranks and the zygote run with -P."""
+    (tmp_path / "timeit.py").write_text("raise SystemExit('the stray module was imported')\n")
+    (tmp_path / "random.py").write_text("raise SystemExit('the stray module was imported')\n")
+    proc = subprocess.run([str(Path(sys.executable).with_name("hicache")), "run", "--tp", "2",
+                           "--requests", "4", "--json"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert '"outcome": "healthy"' in proc.stdout
