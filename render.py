@@ -224,6 +224,8 @@ def run_summary(s: RunSummary) -> None:
         rows.append(("error", f"[{STYLE_BAD}]{esc(s.error)}[/]"))
     if s.bundle:
         rows.append(("bundle", esc(s.bundle)))
+    elif getattr(s, "bundle_error", None):
+        rows.append(("bundle", f"[{STYLE_WARN}]not written: {esc(s.bundle_error)}[/]"))
     for k, v in rows:
         table.add_row(k, v)
     con.print(Panel(table, title="hicache run", expand=False))

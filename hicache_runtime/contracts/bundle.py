@@ -22,7 +22,9 @@ import json
 import os
 import platform
 import re
+import shutil
 import sys
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from enum import Enum
 from importlib.metadata import PackageNotFoundError, version
@@ -31,6 +33,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from hicache_runtime.contracts.errors import BundleNotWritten
 from hicache_runtime.contracts.run_files import (
     MANIFEST,
     RANK_EVENTS,
@@ -220,6 +223,31 @@ def new_bundle_dir(root: Path, outcome: RunOutcome) -> Path:
         path, n = Path(f"{base}-{n}"), n + 1
     path.mkdir(parents=True)
     return path
+
+
+@contextlib.contextmanager
+def bundle_writing(dest: Path) -> Iterator[Path]:
+    """Write a bundle into ``dest``; when writing fails (``OSError``: a full disk, a
+    read-only or vanished directory), remove what was written and raise
+    :class:`BundleNotWritten` in one line. A bundle is whole once its manifest, written last,
+    is there."""
+    try:
+        yield dest
+    except OSError as exc:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise BundleNotWritten(f"the crash bundle could not be written under {dest.parent}: "
+                               f"{_why(exc)}") from None
+
+
+def _why(exc: OSError) -> str:
+    """An OSError in a few words; ``shutil.Error`` (a failed copytree) lists every file that
+    failed: its first reason is the one."""
+    if isinstance(exc, shutil.Error) and exc.args and isinstance(exc.args[0], list):
+        first = exc.args[0][0] if exc.args[0] else None
+        why = str(first[2]) if isinstance(first, tuple) and len(first) == 3 else str(exc)
+        m = re.match(r"\[Errno \d+\] ([^:]+)", why)
+        return m.group(1) if m else why[:200]
+    return exc.strerror or str(exc)[:200]
 
 
 def label_bundle(bundle: Path, label: str) -> Path:

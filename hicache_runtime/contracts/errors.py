@@ -44,6 +44,11 @@ class InvalidFaultSpec(HiCacheError, ValueError):
     """A fault spec (model or compact string) cannot be parsed or names an unknown fault."""
 
 
+class BundleNotWritten(HiCacheError):
+    """A crash bundle could not be written (a full disk, a read-only directory): what was
+    written of it is removed, so no folder without a manifest looks like a bundle."""
+
+
 class DumpFormatError(HiCacheError, ValueError):
     """An input artifact (bundle, dump, log) is malformed; the doctor reports it and goes on."""
 

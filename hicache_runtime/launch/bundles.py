@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,12 +24,13 @@ from hicache_runtime.contracts.bundle import (
     RankEntry,
     RankFiles,
     RunOutcome,
+    bundle_writing,
     new_bundle_dir,
     now_iso,
     versions,
     write_manifest,
 )
-from hicache_runtime.contracts.errors import DumpFormatError
+from hicache_runtime.contracts.errors import BundleNotWritten, DumpFormatError
 from hicache_runtime.contracts.outcome import classify_exit, describe_exit
 from hicache_runtime.contracts.rank_result import read_rank_result
 from hicache_runtime.contracts.run_files import (
@@ -69,6 +70,15 @@ def build_manifest(cfg: RuntimeConfig, outcome: RunOutcome, reason: str,
         missing_ranks=list(missing_ranks), mismatches=list(mismatches))
 
 
+def kept_bundle(write: Callable[[], Path]) -> tuple[Path | None, str | None]:
+    """Write a bundle; when it cannot be written (a full disk), no bundle and why, so the run
+    still ends with its summary (the failure it had is still the failure to report)."""
+    try:
+        return write(), None
+    except BundleNotWritten as exc:
+        return None, str(exc)
+
+
 def write_run_bundle(run_dir: Path, cfg: RuntimeConfig, bundle_root: Path | None,
                      outcome: RunOutcome, reason: str, exits: Mapping[int, RankExit],
                      pyspy: Mapping[int, str | None],
@@ -82,13 +92,21 @@ def write_run_bundle(run_dir: Path, cfg: RuntimeConfig, bundle_root: Path | None
         if entry.files.stacks is None and entry.files.pyspy is None:
             missing.append(r)
         entries.append(entry)
-    dest = run.bundle
-    if bundle_root is not None:
-        dest = new_bundle_dir(bundle_root, outcome)
+    fired = [f for r in exits for f in _fired(run, r)]
+    if bundle_root is None:
+        return _finish(run.bundle, cfg, outcome, reason, entries, fired, missing, mismatches)
+    dest = new_bundle_dir(bundle_root, outcome)
+    with bundle_writing(dest):  # a full disk: nothing half-written is left as a bundle
         if run.bundle.exists():
             shutil.copytree(run.bundle, dest, dirs_exist_ok=True)
-    fired = [f for r in exits for f in _fired(run, r)]
-    for name in (RANK_ENTRY, RANK_FAULTS_FIRED):  # folded into the manifest
+        return _finish(dest, cfg, outcome, reason, entries, fired, missing, mismatches)
+
+
+def _finish(dest: Path, cfg: RuntimeConfig, outcome: RunOutcome, reason: str,
+            entries: list[RankEntry], fired: list[FiredFaultRecord], missing: list[int],
+            mismatches: list[dict[str, Any]]) -> Path:
+    """Fold the ranks' own files into the manifest and write it, last."""
+    for name in (RANK_ENTRY, RANK_FAULTS_FIRED):
         for stale in dest.glob(f"{RANK_DIRS}/{name}"):
             stale.unlink()
     write_manifest(dest, build_manifest(cfg, outcome, reason, entries, fired,

@@ -30,6 +30,7 @@ from hicache_runtime.contracts.bundle import (
     RankEntry,
     RankFiles,
     RunOutcome,
+    bundle_writing,
     load_manifest,
     new_bundle_dir,
     write_manifest,
@@ -60,8 +61,16 @@ def write_dp_bundle(run_dir: Path, cfg: RuntimeConfig, bundle_root: Path, outcom
                     controller_events: list[dict[str, Any]]) -> Path:
     """Write the bundle of a run of ``cfg.topology.dp`` groups under ``bundle_root``; ``exits``
     and ``pyspy`` are keyed by grid rank. Returns the bundle's folder."""
-    per = cfg.topology.world_size
     dest = new_bundle_dir(bundle_root, outcome)
+    with bundle_writing(dest):  # a full disk: nothing half-written is left as a bundle
+        return _assemble(run_dir, cfg, dest, outcome, reason, exits, pyspy, mismatches,
+                         controller_events)
+
+
+def _assemble(run_dir: Path, cfg: RuntimeConfig, dest: Path, outcome: RunOutcome, reason: str,
+              exits: Mapping[int, RankExit], pyspy: Mapping[int, str | None],
+              mismatches: list[dict[str, Any]], controller_events: list[dict[str, Any]]) -> Path:
+    per = cfg.topology.world_size
     staging = run_dir / "assembly"
     entries: list[RankEntry] = []
     fired: list[FiredFaultRecord] = []

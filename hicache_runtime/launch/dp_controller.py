@@ -61,7 +61,7 @@ from hicache_runtime.contracts.run_files import RunDir
 from hicache_runtime.contracts.topology import RankInfo
 from hicache_runtime.engine.workload import Workload
 from hicache_runtime.kv.request import Req
-from hicache_runtime.launch.bundles import RankExit
+from hicache_runtime.launch.bundles import RankExit, kept_bundle
 from hicache_runtime.launch.dp_bundle import group_dir, has_rank_dumps, write_dp_bundle
 from hicache_runtime.launch.dp_intake import (
     ENV_BOARD,
@@ -146,8 +146,9 @@ def launch_dp(cfg: RuntimeConfig, *, bundle_root: Path, caps: dict[str, int] | N
             request: DumpRequest | None = None
             try:
                 ctl.start()
+                bundle_error: str | None = None
                 if ctl.serve(progress):
-                    bundle, request = ctl.collect_bundle(bundle_root)
+                    bundle, request, bundle_error = ctl.collect_bundle(bundle_root)
             finally:
                 ctl.stop()
             results, unreadable = ctl.results()
@@ -157,11 +158,13 @@ def launch_dp(cfg: RuntimeConfig, *, bundle_root: Path, caps: dict[str, int] | N
                 # every rank exited cleanly, but a result cannot be read: nothing to judge
                 r, why = min(unreadable.items())
                 outcome, error = RunOutcome.CRASH, f"rank {r}: {why}"
-                bundle = write_dp_bundle(run_dir, cfg, bundle_root, outcome, error,
-                                         ctl.exits(), {}, [], ctl.tracer.events())
+                exits, events = ctl.exits(), ctl.tracer.events()
+                bundle, bundle_error = kept_bundle(lambda: write_dp_bundle(
+                    run_dir, cfg, bundle_root, outcome, error or "", exits, {}, [], events))
             return DPLaunchResult(outcome, error, bundle, results, time.monotonic() - start,
                                   run_dir, cfg, {r: x.returncode for r, x in ctl.exits().items()},
-                                  unreadable, controller_events=ctl.tracer.events())
+                                  unreadable, bundle_error=bundle_error,
+                                  controller_events=ctl.tracer.events())
         except BaseException as exc:
             quiet()  # a second Ctrl-C must not cut the cleanup short
             kept = bundle
@@ -395,9 +398,9 @@ class DPController:
                          to=recipients(MessageKind.GLOBAL, dp=t.dp, pp=t.pp, tp=t.tp),
                          by=request.by, outcome=request.outcome.value)
 
-    def collect_bundle(self, bundle_root: Path) -> tuple[Path, DumpRequest]:
+    def collect_bundle(self, bundle_root: Path) -> tuple[Path | None, DumpRequest, str | None]:
         """py-spy every live rank, wait for every rank's dump, stop everyone, write the one
-        bundle of the run."""
+        bundle of the run (None, and why, when it could not be written)."""
         procs = self.procs()
         dumps = self._pyspy({r: p.pid for r, p in procs.items() if p.poll() is None})
         for g in self.groups:
@@ -411,9 +414,10 @@ class DPController:
         kill_all(procs)
         request = self.request or DumpRequest(by=CONTROLLER_RANK, outcome=RunOutcome.CRASH,
                                               reason="unknown failure", t=time.time())
-        dest = write_dp_bundle(self.run_dir, self.cfg, bundle_root, request.outcome,
-                               request.reason, self.exits(), dumps, [], self.tracer.events())
-        return dest, request
+        dest, problem = kept_bundle(lambda: write_dp_bundle(
+            self.run_dir, self.cfg, bundle_root, request.outcome, request.reason, self.exits(),
+            dumps, [], self.tracer.events()))
+        return dest, request, problem
 
     def salvage(self, bundle_root: Path, exc: BaseException) -> Path | None:
         """A run stopped while ranks were dumping: keep what they wrote as a bundle."""

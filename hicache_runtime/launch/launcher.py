@@ -59,7 +59,7 @@ from hicache_runtime.contracts.outcome import classify_exit, describe_exit
 from hicache_runtime.contracts.rank_result import RankResult, read_rank_result
 from hicache_runtime.contracts.run_files import RANK_DIRS, RunDir, rank_dir_name
 from hicache_runtime.launch import zygote
-from hicache_runtime.launch.bundles import RankExit, write_run_bundle
+from hicache_runtime.launch.bundles import RankExit, kept_bundle, write_run_bundle
 from hicache_runtime.launch.side_channel import (
     DumpRequest,
     ProgressFn,
@@ -99,6 +99,8 @@ class LaunchResult:
     cfg: RuntimeConfig
     exit_codes: dict[int, int | None] = field(default_factory=dict)
     unreadable: dict[int, str] = field(default_factory=dict)
+    bundle_error: str | None = None
+    """Why the bundle could not be written (a full disk): the run's failure stands."""
 
     def bundle_as(self, outcome: RunOutcome, reason: str, bundle_root: Path,
                   mismatches: list[dict[str, Any]]) -> Path:
@@ -145,8 +147,10 @@ def launch(cfg: RuntimeConfig, *, bundle_root: Path, caps: dict[str, int] | None
                 procs = start_ranks(cfg, run_dir, store.port)
                 failed = _monitor(procs, run_dir, cfg, progress)
                 request: DumpRequest | None = None
+                bundle_error: str | None = None
                 if failed:
-                    bundle, request = _collect_bundle(procs, run_dir, cfg, bundle_root)
+                    bundle, request, bundle_error = _collect_bundle(procs, run_dir, cfg,
+                                                                    bundle_root)
                 else:
                     kill_all(procs)
             finally:
@@ -159,10 +163,10 @@ def launch(cfg: RuntimeConfig, *, bundle_root: Path, caps: dict[str, int] | None
                 # every rank exited cleanly, but a result cannot be read: nothing to judge
                 r, why = min(unreadable.items())
                 outcome, error = RunOutcome.CRASH, f"rank {r}: {why}"
-                bundle = write_run_bundle(run_dir, cfg, bundle_root, outcome, error,
-                                          exits_of(procs), {}, [])
+                bundle, bundle_error = kept_bundle(lambda: write_run_bundle(
+                    run_dir, cfg, bundle_root, outcome, error or "", exits_of(procs), {}, []))
             return LaunchResult(outcome, error, bundle, results, time.monotonic() - start,
-                                run_dir, cfg, codes_of(procs), unreadable)
+                                run_dir, cfg, codes_of(procs), unreadable, bundle_error)
         except BaseException as exc:
             quiet()  # a second Ctrl-C must not cut the cleanup short
             kill_all(procs)
@@ -392,9 +396,10 @@ def read_results(run_dir: Path, ranks: Iterable[int]
 # --- evidence ----------------------------------------------------------------------------------
 
 
-def _collect_bundle(procs: dict[int, RankProcess], run_dir: Path,
-                    cfg: RuntimeConfig, bundle_root: Path) -> tuple[Path, DumpRequest]:
-    """py-spy every live rank, wait for the rank dumps, stop everyone, write the manifest."""
+def _collect_bundle(procs: dict[int, RankProcess], run_dir: Path, cfg: RuntimeConfig,
+                    bundle_root: Path) -> tuple[Path | None, DumpRequest, str | None]:
+    """py-spy every live rank, wait for the rank dumps, stop everyone, write the manifest.
+    The bundle is None (and why) when it could not be written."""
     run = RunDir(run_dir)
     live = {r: p.pid for r, p in procs.items() if p.poll() is None}
     dumps = pyspy_all(live, run.bundle)
@@ -411,9 +416,9 @@ def _collect_bundle(procs: dict[int, RankProcess], run_dir: Path,
     kill_all(procs)
     request = read_dump(run_dir) or DumpRequest(by=-1, outcome=RunOutcome.CRASH,
                                                 reason="unknown failure", t=time.time())
-    dest = write_run_bundle(run_dir, cfg, bundle_root, request.outcome, request.reason,
-                            exits_of(procs), dumps, [])
-    return dest, request
+    dest, problem = kept_bundle(lambda: write_run_bundle(
+        run_dir, cfg, bundle_root, request.outcome, request.reason, exits_of(procs), dumps, []))
+    return dest, request, problem
 
 
 def pyspy_all(pids: dict[int, int], bundle: Path) -> dict[int, str | None]:

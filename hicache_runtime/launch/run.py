@@ -21,6 +21,7 @@ against its cache-disabled reference by one verdict.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from hicache_runtime.contracts.bundle import (
     FiredFaultRecord,
     RankEntry,
     RunOutcome,
+    bundle_writing,
     load_manifest,
     new_bundle_dir,
     write_manifest,
@@ -48,7 +50,7 @@ from hicache_runtime.engine.rank import RankRuntime, build_rank
 from hicache_runtime.engine.workload import Workload
 from hicache_runtime.kv.request import Req, ReqStatus
 from hicache_runtime.l3.backend import StorageStats
-from hicache_runtime.launch.bundles import build_manifest
+from hicache_runtime.launch.bundles import build_manifest, kept_bundle
 from hicache_runtime.launch.results import rank_result
 from hicache_runtime.launch.side_channel import ProgressFn
 from hicache_runtime.launch.threads import pinned_threads
@@ -231,6 +233,9 @@ class RunSummary(BaseModel):
     faults: list[str] = []
     faults_fired: int = 0
     bundle: str | None = None
+    bundle_error: str | None = None
+    """Why the run's bundle could not be written (a full disk); what was written of it is
+    removed."""
     error: str | None = None
     mismatches: list[Mismatch] = []
     cache_stats: CacheStats = CacheStats()
@@ -296,6 +301,7 @@ def run_multi(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn 
     res = start(cfg, bundle_root=bundle_root, progress=progress)
     try:
         summary = _summary(cfg, res.outcome, res.error, res.bundle, res.wall_s, res.results)
+        summary.bundle_error = res.bundle_error
         if res.outcome is RunOutcome.HEALTHY and compare:
 
             def reference(caps: dict[str, int]) -> tuple[dict[str, Req], float]:
@@ -333,8 +339,8 @@ def run_single(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn
 
     def on_stall(idle_s: float) -> None:
         reason = f"no scheduler progress for {idle_s:.1f}s (step {engine.step})"
-        hang["bundle"] = _write_bundle(bundle_root, cfg, rt, RunOutcome.HANG, reason,
-                                       engine.step, None)
+        hang["bundle"], hang["bundle_error"] = kept_bundle(lambda: _write_bundle(
+            bundle_root, cfg, rt, RunOutcome.HANG, reason, engine.step, None))
         hang["reason"] = reason
         if can_interrupt:
             interrupt_main_thread()
@@ -344,6 +350,7 @@ def run_single(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn
     start = time.monotonic()
     result: EngineResult | None = None
     outcome, error, bundle = RunOutcome.HEALTHY, None, None
+    bundle_error: str | None = None
     drained: DrainAccount | None = None
     try:
         result = engine.run()
@@ -352,11 +359,13 @@ def run_single(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn
         outcome = classify(exc)
         if outcome is RunOutcome.HANG:  # the watchdog wrote the bundle while it was stuck
             error, bundle = hang.get("reason", str(exc)), hang.get("bundle")
+            bundle_error = hang.get("bundle_error")
         else:
             error = f"{type(exc).__name__}: {exc}".splitlines()[0]
             if reached_drain(exc):  # the drain's check failed: what is left is what leaked
                 drained = drain_account(rt.cache)
-            bundle = _write_bundle(bundle_root, cfg, rt, outcome, error, engine.step, exc)
+            bundle, bundle_error = kept_bundle(functools.partial(
+                _write_bundle, bundle_root, cfg, rt, outcome, error or "", engine.step, exc))
     finally:
         watchdog.stop()
     wall = time.monotonic() - start
@@ -365,6 +374,7 @@ def run_single(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn
         result.wall_s if result is not None else None,
         drained.as_dict() if drained else None)}
     summary = _summary(cfg, outcome, error, bundle, wall, results)
+    summary.bundle_error = bundle_error
     if outcome is RunOutcome.HEALTHY and compare and result is not None:
 
         def reference(caps: dict[str, int]) -> tuple[dict[str, Req], float]:
@@ -439,8 +449,9 @@ def _judge(summary: RunSummary, cfg: RuntimeConfig, results: dict[int, RankResul
     if summary.mismatches:
         summary.outcome = RunOutcome.WRONG_OUTPUT
         summary.error = f"{len(summary.mismatches)} request(s) differ from the reference"
-        summary.bundle = str(bundle_as(summary.error,
-                                       [m.model_dump() for m in summary.mismatches]))
+        bundle, summary.bundle_error = kept_bundle(lambda: bundle_as(
+            summary.error or "", [m.model_dump() for m in summary.mismatches]))
+        summary.bundle = str(bundle) if bundle is not None else None
 
 
 def _reference_failed(summary: RunSummary, ref: _ReferenceFailed) -> None:
@@ -574,8 +585,9 @@ def _write_bundle(root: Path, cfg: RuntimeConfig, rt: RankRuntime, outcome: RunO
                   mismatches: list[dict[str, Any]] | None = None) -> Path:
     """A single-rank run's bundle: this rank's dump, and the manifest."""
     bundle = new_bundle_dir(root, outcome)
-    entry: RankEntry = dump_rank(bundle, rt, outcome, step, exc)
-    fired = [FiredFaultRecord(**f.as_dict()) for f in rt.faults.fired] if rt.faults else []
-    write_manifest(bundle, build_manifest(cfg, outcome, reason, [entry], fired,
-                                          mismatches=mismatches or []))
+    with bundle_writing(bundle):  # a full disk: nothing half-written is left as a bundle
+        entry: RankEntry = dump_rank(bundle, rt, outcome, step, exc)
+        fired = [FiredFaultRecord(**f.as_dict()) for f in rt.faults.fired] if rt.faults else []
+        write_manifest(bundle, build_manifest(cfg, outcome, reason, [entry], fired,
+                                              mismatches=mismatches or []))
     return bundle
