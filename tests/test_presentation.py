@@ -649,3 +649,30 @@ def test_hostile_text_reaches_every_renderer_as_data(capsys: pytest.CaptureFixtu
     # shown as the text it is: the markup brackets and the gloo prefix are still there
     assert "[/__w/pytorch/pytorch/third_party/gloo" in out
     assert "rid=[bold]x[/bold]" in err
+
+
+def test_line_separators_in_untrusted_text_split_nothing(tmp_path: Path) -> None:
+    """A U+001C (or U+2028, NEL) in a diagnosis's text: the Markdown stays one line per
+    item for any reader's splitlines, the page holds no control character, and no heading or
+    link comes out of the text."""
+    d = diagnose([str(FIXTURES / "mixed" / "tp4-rank2-missing")])
+    evil = ("boom\x1c# Owned\x1c[click](https://evil.example/x) <a href='https://e.x'>y</a>"
+            "\u2028## h2\x85- item")
+    d.verdicts[0].evidence[0].text = evil
+    d.observations.append(evil)
+    d.summary = evil
+    diag = tmp_path / "d.json"
+    diag.write_text(d.model_dump_json())
+    out = tmp_path / "incident.md"
+    res = runner.invoke(app, ["runbook", "--from", str(diag), "--html", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    md = out.read_text()
+    assert not any(line.startswith(("# Owned", "## h2", "- item"))
+                   for line in md.splitlines()), "a separator started a line"
+    page = out.with_suffix(".html").read_text()
+    assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]", page)
+    parsed = _parse(page)
+    assert [t for t, _ in parsed.tags].count("h1") == 1  # the page's own title
+    assert "evil.example" not in " ".join(str(a.get("href")) for t, a in parsed.tags
+                                          if t == "a")
+    assert not re.search(r"<h2>[^<]*h2", page)

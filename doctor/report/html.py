@@ -74,8 +74,15 @@ def markdown_html(markdown: str, pages: Collection[str] = ()) -> str:
     return _markdown(pages).render(markdown, {})
 
 
+#: Controls HTML text may not hold, and the line separators a Python reader would split at:
+#: untrusted text carries them (U+001C, U+2028), the pages never do.
+_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
+
+
 def page(title: str, body: str) -> str:
-    """A whole page around an HTML ``body`` fragment: nothing loads from anywhere."""
+    """A whole page around an HTML ``body`` fragment: nothing loads from anywhere, and no
+    control character from untrusted text is left in it."""
+    title, body = _CONTROLS.sub(" ", title), _CONTROLS.sub(" ", body)
     return ("<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<meta http-equiv=\"Content-Security-Policy\" content=\"{CSP}\">"
             "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"

@@ -16,7 +16,9 @@ from doctor.report.model import Diagnosis, EvidenceItem, Verdict
 
 #: Characters with a meaning in (GitHub-flavoured) Markdown inline text or tables.
 _SPECIAL = re.compile(r"([\\`*_\[\]<>|~#!&])")
-_BREAKS = re.compile(r"[\r\n\t\v\f\x85\u2028\u2029]+")
+#: Every line boundary ``str.splitlines`` knows (FS, GS and RS included), and tabs, plus the
+#: other C0/C1 controls, which no report text should carry: all become one space.
+_BREAKS = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]+")
 
 
 def cite(e: EvidenceItem) -> str:
