@@ -61,6 +61,7 @@ from hicache_runtime.contracts.run_files import RunDir
 from hicache_runtime.contracts.topology import RankInfo
 from hicache_runtime.engine.workload import Workload
 from hicache_runtime.kv.request import Req
+from hicache_runtime.launch import zygote
 from hicache_runtime.launch.bundles import RankExit, kept_bundle
 from hicache_runtime.launch.dp_bundle import group_dir, has_rank_dumps, write_dp_bundle
 from hicache_runtime.launch.dp_intake import (
@@ -171,6 +172,7 @@ def launch_dp(cfg: RuntimeConfig, *, bundle_root: Path, caps: dict[str, int] | N
             if ctl is not None:
                 ctl.stop()
                 kept = kept or ctl.salvage(bundle_root, exc)
+            zygote.close_shared()  # ranks forked but not yet known here die with it
             shutil.rmtree(run_dir, ignore_errors=True)
             if isinstance(exc, Interrupted):
                 exc.bundle = kept

@@ -144,7 +144,7 @@ def launch(cfg: RuntimeConfig, *, bundle_root: Path, caps: dict[str, int] | None
             start = time.monotonic()
             store = rendezvous_store(cfg.topology.world_size)
             try:
-                procs = start_ranks(cfg, run_dir, store.port)
+                start_ranks(cfg, run_dir, store.port, into=procs)
                 failed = _monitor(procs, run_dir, cfg, progress)
                 request: DumpRequest | None = None
                 bundle_error: str | None = None
@@ -171,6 +171,9 @@ def launch(cfg: RuntimeConfig, *, bundle_root: Path, caps: dict[str, int] | None
             quiet()  # a second Ctrl-C must not cut the cleanup short
             kill_all(procs)
             kept = bundle or _salvage_bundle(run_dir, cfg, bundle_root, procs, exc)
+            # a rank forked but not yet known here (the signal came while ranks started) would
+            # write into the run directory after it is removed: its zygote takes it along
+            zygote.close_shared()
             shutil.rmtree(run_dir, ignore_errors=True)
             if isinstance(exc, Interrupted):
                 exc.bundle = kept
@@ -242,14 +245,17 @@ def _salvage_bundle(run_dir: Path, cfg: RuntimeConfig, bundle_root: Path,
 
 def start_ranks(cfg: RuntimeConfig, run_dir: Path, port: int, *, first_device: int = 0,
                 env: Mapping[str, str] | None = None, entry_env: Mapping[str, str] | None = None,
-                entry_fds: tuple[int, ...] = ()) -> dict[int, RankProcess]:
+                entry_fds: tuple[int, ...] = (),
+                into: dict[int, RankProcess] | None = None) -> dict[int, RankProcess]:
     """Start one world of ``tp * pp`` ranks on the rendezvous at ``port``. A DP controller
     starts one world per DP group: ``first_device`` is the group's first rank in the grid
     (devices are picked by it), ``env`` goes to every rank, ``entry_env`` and the open file
-    descriptors ``entry_fds`` to the group's entry rank (rank 0) only."""
+    descriptors ``entry_fds`` to the group's entry rank (rank 0) only. Each rank is added to
+    ``into`` as it starts, so a signal in the middle leaves the started ones known (and
+    stopped), not orphaned."""
     world = cfg.topology.world_size
     run = RunDir(run_dir)
-    procs: dict[int, RankProcess] = {}
+    procs: dict[int, RankProcess] = into if into is not None else {}
     # Forked from a warm zygote where that is safe (no CUDA device): a cold start imports
     # torch and the runtime, about two seconds of CPU per rank.
     forking = zygote.usable()

@@ -239,6 +239,17 @@ def shared() -> Zygote:
         return _zygote
 
 
+def close_shared() -> None:
+    """Close this process's zygote, if it runs, and wait for it: every rank it forked dies
+    with it, those whose pid the launcher had not yet received included (a signal in the
+    middle of starting ranks). The next launch starts a new one."""
+    global _zygote
+    with _zygote_lock:
+        z, _zygote = _zygote, None
+    if z is not None and not z.closed:
+        z.close()
+
+
 # --- the zygote process --------------------------------------------------------------------
 
 
@@ -253,7 +264,10 @@ def _serve(sock: socket.socket) -> None:
     me = os.getpid()
 
     def send(msg: dict[str, Any]) -> None:
-        sock.send(json.dumps(msg).encode())
+        try:
+            sock.send(json.dumps(msg).encode())
+        except OSError:  # the launcher went away (a signal early in a run): so do we, quietly
+            os._exit(0)
 
     while True:
         for key, _ in sel.select():
