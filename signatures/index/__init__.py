@@ -158,5 +158,9 @@ def load_index(data: Path = DATA) -> UpstreamIndex:
 def warm_up() -> None:
     """Load the index and build its matcher on a background thread: the doctor reads its
     inputs meanwhile and needs the index only afterwards."""
+    # Not a daemon: an input that never needs the index ends the process while the thread is
+    # still inside numpy, and tearing the interpreter down under it aborted the process
+    # ("terminate called without an active exception", seen under a memory cap). Exit waits
+    # for the load (a fraction of a second) instead.
     threading.Thread(target=lambda: load_index().matcher, name="index-warm-up",
-                     daemon=True).start()
+                     daemon=False).start()
