@@ -28,8 +28,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from signatures.fact_names import Fact
+from signatures.linear import linear
 from signatures.models import (
     Catalog,
     FactRecogniser,
@@ -329,14 +331,9 @@ def marker_hits(key: str, marker: Marker, obs: Observation) -> list[Witness]:
             for name, w in table.items() if rx.search(name)][:3]
 
 
-_RX: dict[str, re.Pattern[str]] = {}
-
-
-def _rx(text: str) -> re.Pattern[str]:
-    rx = _RX.get(text)
-    if rx is None:
-        rx = _RX[text] = re.compile(text)
-    return rx
+def _rx(text: str) -> Any:
+    """A catalog pattern, compiled for linear-time matching (cached by :func:`linear`)."""
+    return linear(text)
 
 
 def score_one(sig: Signature, catalog: Catalog, obs: Observation,
@@ -473,7 +470,7 @@ def _upstream_rules(sig: Signature, obs: Observation) -> list[RuleResult]:
 
 def _exception_rule(sig_id: str, type_rx: str, msg_rx: str, weight: float, obs: Observation,
                     matched: list[ObservedException]) -> RuleResult:
-    t, m = re.compile(type_rx), re.compile(msg_rx)
+    t, m = linear(type_rx), linear(msg_rx)
     hits = [e for e in obs.exceptions
             if (t.fullmatch(e.type) or t.fullmatch(e.type.rsplit(".", 1)[-1]))
             and m.search(e.message)]

@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from signatures.fact_names import Fact
+from signatures.linear import UnsafePattern, linear
 
 CELL_RE = re.compile(r"^(?P<topology>tp\d+(?:pp\d+)?|pp\d+)/(?P<legacy>[a-z-]+)/"
                      r"(?P<fault>[a-z-]+(?::\S+)?)$")
@@ -57,11 +58,12 @@ class _Strict(BaseModel):
 
 
 def check_regex(value: str) -> str:
-    """``value`` if it compiles as a regex; ``ValueError`` naming it otherwise."""
+    """``value`` if it compiles for linear-time matching (:func:`signatures.linear.linear`);
+    ``ValueError`` naming it otherwise (a catalog pattern runs on untrusted text)."""
     try:
-        re.compile(value)
-    except re.error as exc:
-        raise ValueError(f"bad regex {value!r}: {exc}") from None
+        linear(value)
+    except UnsafePattern as exc:
+        raise ValueError(f"bad regex: {exc}") from None
     return value
 
 
@@ -219,9 +221,10 @@ class Marker(_Strict):
 
     @property
     def regex(self) -> str:
-        """The regex a line is matched with (error codes match as whole words)."""
+        """The regex a line is matched with (error codes match as whole words; written without
+        lookaround, which linear-time matching does not have)."""
         if self.kind is MarkerKind.ERROR:
-            return rf"(?<![\w]){self.text}(?![\w])"
+            return rf"(?:^|\W){self.text}(?:\W|$)"
         return self.text
 
 

@@ -22,7 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 #: The import name of each base dependency (distribution name -> module).
-IMPORT_NAME = {"pyyaml": "yaml", "markdown-it-py": "markdown_it"}
+IMPORT_NAME = {"pyyaml": "yaml", "markdown-it-py": "markdown_it", "google-re2": "re2"}
 
 #: Code the triage commands run (``faults`` and ``trace`` included): torch-free
 #: (tests/test_layers.py holds the layering).

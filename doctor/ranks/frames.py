@@ -18,8 +18,10 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from doctor.evidence import Frame, ThreadStack, ThreadState
+from signatures.linear import linear
 from signatures.models import FrameRules
 
 #: Thread roles told apart by what their stack runs (names differ between SGLang and us).
@@ -31,8 +33,8 @@ _PREFETCH_ROLE = re.compile(
 
 @dataclass(frozen=True)
 class _Rule:
-    func: re.Pattern[str] | None
-    file: re.Pattern[str] | None
+    func: Any  # RE2 regexps (signatures.linear): catalog rules on untrusted frame names
+    file: Any
 
     def match(self, frame: Frame) -> bool:
         return ((self.func is None or bool(self.func.search(frame.func)))
@@ -43,7 +45,7 @@ class FrameClassifier:
     """Applies one catalog's frame rules; cheap to call per frame (results are cached)."""
 
     def __init__(self, rules: FrameRules) -> None:
-        self._in_app = [(r.split(" ", 1)[0] == "+app", re.compile(r.split(" ", 1)[1]))
+        self._in_app = [(r.split(" ", 1)[0] == "+app", linear(r.split(" ", 1)[1]))
                         for r in rules.in_app]
         self._collective = [_parse(r) for r in rules.collective]
         self._wrappers = [_parse(r) for r in rules.comm_wrappers]
@@ -125,7 +127,7 @@ class FrameClassifier:
 
 def _parse(rule: str) -> _Rule:
     func, _, file = rule.partition("@")
-    return _Rule(re.compile(func) if func else None, re.compile(file) if file else None)
+    return _Rule(linear(func) if func else None, linear(file) if file else None)
 
 
 _CLASSIFIERS: dict[int, tuple[FrameRules, FrameClassifier]] = {}

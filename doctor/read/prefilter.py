@@ -10,7 +10,9 @@ each), far too slow for ~80 triggers. Instead this is a q-gram filter vectorised
    candidate position;
 3. each candidate is verified with ``bytes.startswith`` for the triggers that own that pair.
 
-The result is exact (no false positives or negatives); only speed depends on the sample.
+The result is exact (no false positives or negatives); only speed depends on the sample. A
+chunk where the chosen pairs turn out common (an input whose head differs from its body, or one
+made so) is planned again on its own bytes, so candidates stay few.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from collections import defaultdict
 import numpy as np
 
 SAMPLE_BYTES = 1 << 20
+DENSE = 64
+"""A chunk with more than one candidate per this many bytes gets its own plan."""
 
 
 class TriggerIndex:
@@ -30,6 +34,9 @@ class TriggerIndex:
         self._table = np.zeros(65536, dtype=np.uint8)
         self._owners: dict[int, list[tuple[bytes, int]]] = {}
         self.plan(b"")
+
+    def _candidates(self, buf: bytes, end: int) -> np.ndarray:
+        return _candidates_of(self._table, buf, end)
 
     def plan(self, sample: bytes) -> None:
         """Choose each trigger's rarest byte pair as seen in ``sample``."""
@@ -46,10 +53,12 @@ class TriggerIndex:
         """Sorted start offsets of the lines in ``buf[:end]`` that contain a trigger."""
         if end < 2:
             return []
-        even = np.frombuffer(buf, dtype="<u2", count=end // 2)
-        odd = np.frombuffer(buf, dtype="<u2", count=(end - 1) // 2, offset=1)
-        cand = np.concatenate((np.flatnonzero(np.take(self._table, even)) * 2,
-                               np.flatnonzero(np.take(self._table, odd)) * 2 + 1))
+        cand = self._candidates(buf, end)
+        if cand.size > end // DENSE:
+            # The pairs chosen on the input's head are common here (the input changed, or was
+            # made to): choose again on this chunk, else every candidate is verified in Python
+            self.plan(buf[:end])
+            cand = self._candidates(buf, end)
         if cand.size == 0:
             return []
         cand.sort()
@@ -69,6 +78,13 @@ class TriggerIndex:
                         starts.append(start)
                     break
         return starts
+
+
+def _candidates_of(table: np.ndarray, buf: bytes, end: int) -> np.ndarray:
+    even = np.frombuffer(buf, dtype="<u2", count=end // 2)
+    odd = np.frombuffer(buf, dtype="<u2", count=(end - 1) // 2, offset=1)
+    return np.concatenate((np.flatnonzero(np.take(table, even)) * 2,
+                           np.flatnonzero(np.take(table, odd)) * 2 + 1))
 
 
 def _pair_histogram(sample: bytes) -> np.ndarray:

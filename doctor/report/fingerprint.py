@@ -130,7 +130,9 @@ def _upstream(ev: Evidence) -> list[str]:
 _PLUMBING = re.compile(r"(^|/)lib/python3(\.\d+)?/(?!site-packages|dist-packages)|(^|/)torch/|"
                        r"\.so(\.\d+)*$|^<|^\(cut off\)$|^(threading|runpy|contextlib|"
                        r"functools|multiprocessing/\w+)\.py$")
-_ADDRESS = re.compile(r"\s*\[0x[0-9a-fA-F]+\]|\s*\+\s*0x[0-9a-fA-F]+")
+# the blank before an address is taken from its first character only (a run of blanks was
+# retried from every one of its positions)
+_ADDRESS = re.compile(r"(?:^|(?<=\S))\s*(?:\[0x[0-9a-fA-F]+\]|\+\s*0x[0-9a-fA-F]+)")
 _BARE_ADDRESS = re.compile(r"^\s*(?:0x)?[0-9a-fA-F]{8,}\s*$")  # a frame with no symbol
 
 

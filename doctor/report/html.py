@@ -35,7 +35,7 @@ figure{margin:1em 0;overflow-x:auto}figcaption{color:#555;font-size:.9em}
 ZOOM_BELOW = 0.4
 """A second, zoomed timeline when everything happened in less than this share of it."""
 _WEB = re.compile(r"https?://[^\s<>\"'`]+", re.IGNORECASE)
-_SIBLING = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\.(md|html)")
+_SIBLING = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\.(md|html)$")  # a whole name, from its start
 
 
 def _markdown(pages: Collection[str]) -> MarkdownIt:

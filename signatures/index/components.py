@@ -13,7 +13,7 @@ vendored copy still maps.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from signatures.linear import linear
 from signatures.models import check_regex
 
 MAP_FILE = Path(__file__).with_name("components.yaml")
@@ -34,12 +35,27 @@ _ROOTS = re.compile(r"(?:^|/)(?=(?:sglang|vllm|vllm_ascend|lmcache|lmcache_vllm|
 _INSTALL = re.compile(r"^.*?(?:site-packages|dist-packages)/")
 
 
+class PathPattern(BaseModel):
+    """A path pattern with exceptions: a path ``match`` finds and ``unless`` does not. (Linear
+    -time matching has no lookahead, so "storage_backend/ but not pd_backend" is two patterns.)"""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    match: str
+    unless: str
+
+    @field_validator("match", "unless")
+    @classmethod
+    def _regex(cls, v: str) -> str:
+        return check_regex(v)
+
+
 class ComponentRule(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     id: str = Field(pattern=r"^[a-z][a-z0-9.-]*$")
     role: str
-    paths: list[str] = Field(min_length=1)
+    paths: list[str | PathPattern] = Field(min_length=1)
     context: str = ""
 
     @field_validator("role")
@@ -51,8 +67,8 @@ class ComponentRule(BaseModel):
 
     @field_validator("paths")
     @classmethod
-    def _regexes(cls, v: list[str]) -> list[str]:
-        return [check_regex(rx) for rx in v]
+    def _regexes(cls, v: list[str | PathPattern]) -> list[str | PathPattern]:
+        return [check_regex(rx) if isinstance(rx, str) else rx for rx in v]
 
 
 class ComponentMap(BaseModel):
@@ -87,8 +103,8 @@ class Resolver:
     """Qualifies paths against the index's files and maps them to components."""
 
     def __init__(self, rules: list[ComponentRule], files: Iterable[tuple[str, str]] = ()):
-        self._rules = [(Component(r.id, r.role, r.context),
-                        [re.compile(rx) for rx in r.paths]) for r in rules]
+        self._rules = [(Component(r.id, r.role, r.context), [_matcher(p) for p in r.paths])
+                       for r in rules]
         by_base: dict[str, list[str]] = {}
         for system, path in files:
             base = path.rsplit("/", 1)[-1]
@@ -130,10 +146,19 @@ class Resolver:
             # own name is a root's (vua/vllm/kv_connector_v1.py is VUA's, not vLLM's)
             if candidate is None:
                 break
-            for comp, rxs in self._rules:
-                if any(rx.search(candidate) for rx in rxs):
+            for comp, matchers in self._rules:
+                if any(m(candidate) for m in matchers):
                     return comp
         return None
+
+
+def _matcher(p: str | PathPattern) -> Callable[[str], bool]:
+    """Whether a path fits a pattern (and not its exception), in linear time."""
+    if isinstance(p, str):
+        rx = linear(p)
+        return lambda path: rx.search(path) is not None
+    match, unless = linear(p.match), linear(p.unless)
+    return lambda path: match.search(path) is not None and unless.search(path) is None
 
 
 @lru_cache(maxsize=1)

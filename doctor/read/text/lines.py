@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from doctor.evidence import (
     MAX_EXITS,
@@ -44,6 +45,7 @@ from doctor.read.text.tracebacks import TRIGGERS as TRACEBACK_TRIGGERS
 from doctor.read.text.tracebacks import TracebackParser
 from doctor.read.text.versions import TRIGGERS as VERSION_TRIGGERS
 from doctor.read.text.versions import stated_versions
+from signatures.linear import LiteralSet, linear
 from signatures.models import Catalog
 
 #: Lines that may report a failure or a warning (matched against upstream's templates): the
@@ -110,19 +112,44 @@ class _Stream:
 class _Compiled:
     id: str
     triggers: tuple[str, ...]
-    regex: re.Pattern[str]
+    regex: Any
+    """An RE2 regexp (:func:`signatures.linear.linear`)."""
 
 
-_COMPILED: dict[int, tuple[Catalog, list[_Compiled]]] = {}
+@dataclass
+class _Patterns:
+    """A catalog's scanned patterns, and which of them each trigger belongs to."""
+
+    patterns: list[_Compiled]
+    triggers: LiteralSet
+    owners: list[list[int]]
+    """Per trigger (an index of ``triggers.literals``), the patterns it triggers, in order."""
+
+    def candidates(self, text: str) -> list[_Compiled]:
+        """The patterns whose trigger ``text`` holds, in catalog order."""
+        found = self.triggers.found(text)
+        if not found:
+            return []
+        which = sorted({i for t in found for i in self.owners[t]})
+        return [self.patterns[i] for i in which]
 
 
-def _compiled(catalog: Catalog) -> list[_Compiled]:
+_COMPILED: dict[int, tuple[Catalog, _Patterns]] = {}
+
+
+def _compiled(catalog: Catalog) -> _Patterns:
     """The catalog's scanned patterns, compiled once per catalog (catalogs are immutable)."""
     hit = _COMPILED.get(id(catalog))
     if hit is None or hit[0] is not catalog:
-        hit = _COMPILED[id(catalog)] = (catalog, [
-            _Compiled(p.id, tuple(p.triggers), re.compile(p.regex))
-            for p in catalog.scanned_patterns()])
+        patterns = [_Compiled(p.id, tuple(p.triggers), linear(p.regex))
+                    for p in catalog.scanned_patterns()]
+        literals = LiteralSet([t for p in patterns for t in p.triggers])
+        index = {lit: i for i, lit in enumerate(literals.literals)}
+        owners: list[list[int]] = [[] for _ in literals.literals]
+        for i, p in enumerate(patterns):
+            for t in p.triggers:
+                owners[index[t]].append(i)
+        hit = _COMPILED[id(catalog)] = (catalog, _Patterns(patterns, literals, owners))
     return hit[1]
 
 
@@ -140,14 +167,15 @@ class LineHandler:
     _current_key: str = ""
     _style: str = ""
     _by_rank: dict[int, RankHint] = field(default_factory=dict)
-    _patterns: list[_Compiled] = field(default_factory=list)
+    _patterns: _Patterns | None = None
 
     def __post_init__(self) -> None:
         self._patterns = _compiled(self.catalog)
 
     @property
     def triggers(self) -> list[str]:
-        return [t for p in self._patterns for t in p.triggers] + BLOCK_TRIGGERS
+        assert self._patterns is not None
+        return [t for p in self._patterns.patterns for t in p.triggers] + BLOCK_TRIGGERS
 
     @property
     def blocks_open(self) -> bool:
@@ -272,9 +300,8 @@ class LineHandler:
             key=(-1, line_shape(text)))
 
     def _match_patterns(self, rest: str, hint: RankHint, src: SourceRef) -> None:
-        for p in self._patterns:
-            if not any(t in rest for t in p.triggers):
-                continue
+        assert self._patterns is not None
+        for p in self._patterns.candidates(rest):
             m = p.regex.search(rest)
             if m is None:
                 continue

@@ -24,8 +24,9 @@ _QUOTE = re.compile(r"^(?:> ?){1,4}")
 _MARKUP_ONLY = re.compile(r"^\s*(?:</?(?:details|summary|pre|code|p|div|br|span|kbd|sub|sup|"
                           r"blockquote|tt)\b[^>]{0,200}>\s*)+$|^\s*(?:<[^<>]{1,200}>\s*)*"
                           r"<summary>[^<]{0,200}</summary>\s*$", re.IGNORECASE)
-_TABLE_ROW = re.compile(r"^[\s|]*(?P<ts>\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?Z?)\s*\|"
-                        r" ?(?P<text>.*?)\s*\|?\s*$")
+# The row's head only; its text is the rest of the line, trailing blanks and pipe stripped in
+# code (".*?\s*\|?\s*$" took cubic time on a long row of blanks)
+_TABLE_ROW = re.compile(r"^[\s|]*(?P<ts>\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?Z?)\s*\| ?")
 _TABLE_RULE = re.compile(r"^\s*(?:-{2,}\s*\|\s*)+-{2,}\s*$|^[\s|]+$")
 
 
@@ -46,7 +47,8 @@ def clean_line(text: str) -> str:
     if "|" in text:
         m = _TABLE_ROW.match(text)
         if m:
-            return m["text"]
+            row = text[m.end():].rstrip()
+            return row[:-1].rstrip() if row.endswith("|") else row
         if _TABLE_RULE.match(text):
             return ""
     return text
@@ -66,11 +68,13 @@ def looks_like_html(head: bytes) -> bool:
     return markers >= 3 and markers + entities >= 6
 
 
+# Tags end within 2000 characters and before the next "<": an unbounded "[^>]*" scanned the
+# rest of the chunk from every "<p " of a page full of them
 _BLOCK_END = re.compile(r"<br\s*/?>|</(?:p|div|li|tr|h\d|pre|summary|details|blockquote|table|"
-                        r"ul|ol|dt|dd)\s*>|<(?:p|div|li|tr|pre|details|table|h\d)\b[^>]*>",
-                        re.IGNORECASE)
+                        r"ul|ol|dt|dd)\s*>|<(?:p|div|li|tr|pre|details|table|h\d)\b"
+                        r"[^<>]{0,2000}>", re.IGNORECASE)
 _TAG = re.compile(r"<[^<>]{0,2000}>")
-_DROP = re.compile(r"<(script|style)\b[^>]*>.*?</\1\s*>", re.IGNORECASE | re.DOTALL)
+_DROPPED = ("script", "style")
 CHUNK = 1 << 20
 _MAX_TAIL = 4096
 
@@ -124,8 +128,36 @@ def _safe_cut(text: str) -> int:
     return cut
 
 
+def _drop_scripts(text: str) -> str:
+    """``text`` without its ``<script>``/``<style>`` elements, in one pass: each opening
+    tag is looked for once, and so is its end (a regex ``<script>.*?</script>`` rescanned
+    the rest of the text from every opening of a page of unclosed ones). An element that
+    does not end here is dropped to the end of the text."""
+    low = text.lower()
+    out: list[str] = []
+    pos = 0
+    while True:
+        opens = [(i, tag) for tag in _DROPPED if (i := low.find(f"<{tag}", pos)) >= 0]
+        if not opens:
+            break
+        start, tag = min(opens)
+        after = start + 1 + len(tag)
+        if after < len(low) and (low[after].isalnum() or low[after] in "_-"):
+            out.append(text[pos:after])  # <scripted> or <style-x>: another tag
+            pos = after
+            continue
+        out.append(text[pos:start])
+        close = low.find(f"</{tag}", after)
+        if close < 0:
+            return "".join(out)
+        end = low.find(">", close)
+        pos = len(text) if end < 0 else end + 1
+    out.append(text[pos:])
+    return "".join(out)
+
+
 def _convert(text: str) -> str:
-    text = _DROP.sub("", text)
+    text = _drop_scripts(text)
     text = _BLOCK_END.sub("\n", text)
     text = _TAG.sub("", text)
     return html.unescape(text)

@@ -68,7 +68,10 @@ _GENERIC = re.compile(
 _NCCL_RANK = re.compile(r"\[(?:PG [^\]]*?)?Rank (?P<n>\d{1,6})\]")
 _ERROR_LEVEL = re.compile(r"^\[?[EF](?:\d{4}){0,2} |\b(?:ERROR|CRITICAL|FATAL)\b")
 _WARN_LEVEL = re.compile(r"^\[?W(?:\d{4}){0,2} |\bWARN(?:ING)?\b")
-_SITE = re.compile(r"(?P<file>[\w./-]+\.(?:py|cpp|cc|c|h|hpp|cu|rs)):\d{1,7}\]")
+# a path starts where a path token starts and has at most 512 characters: searched in every
+# prefix, an unanchored unbounded one retried a long dotted line from each of its positions
+_SITE = re.compile(r"(?:^|(?<=[^\w./-]))(?P<file>[\w./-]{1,512}\.(?:py|cpp|cc|c|h|hpp|cu|rs))"
+                   r":\d{1,7}\]")
 #: LMCache ends its messages with ``(file.py:360:module.path)``.
 _TAIL_SITE = re.compile(r" \((?P<file>[\w./-]+\.py):\d{1,7}:[\w.<>]+\)\s*$")
 _MAX_PREFIXES = 6

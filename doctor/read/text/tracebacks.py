@@ -39,7 +39,9 @@ _STRONG = re.compile(
     r"^(?:(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Exit|Interrupt|Warning|Failure|Fault|"
     r"Timeout|NotMet|Stalled|Divergence|Unavailable|Violation|Detected)|(?:[A-Za-z_]\w*::)+"
     r"[A-Za-z_]\w*|StopIteration|DoubleFree|DoubleAllocation)$")
-_BOX = re.compile(r"^\s*(?:[|+](?:-+\+?)*(?: |$))+")
+# [|+] then dashes and pluses up to a space: one way to split any line ("(?:-+\+?)*" had
+# exponentially many for a run of dashes with no space after it)
+_BOX = re.compile(r"^\s*(?:[|+](?:-[-+]*)?(?: |$))+")
 _SEPARATOR = re.compile(r"^-+(?: \d+ -+| \.\.\.)?-*$|^\.\.\. and \d+ more exception")
 _CONTEXT = "During handling of the above exception, another exception occurred:"
 _CAUSE = "The above exception was the direct cause of the following exception:"

@@ -25,6 +25,7 @@ _PATTERNS = [
     re.compile(rf"(?i)\b{_NAMES}\s+(?:version\s*[:=]?\s*)?v{_VER}\b"),
     re.compile(rf"(?i)\b{_NAMES}\s+version\s*[:=]?\s*v?{_VER}\b"),
 ]
+_NAMED = ("sglang", "lmcache", "mooncake", "nixl", "torch")
 TRIGGERS = ("==", "dist-info", "ersion", "sglang ", "sglang:", "SGLang ", "lmcache ", "lmcache:",
             "LMCache ", "nixl ", "nixl:", "torch ", "torch:", "mooncake")
 
@@ -40,6 +41,9 @@ def stated_versions(line: str) -> list[tuple[str, str]]:
     """``(system, version)`` pairs ``line`` states (at most a few)."""
     if len(line) > 2000:
         line = line[:2000]
+    low = line.lower()
+    if not any(name in low for name in _NAMED):  # most lines: five regexes spared
+        return []
     out: list[tuple[str, str]] = []
     for rx in _PATTERNS:
         for m in rx.finditer(line):

@@ -1,0 +1,159 @@
+"""Worst cases for regular expressions, generated from the patterns themselves.
+
+For a pattern, the inputs are long runs of each character (and pair of characters) its
+character classes and literals use, after each of its longest literals (a literal prefix is how
+a pattern reaches the repetition that backtracks): ``"| " + "-" * n`` for an exception-group box,
+``"resident" + "\\t " * n`` for a memory reading. ``python -m tests.doctor.redos`` measures every
+pattern the doctor applies to untrusted text (each compiled module-level pattern of ``doctor``,
+``signatures`` and ``render``, and every catalog pattern as the doctor compiles it, with RE2) at
+two sizes and prints one JSON line per pattern whose time grows faster than its input; it
+prints each pattern's name first, so a run stopped by a timeout names the pattern it hung on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import pkgutil
+import re
+import re._constants as C
+import re._parser as sp
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+SMALL, LARGE = 1000, 8000
+_CATEGORY = {C.CATEGORY_DIGIT: "7", C.CATEGORY_SPACE: " \t", C.CATEGORY_WORD: "a_",
+             C.CATEGORY_NOT_SPACE: "x", C.CATEGORY_NOT_DIGIT: "x", C.CATEGORY_NOT_WORD: "-"}
+
+
+def _walk(parsed: Any, lits: set[str], chars: set[str], cur: list[str]) -> None:
+    for op, av in parsed:
+        if op is C.LITERAL:
+            cur.append(chr(av))
+            chars.add(chr(av))
+            continue
+        if len(cur) >= 2:
+            lits.add("".join(cur))
+        cur.clear()
+        if op is C.IN:
+            for o, a in av:
+                if o is C.LITERAL:
+                    chars.add(chr(a))
+                elif o is C.RANGE:
+                    chars.update((chr(a[0]), chr(a[1])))
+                elif o is C.CATEGORY:
+                    chars.update(_CATEGORY.get(a, ""))
+        elif op in (C.MAX_REPEAT, C.MIN_REPEAT, C.POSSESSIVE_REPEAT):
+            _walk(av[2], lits, chars, [])
+        elif op is C.SUBPATTERN:
+            _walk(av[-1], lits, chars, [])
+        elif op is C.BRANCH:
+            for b in av[1]:
+                _walk(b, lits, chars, [])
+        elif op in (C.ASSERT, C.ASSERT_NOT):
+            _walk(av[1], lits, chars, [])
+        elif op is C.ANY:
+            chars.add("x")
+    if len(cur) >= 2:
+        lits.add("".join(cur))
+
+
+def adversarial(pattern: str, flags: int, n: int) -> Iterator[str]:
+    """Inputs of about ``n`` characters aimed at ``pattern``'s repetitions."""
+    lits: set[str] = set()
+    chars = set(" x-|.:/=")
+    with contextlib.suppress(re.error, RecursionError, ValueError):
+        _walk(sp.parse(pattern, flags), lits, chars, [])
+    alphabet = sorted(c for c in chars if c.isprintable() or c == "\t")[:20]
+    for anchor in ["", *sorted(lits, key=len, reverse=True)[:3]]:
+        for c in alphabet:
+            yield anchor + c * n
+        for c1 in alphabet[:8]:
+            for c2 in alphabet[:8]:
+                if c1 != c2:
+                    yield anchor + (c1 + c2) * (n // 2)
+        yield anchor + ("| " + " " * 60) * (n // 62)
+
+
+def worst(rx: Any, pattern: str, flags: int, n: int, as_bytes: bool) -> float:
+    out = 0.0
+    for s in adversarial(pattern, flags, n):
+        data: Any = s.encode("latin-1", "replace") if as_bytes else s
+        t = time.perf_counter()
+        rx.search(data)
+        out = max(out, time.perf_counter() - t)
+    return out
+
+
+def patterns() -> dict[str, tuple[Any, str, int, bool]]:
+    """name -> (compiled as the doctor applies it, source, flags, bytes?)."""
+    import doctor
+    import signatures
+    from signatures.linear import linear
+
+    out: dict[str, tuple[Any, str, int, bool]] = {}
+    modules = [m.name for pkg in (doctor, signatures)
+               for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".")
+               if ".mine" not in m.name] + ["render"]
+    for name in modules:
+        for key, value in vars(importlib.import_module(name)).items():
+            if isinstance(value, re.Pattern):
+                src = value.pattern
+                as_bytes = isinstance(src, bytes)
+                text = src.decode("latin-1") if as_bytes else src
+                out[f"{name}.{key}"] = (value, text, value.flags & ~re.UNICODE, as_bytes)
+    for name, src in catalog_patterns():
+        out[f"catalog {name}: {src[:60]}"] = (linear(src), src, 0, False)
+    return out
+
+
+def catalog_patterns() -> list[tuple[str, str]]:
+    """Every regular expression the catalog and the component map hold."""
+    from signatures.index.components import load_rules
+    from signatures.loader import load_catalog
+
+    cat = load_catalog()
+    out = [(f"pattern {p.id}", p.regex) for p in cat.patterns]
+    for s in cat.signatures:
+        for e in s.recognisers.exceptions:
+            out += [(f"{s.id} exception type", e.type), (f"{s.id} exception", e.message)]
+        if s.recognisers.frames:
+            out += [(f"{s.id} frame", part) for x in s.recognisers.frames.any
+                    for part in x.split("@", 1) if part]
+        if s.upstream:
+            out += [(f"{s.id} marker", m.regex)
+                    for m in [*s.upstream.evidence_for, *s.upstream.evidence_against]]
+    out += [(f"look-alike {lk.id} marker", m.regex) for lk in cat.lookalikes
+            for m in lk.markers]
+    for k in ("in_app", "collective", "comm_wrappers", "idle_waits"):
+        for x in getattr(cat.frames, k):
+            rule = x.partition(" ")[2] if k == "in_app" else x
+            out += [(f"frame rule {k}", part) for part in rule.split("@", 1) if part]
+    for r in load_rules():
+        for p in r.paths:
+            out += [(f"component {r.id}", p)] if isinstance(p, str) else [
+                (f"component {r.id}", p.match), (f"component {r.id} unless", p.unless)]
+    return out
+
+
+def main() -> int:
+    found = 0
+    for name, (rx, src, flags, as_bytes) in sorted(patterns().items()):
+        print(json.dumps({"checking": name}), flush=True)
+        small = worst(rx, src, flags, SMALL, as_bytes)
+        large = worst(rx, src, flags, LARGE, as_bytes)
+        growth = large / max(small, 1e-5)
+        # linear: about 8x the time for 8x the input; quadratic would be 64x
+        if large > 0.05 and growth > 24:
+            found += 1
+            print(json.dumps({"superlinear": name, "small_s": round(small, 4),
+                              "large_s": round(large, 4)}), flush=True)
+    print(json.dumps({"done": True, "superlinear_count": found}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
