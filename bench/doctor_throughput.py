@@ -8,7 +8,9 @@ temporary directory, then in one run:
 * ``hicache doctor`` on the directory, in a child process: wall time, MB/s, peak RSS; and the
   same on a tenth of the data, to show that memory does not grow with input size;
 * ``grep -c -F -f TRIGGERS`` over the same files (the literal triggers the doctor's prefilter
-  looks for): wall time and MB/s.
+  looks for): wall time and MB/s;
+* the doctor on an adversarial set of an eighth of the size (:func:`adversarial`): MB/s, its
+  ratio to the normal rate, peak RSS.
 
 Prints the figures; the last line is one JSON object.
 """
@@ -99,6 +101,36 @@ def generate(root: Path, total_mb: int, seed: int = 0) -> int:
     return written
 
 
+def adversarial(root: Path, total_mb: int) -> int:
+    """An input set built against the doctor (the second hardening round's findings), about
+    ``total_mb`` MB in all: a log whose head is ordinary and whose body is made of the byte
+    pairs of every catalog trigger (the prefilter plans on the head; every body line is then
+    a candidate), exception-group box lines ending in a run of dashes, Markdown table rows with
+    long runs of blanks, long lines a memory pattern's trigger pulls into matching, and an HTML
+    page of unclosed script openings. Returns the bytes written."""
+    from doctor.read.text.lines import LineHandler
+    from signatures.loader import load_catalog
+
+    root.mkdir(parents=True, exist_ok=True)
+    triggers = sorted(set(LineHandler(load_catalog(), None, "").triggers))  # type: ignore[arg-type]
+    pairs = sorted({t[i:i + 2] for t in triggers for i in range(len(t) - 1)})
+    dense = ("".join(pairs).replace("\n", " ") + "\n").encode()
+    normal = b"[2026-11-20 00:00:00 TP0] Decode batch. #running-req: 4, #token: 100\n"
+    share = total_mb * (1 << 20) // 5
+    parts = {
+        "pairs.log": normal * ((1 << 20) // len(normal)) + dense * (share // len(dense)),
+        "box.log": ("  + Exception Group Traceback (most recent call last):\n"
+                    + ("  |" + "-" * 200 + "x\n") * 200).encode() * (share // 41_000),
+        "table.md": ("| 2026-01-01 00:00:00 |" + " " * 4000 + "x |\n").encode()
+        * (share // 4030),
+        "memory.log": ("host memory usage" + "\t " * 2000 + "\n").encode() * (share // 4018),
+        "scripts.html": b"<html><body>" + b"<script>" * (share // 8),
+    }
+    for name, data in parts.items():
+        (root / name).write_bytes(data)
+    return sum(len(d) for d in parts.values())
+
+
 def _doctor(path: Path) -> dict[str, float | str | None]:
     out = subprocess.run([sys.executable, "-c", _CHILD, str(path)], capture_output=True,
                          text=True, check=True, cwd=Path(__file__).resolve().parents[1])
@@ -130,6 +162,8 @@ def main() -> None:
         small = _doctor(tmp / "small")
         big = _doctor(tmp / "big")
         grep_s = _grep(tmp / "big") if shutil.which("grep") else float("nan")
+        bad_bytes = adversarial(tmp / "adversarial", max(16, args.mb // 8))
+        bad = _doctor(tmp / "adversarial")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     mb = big_bytes / (1 << 20)
@@ -141,10 +175,18 @@ def main() -> None:
           f"verdict {big['verdict']}")
     print(f"grep -c -F (same literals): {grep_s:.2f} s = {grep_mbps:.0f} MB/s; doctor/grep = "
           f"{mbps / grep_mbps:.2f}")
+    bad_mbps = bad_bytes / (1 << 20) / float(bad["wall_s"])
+    print(f"adversarial set ({bad_bytes / (1 << 20):.0f} MB): {bad['wall_s']:.2f} s = "
+          f"{bad_mbps:.0f} MB/s ({bad_mbps / mbps:.2f} of the normal rate), peak RSS "
+          f"{bad['rss_mb']:.0f} MB")
     print(json.dumps({"bench": "doctor_throughput", "mb": round(mb), "mb_per_s": round(mbps, 1),
                       "grep_mb_per_s": round(grep_mbps, 1), "peak_rss_mb": round(
                           float(big["rss_mb"]), 1), "peak_rss_mb_small_input": round(
-                          float(small["rss_mb"]), 1), "verdict": big["verdict"]}))
+                          float(small["rss_mb"]), 1), "verdict": big["verdict"],
+                      "adversarial_mb": round(bad_bytes / (1 << 20)),
+                      "adversarial_mb_per_s": round(bad_mbps, 1),
+                      "adversarial_ratio": round(bad_mbps / mbps, 2),
+                      "adversarial_peak_rss_mb": round(float(bad["rss_mb"]), 1)}))
 
 
 if __name__ == "__main__":

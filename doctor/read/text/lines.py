@@ -220,7 +220,7 @@ class LineHandler:
                            "warning" if pre.warning else "", hint, src)
         if triggered:
             self._match_patterns(rest, hint, src)
-            if "_size" in rest or "--" in rest or "WORLD_SIZE" in rest:
+            if "_size=" in rest or "-size" in rest or "WORLD_SIZE" in rest:
                 self._topology(rest)
             if any(t in rest for t in VERSION_TRIGGERS):
                 for system, version in stated_versions(rest):
