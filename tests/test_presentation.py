@@ -676,3 +676,75 @@ def test_line_separators_in_untrusted_text_split_nothing(tmp_path: Path) -> None
     assert "evil.example" not in " ".join(str(a.get("href")) for t, a in parsed.tags
                                           if t == "a")
     assert not re.search(r"<h2>[^<]*h2", page)
+
+
+def _readme_block(first: str) -> list[str]:
+    """The lines of the README's bash block that starts with ``first``."""
+    for block in re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S):
+        lines = block.strip().splitlines()
+        if lines and lines[0].startswith(first):
+            return lines
+    raise AssertionError(f"no README block starting {first!r}")
+
+
+def test_the_readme_triage_commands_run_as_written(tmp_path: Path) -> None:
+    """The triage block, run line by line in a shell, in a folder that holds what its lines
+    name (logs/, dumps/, an archive, a saved issue page, a folder of bundles, a bundle); only
+    a live capture and a clipboard paste (stdin stands in for it) are not run as written."""
+    import shutil
+    import tarfile
+
+    from tests.corpus import as_html, load_cases
+
+    mixed = FIXTURES / "mixed" / "tp4-rank2-missing"
+    shutil.copytree(mixed / "logs", tmp_path / "logs")
+    shutil.copytree(mixed / "pyspy", tmp_path / "dumps")
+    shutil.copy(FIXTURES / "collective-order-deadlock" / "runtime-tp2-skip-empty-sync"
+                / "bundle.tar.gz", tmp_path / "incident.tar.gz")
+    case = next(c for c in load_cases() if c.positive)
+    (tmp_path / "issue-page.html").write_bytes(as_html(case))
+    with tarfile.open(tmp_path / "incident.tar.gz") as tar:
+        tar.extractall(tmp_path / "hicache-bundles", filter="data")
+    shutil.copytree(FIXTURES / "write-ack-pop-empty" / "bundle-pp2-local-ack-drain",
+                    tmp_path / "hicache-bundles" / "bundle-pp2", ignore=shutil.ignore_patterns(
+                        "expected.json"))
+    bundle = next((tmp_path / "hicache-bundles").iterdir())
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**__import__("os").environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "NO_COLOR": "1"}
+    ran = 0
+    for line in _readme_block("hicache doctor logs/"):
+        cmd = line.split("  #")[0].strip()
+        if "<launcher pid>" in cmd:
+            continue  # a live job: tests/doctor/test_capture.py captures a real one
+        cmd = cmd.replace("pbpaste |", "cat logs/server.log |").replace("<bundle>", str(bundle))
+        proc = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=300, check=False)
+        # the doctor: 0 named, 1 nothing fits (both are answers); everything else: 0
+        ok = (0, 1) if cmd.split()[:2] == ["hicache", "doctor"] or "| hicache doctor" in cmd \
+            else (0,)
+        assert proc.returncode in ok, (cmd, proc.returncode, proc.stderr[-1500:])
+        assert "Traceback" not in proc.stderr, (cmd, proc.stderr[-1500:])
+        ran += 1
+    assert ran >= 11
+    assert json.loads((tmp_path / "diagnosis.json").read_text())["kind"] == "hicache-diagnosis"
+    assert (tmp_path / "incident-page.html").read_text().count('class="lane"') >= 2
+    assert (tmp_path / "runbooks" / "index.md").is_file()
+    assert (tmp_path / "incident.html").is_file()  # the runbook of the diagnosis, as a page
+
+
+@pytest.mark.slow
+def test_the_readme_run_block_s_single_rank_lines_run_as_written(tmp_path: Path) -> None:
+    """From the block of runs: the single-rank ones (a run with a fault and a trace, its
+    export), the schema and the fault listing, as written. The multi-rank lines are the same
+    commands the multi-rank suites run with other sizes."""
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**__import__("os").environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "NO_COLOR": "1"}
+    lines = _readme_block("hicache run --requests")
+    chosen = [ln.split("  #")[0].strip() for ln in lines
+              if not re.search(r"--(tp|pp|dp) \d", ln)]
+    assert any("trace export" in c for c in chosen)
+    for cmd in chosen:
+        proc = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=600, check=False)
+        assert proc.returncode == 0, (cmd, proc.stderr[-1500:])
+    assert json.loads((tmp_path / "run.perfetto.json").read_text())["traceEvents"]
