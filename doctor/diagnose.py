@@ -132,9 +132,10 @@ def _report(ev: Evidence, catalog: Catalog, scores: list[Score], facts: FactSet,
 
 
 def _causal(first: Divergence | None, facts: FactSet) -> frozenset[Fact]:
-    """Facts that come first in time: the first divergent decision, and a capacity that
-    differs from start-up."""
-    out = {Fact.HOST_CAPACITY_DIFFERS} & set(facts)
+    """Facts that come first in time: the first divergent decision, a capacity that differs
+    from start-up, and prefetch acks voted across ops (the ranks settle different lengths
+    from then on, so whatever diverges later follows from it)."""
+    out = {Fact.HOST_CAPACITY_DIFFERS, Fact.PREFETCH_ACKS_MISPAIRED} & set(facts)
     fact = divergence_fact(first) if first is not None else None
     if fact is not None:
         out.add(fact)

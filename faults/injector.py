@@ -115,7 +115,7 @@ class FaultInjector:
                                              fatal=not KINDS[spec.kind].survivable))
         if self.tracer is not None:
             for spec in out:
-                self.tracer.emit(Ev.FAULT, kind=spec.kind.value, point=point.value,
+                self.tracer.emit_durable(Ev.FAULT, kind=spec.kind.value, point=point.value,
                                  spec=spec.compact(), rid=rid,
                                  fatal=not KINDS[spec.kind].survivable)
         return out

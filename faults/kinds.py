@@ -162,7 +162,8 @@ KINDS: Mapping[FaultKind, KindEntry] = _kinds(
     KindEntry(FaultKind.MID_PREFETCH_ABORT,
               "Aborts the request while its prefetch IO reads batch `batch`; like any client "
               "abort it enters through rank 0 (timed by rank 0's IO thread) and reaches the "
-              "other ranks with the next requests, wherever their own prefetch IO is by then.",
+              "other ranks with the next requests. Rank 0 asks for it once every other rank's "
+              "IO has finished the op, as when rank 0's storage is the slow one.",
               (_P.PREFETCH_BATCH,),
               (Param("batch", int, "prefetch batch, 0-based", "any batch"),)),
     KindEntry(FaultKind.CHUNKED_ABORT,

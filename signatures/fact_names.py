@@ -54,7 +54,11 @@ class Fact(str, Enum):
     PREFIX_LENGTH_DIVERGENCE = "prefix-length-divergence"
     """Ranks disagree on the prefix, hit or settled length of the same request or batch."""
     PREFETCH_ACKS_STOPPED = "prefetch-acks-stopped"
-    """For the same prefetch op, one rank emitted fewer progress acks than its peers."""
+    """For the same prefetch op, one rank emitted fewer progress acks than its peers (or its
+    IO thread recorded that it stopped acking an op it had not finished)."""
+    PREFETCH_ACKS_MISPAIRED = "prefetch-acks-mispaired"
+    """The agreed progress of one prefetch op went down between two of its acks: the per-ack
+    MIN vote paired acks of different ops, so ranks settle different prefetched lengths."""
     ABORT_DURING_PREFETCH = "abort-during-prefetch"
     """A request was aborted while its L3 prefetch IO was still in flight."""
     PREFETCH_HOLE_COMMITTED = "prefetch-hole-committed"

@@ -10,12 +10,17 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, Verbosity, settings
 
+from hicache_runtime.contracts.event_payloads import STRICT_ENV
 from hicache_runtime.l3.backends.redis_server import LocalRedisServer, redis_server_binary
 
 try:
     import torch
 except ImportError:  # the triage install (no [runtime] extra): the doctor's tests still run
     torch = None  # type: ignore[assignment]
+
+# Every event any test makes (in this process and in the rank processes it starts, which
+# inherit the environment) is checked against its payload model.
+os.environ[STRICT_ENV] = "1"
 
 # One intra-op thread per process: tests run several ranks (and other tests) on two cores,
 # where spinning OpenMP threads make everything many times slower.

@@ -6,15 +6,19 @@ What the analyzers read (the contract with the runtime's event attributes):
 * ``req.abort`` {rid} between ``l3.prefetch.submit`` {rid} and ``l3.prefetch.settle`` {rid}
   on a rank: an abort during prefetch; also a fired ``mid-prefetch-abort`` fault;
 * ``l3.prefetch.ack`` {rid} counts per rank: fewer acks on one rank for the same op;
-* ``l3.prefetch.settle`` {rid, pages_ok: [bool], pages|committed}: a hole committed when the
-  committed pages exceed the leading run of ``pages_ok``; or wrong output after a fired
-  ``storage-shortfall`` fault with ``mode=holes``;
+* ``l3.prefetch.settle`` {rid, pools_ok: {pool: [bool]}, pools_counted: {pool: int}}: a hole
+  counted as coverage when a sidecar pool's counted pages exceed the leading run of the pages
+  this rank found; or wrong output after a fired ``storage-shortfall`` fault with ``mode=holes``;
 * ``l2.write.skip`` {parent_backed_up: true}: an allocation refused a backup;
 * ``req.abort.applied`` {rid} on a rank but not on a peer of its DP group: the ranks' histories
   differ from there (an eviction divergence after it is a consequence);
-* ``check.integrity`` {ok: false}, ``consensus.check`` {ok: false} or {divergent},
-  ``l3.storage`` {ok: false}, ``thread.died`` {error};
-* samples ``rss_mb`` and ``pending_sends`` (event attributes or log lines) per rank;
+* ``check.integrity`` {ok: false}, ``consensus.check`` {divergent}, ``l3.storage``
+  {ok: false}, ``thread.died`` {error};
+* samples: ``pending_sends`` (``sync.pp_pending``, or log lines) and ``rss_mb`` (log lines) per
+  rank;
+
+Every field named here is a field of the kind's payload model
+(:mod:`hicache_runtime.contracts.event_payloads`; ``tests/test_event_contract.py`` checks it).
 * state snapshots: ``cache.host.capacity``, ``prefetch_tokens_occupied`` with no prefetch in
   flight, ``pending_sends``;
 * pipeline stages' own records (:mod:`doctor.facts.stages`): ``pp.recv``, ``sync.host_capacity``.
@@ -105,6 +109,11 @@ def _divergences(ev: Evidence, divs: list[Divergence], facts: FactSet) -> None:
 def _prefetch_lifecycle(ev: Evidence, divs: list[Divergence], facts: FactSet) -> None:
     acks: dict[str, dict[int, int]] = {}
     last_ack: dict[tuple[str, int], SourceRef] = {}
+    agreed: dict[tuple[int, str], int] = {}
+    stops: list[tuple[int, str, int]] = []
+    """(rank, op, batch) of each op a rank's IO stopped acking early."""
+    order: dict[int, list[str]] = {}
+    """Each rank's agreed acks, in the order its scheduler took them (the op of each)."""
     for r in ev.ranks.values():
         in_flight: dict[str, SourceRef] = {}
         for kind, attrs, src, _step in r.events:
@@ -121,15 +130,26 @@ def _prefetch_lifecycle(ev: Evidence, divs: list[Divergence], facts: FactSet) ->
                     f"rank {r.rank}: the prefetch IO of {rid} wrote host pages "
                     f"{attrs.get('reused')} after its abort had freed them and they were "
                     "handed out again", src, r.rank))
+            elif kind == Ev.PREFETCH_ACK and attrs.get("stopped") is True:
+                # the IO thread's own record that it returned without acking the rest
+                batch = attrs.get("batch")
+                if isinstance(batch, int) and not isinstance(batch, bool):
+                    stops.append((r.rank, rid, batch))
+                facts.add(Fact.PREFETCH_ACKS_STOPPED, witness(
+                    f"rank {r.rank}: the prefetch IO of {rid} stopped acking at batch "
+                    f"{attrs.get('batch')} (no further batch acks, no completion ack)",
+                    src, r.rank))
             elif kind == Ev.PREFETCH_ACK:
                 acks.setdefault(rid, {}).setdefault(r.rank, 0)
                 acks[rid][r.rank] += 1
                 last_ack[(rid, r.rank)] = src
-            elif kind == Ev.FAULT and "mid-prefetch-abort" in str(attrs.get("kind", "")) + \
-                    str(attrs.get("spec", "")):
+                order.setdefault(r.rank, []).append(rid)
+                _check_agreed_progress(r.rank, rid, attrs, src, agreed, facts)
+            elif kind == Ev.FAULT and attrs.get("kind") == "mid-prefetch-abort":
                 facts.add(Fact.ABORT_DURING_PREFETCH, witness(
                     f"rank {r.rank}: fault {attrs.get('spec', 'mid-prefetch-abort')} fired "
                     f"(request {attrs.get('rid')})", src, r.rank))
+    _surplus_acks(ev, stops, order, facts)
     for rid, per_rank in acks.items():
         if len(per_rank) >= 2 and len(set(per_rank.values())) > 1:
             short = min(per_rank, key=lambda k: (per_rank[k], k))
@@ -139,25 +159,80 @@ def _prefetch_lifecycle(ev: Evidence, divs: list[Divergence], facts: FactSet) ->
                 last_ack.get((rid, short)), short))
 
 
+def _surplus_acks(ev: Evidence, stops: list[tuple[int, str, int]],
+                  order: dict[int, list[str]], facts: FactSet) -> None:
+    """A rank whose IO stopped an op at batch ``b`` emitted ``b`` acks of it; a peer that took
+    more than ``b`` agreed acks of the same op got the extra ones from votes the stopped rank
+    entered with *later* ops' acks (the vote pairs every rank's k-th ack, whatever op it
+    belongs to). From then on each of the peer's acks is voted against another op's, so an
+    agreed ack the peer took after that op's is mispaired."""
+    for rank, rid, batch in stops:
+        for peer, rids in order.items():
+            if peer == rank or rids.count(rid) <= batch:
+                continue
+            last = len(rids) - 1 - rids[::-1].index(rid)
+            later = [x for x in rids[last + 1:] if x != rid]
+            if not later:
+                continue
+            facts.add(Fact.PREFETCH_ACKS_MISPAIRED, Witness(
+                f"rank {rank} stopped acking {rid} after {batch} ack(s); rank {peer} took "
+                f"{rids.count(rid)} agreed acks of it, so its later acks ({', '.join(later[:3])}"
+                f"{', ...' if len(later) > 3 else ''}) were voted against other ops' acks",
+                None, None, peer))
+
+
+def _check_agreed_progress(rank: int, rid: str, attrs: dict[str, Any], src: SourceRef,
+                           agreed: dict[tuple[int, str], int], facts: FactSet) -> None:
+    """Each rank's progress of one op only grows, so the MIN over ranks of its k-th acks does
+    too (upstream asserts it where the scheduler drains the agreed acks: sglang 0.5.23
+    ``srt/mem_cache/unified_radix_cache.py`` ``_drain_ack_prefetch``, L3217). A value that
+    goes down came from a vote that paired this op's ack with another op's."""
+    done, completed = attrs.get("done"), attrs.get("completed")
+    if done is not False or isinstance(completed, bool) or not isinstance(completed, int):
+        return
+    before = agreed.get((rank, rid))
+    agreed[(rank, rid)] = completed if before is None else max(before, completed)
+    if before is not None and completed < before:
+        facts.add(Fact.PREFETCH_ACKS_MISPAIRED, witness(
+            f"rank {rank}: the agreed progress of {rid} went from {before} to {completed} "
+            f"tokens at batch {attrs.get('batch')}: its ack was voted with another op's",
+            src, rank))
+
+
 def _holes(ev: Evidence, divs: list[Divergence], facts: FactSet) -> None:
     holes_fault = None
     for r in ev.ranks.values():
         for kind, attrs, src, _step in r.events:
-            if kind == Ev.PREFETCH_SETTLE and isinstance(attrs.get("pages_ok"), list):
-                ok = [bool(x) for x in attrs["pages_ok"]]
-                lead = next((i for i, x in enumerate(ok) if not x), len(ok))
-                committed = attrs.get("committed", attrs.get("pages"))
-                if isinstance(committed, int) and committed > lead:
-                    facts.add(Fact.PREFETCH_HOLE_COMMITTED, witness(
-                        f"rank {r.rank}: {attrs.get('rid')} committed {committed} pages but only "
-                        f"the first {lead} loaded (pages_ok={ok})", src, r.rank))
-            if kind == Ev.FAULT and "holes" in str(attrs.get("spec", "")):
+            if kind == Ev.PREFETCH_SETTLE:
+                _counted_past_a_hole(r.rank, attrs, src, facts)
+            if kind == Ev.FAULT and attrs.get("kind") == "storage-shortfall" \
+                    and "mode=holes" in str(attrs.get("spec", "")):
                 holes_fault = holes_fault or witness(
                     f"rank {r.rank}: fault {attrs.get('spec')} fired", src, r.rank)
     if holes_fault is not None and (ev.outcome == "wrong-output" or ev.mismatches):
         facts.add(Fact.PREFETCH_HOLE_COMMITTED, Witness(
             f"outputs differ after {holes_fault.text} (pages failed in the middle of a "
             "prefetch)", holes_fault.file, holes_fault.line, holes_fault.rank))
+
+
+def _counted_past_a_hole(rank: int, attrs: dict[str, Any], src: SourceRef,
+                         facts: FactSet) -> None:
+    """A hybrid prefetch's settlement: per sidecar pool, the pages this rank found
+    (``pools_ok``) and the agreed pages counted as present (``pools_counted``). Counting more
+    than the leading run of found pages takes a hole for coverage (``sum-hit-pages``)."""
+    found, counted = attrs.get("pools_ok"), attrs.get("pools_counted")
+    if not isinstance(found, dict) or not isinstance(counted, dict):
+        return
+    for pool, ok in found.items():
+        n = counted.get(pool)
+        if not isinstance(ok, list) or not isinstance(n, int) or isinstance(n, bool):
+            continue
+        lead = next((i for i, x in enumerate(ok) if x is not True), len(ok))
+        if n > lead:
+            shown = "".join("+" if x is True else "." for x in ok[:64])
+            facts.add(Fact.PREFETCH_HOLE_COMMITTED, witness(
+                f"rank {rank}: {attrs.get('rid')} counted {n} pages of pool {pool} as present "
+                f"but only the first {lead} arrived (pages found: {shown})", src, rank))
 
 
 def _allocation_and_checks(ev: Evidence, divs: list[Divergence], facts: FactSet) -> None:
@@ -172,7 +247,6 @@ def _allocation_and_checks(ev: Evidence, divs: list[Divergence], facts: FactSet)
             fact = None
             if attrs.get("ok") is False:
                 fact = {Ev.INTEGRITY: Fact.INVARIANT_BROKEN,
-                        Ev.CONSENSUS: Fact.CONSENSUS_FIRED,
                         Ev.STORAGE: Fact.STORAGE_ERRORS}.get(kind)
             elif kind == Ev.CONSENSUS and "divergent" in attrs:
                 fact = Fact.CONSENSUS_FIRED

@@ -18,7 +18,14 @@ from __future__ import annotations
 import json
 from typing import Any, BinaryIO
 
-from doctor.evidence import MAX_ARRIVALS, Decision, RankHint, SourceRef, TimedEvent
+from doctor.evidence import (
+    MAX_ARRIVALS,
+    Decision,
+    RankEvidence,
+    RankHint,
+    SourceRef,
+    TimedEvent,
+)
 from doctor.ranks.builder import EvidenceBuilder
 from hicache_runtime.contracts.events import Ev
 from hicache_runtime.contracts.jsonl import iter_lines
@@ -34,17 +41,18 @@ DECISIONS: dict[str, tuple[str | None, tuple[str, ...]]] = {
     Ev.LOAD_DRAIN: (None, ("count",)),
     Ev.VOTE: ("site", ("agreed",)),
     Ev.PREFETCH_HIT: ("rid", ("agreed",)),
-    Ev.PREFETCH_SETTLE: ("rid", ("tokens", "pages", "completed", "committed")),
+    Ev.PREFETCH_SETTLE: ("rid", ("completed", "hit_pages")),
     Ev.CHUNK_SIZE: ("rid", ("history", "size")),
 }
 NOTABLE = frozenset({
     Ev.REQ_ABORT, Ev.PREFETCH_SUBMIT, Ev.PREFETCH_ACK, Ev.PREFETCH_SETTLE, Ev.PREFETCH_HIT,
-    Ev.PREFETCH_TERMINATE, Ev.PREFETCH_REVOKE, Ev.WRITE_SKIP, Ev.FAULT, Ev.CONSENSUS,
-    Ev.INTEGRITY, Ev.WATCHDOG, Ev.STORAGE, Ev.VOTE, Ev.WORKER_DIED, Ev.PP_RECV,
+    Ev.PREFETCH_REVOKE, Ev.WRITE_SKIP, Ev.FAULT, Ev.CONSENSUS,
+    Ev.INTEGRITY, Ev.STORAGE, Ev.VOTE, Ev.WORKER_DIED, Ev.PP_RECV,
     Ev.HOST_CAPACITY, Ev.PREFETCH_LATE_WRITE, Ev.ABORT_APPLIED,
 })
-_SAMPLE_ATTRS = {"rss_mb": "rss_mb", "rss": "rss_mb", "pending_sends": "pending_sends",
-                 "host_free": "host_free"}
+#: event attribute -> sample series (``sync.pp_pending`` carries PP0's pending sends; memory
+#: samples come from log lines, which is where a deployment prints them)
+_SAMPLE_ATTRS = {"pending_sends": "pending_sends"}
 #: Decisions about one request: comparable across ranks only if its arrival is traced.
 REQUEST_KEYED = frozenset({Ev.REQ_ADMIT, Ev.MATCH, Ev.PREFETCH_HIT, Ev.PREFETCH_SETTLE,
                            Ev.CHUNK_SIZE})
@@ -52,7 +60,7 @@ REQUEST_KEYED = frozenset({Ev.REQ_ADMIT, Ev.MATCH, Ev.PREFETCH_HIT, Ev.PREFETCH_
 TIMELINE = frozenset({
     Ev.BATCH, Ev.COLLECTIVE_ENTER, Ev.COLLECTIVE_EXIT, Ev.FAULT, Ev.REQ_ABORT,
     Ev.BACKUP_SUBMIT, Ev.BACKUP_ACK, Ev.PREFETCH_SUBMIT, Ev.PREFETCH_SETTLE,
-    Ev.PREFETCH_TERMINATE, Ev.STORAGE, Ev.WATCHDOG, Ev.INTEGRITY, Ev.CONSENSUS,
+    Ev.STORAGE, Ev.INTEGRITY, Ev.CONSENSUS,
     Ev.WORKER_DIED, Ev.PP_SEND, Ev.PP_RECV,
 })
 _WANTED = {k.encode() for k in (*DECISIONS, *NOTABLE, *TIMELINE, Ev.REQ_ARRIVE)}
@@ -97,8 +105,13 @@ def _file_event(ev: dict[str, Any], src: SourceRef, hint: RankHint,
     own = RankHint(rank=_int(ev.get("rank")), tp=_int(ev.get("tp")), pp=_int(ev.get("pp")),
                    dp=_int(ev.get("dp")))
     slot = sink.slot(own.merged(hint))
-    slot.kinds.add("trace")
     step = _int(ev.get("step")) or 0
+    if ev.get("durable") is True:
+        # a journal line (the rank died before dumping its ring): an event that happened,
+        # but the file holds only a few kinds, so it says nothing of what did not happen
+        slot.kinds.add("journal")
+        return _journaled(kind, attrs, src, step, slot, _int(ev.get("t_ns")))
+    slot.kinds.add("trace")
     if slot.trace_start is None or step < slot.trace_start:
         slot.trace_start = step
     if slot.trace_end is None or step > slot.trace_end:
@@ -122,6 +135,16 @@ def _file_event(ev: dict[str, Any], src: SourceRef, hint: RankHint,
         if value:
             slot.add_decision(Decision(kind, key, json.dumps(value, sort_keys=True, default=str),
                                        step, src))
+    return True
+
+
+def _journaled(kind: str, attrs: dict[str, Any], src: SourceRef, step: int,
+               slot: RankEvidence, t_ns: int | None) -> bool:
+    """A journal line: a notable event and a timeline mark, never a decision or coverage."""
+    if kind in NOTABLE:
+        slot.events.append((kind, attrs, src, step))
+    if kind in TIMELINE and t_ns is not None:
+        slot.timeline.append(_timed(kind, attrs, t_ns, step))
     return True
 
 

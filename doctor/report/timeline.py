@@ -38,7 +38,7 @@ Clock = Callable[[int], float]
 _MARK_KIND = {
     Ev.FAULT: "fault", Ev.REQ_ABORT: "abort", Ev.BACKUP_SUBMIT: "transfer",
     Ev.BACKUP_ACK: "transfer", Ev.PREFETCH_SUBMIT: "transfer", Ev.PREFETCH_SETTLE: "transfer",
-    Ev.PREFETCH_TERMINATE: "abort", Ev.STORAGE: "storage", Ev.WATCHDOG: "check",
+    Ev.STORAGE: "storage",
     Ev.INTEGRITY: "check", Ev.CONSENSUS: "check", Ev.WORKER_DIED: "abort",
     Ev.PP_SEND: "transfer", Ev.PP_RECV: "transfer",
 }

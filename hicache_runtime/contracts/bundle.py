@@ -42,7 +42,7 @@ from hicache_runtime.contracts.run_files import (
     rank_dir_name,
 )
 
-BUNDLE_SCHEMA_VERSION = "1.2"
+BUNDLE_SCHEMA_VERSION = "1.3"
 BUNDLE_KIND = "hicache-crash-bundle"
 
 
@@ -164,6 +164,9 @@ class TraceEvent(BaseModel):
     step: int
     kind: str
     attrs: dict[str, Any]
+    durable: bool = False
+    """Added in 1.3: the line comes from the rank's journal (``journal.jsonl``), written as it
+    happened; a file of such lines holds only those few kinds of event, not the whole ring."""
 
 
 class FlightRecord(BaseModel):

@@ -11,7 +11,8 @@ from typing import Any, Protocol
 
 
 class Ev:
-    """Event kinds. Attributes are documented where each is emitted."""
+    """Event kinds; each one's fields are its model in
+    :mod:`~hicache_runtime.contracts.event_payloads`."""
 
     REQ_ARRIVE = "req.arrive"
     REQ_ADMIT = "req.admit"
@@ -45,7 +46,6 @@ class Ev:
     PREFETCH_ACK = "l3.prefetch.ack"
     PREFETCH_SETTLE = "l3.prefetch.settle"
     PREFETCH_REVOKE = "l3.prefetch.revoke"
-    PREFETCH_TERMINATE = "l3.prefetch.terminate"
     PREFETCH_DISCARD = "l3.prefetch.discard"
     PREFETCH_LATE_WRITE = "l3.prefetch.late_write"
     STORAGE = "l3.storage"
@@ -55,7 +55,6 @@ class Ev:
     FAULT = "fault.fired"
     WORKER_DIED = "thread.died"
     INTEGRITY = "check.integrity"
-    WATCHDOG = "watchdog.stall"
     CONSENSUS = "consensus.check"
     PP_PENDING = "sync.pp_pending"
     HOST_CAPACITY = "sync.host_capacity"
@@ -78,4 +77,7 @@ class EventSink(Protocol):
     """Where code below the runtime (the fault injector) records an event: the runtime's
     :class:`~hicache_runtime.telemetry.tracer.Tracer` is one."""
 
-    def emit(self, kind: str, /, **attrs: Any) -> None: ...
+    def emit(self, kind: str, /, **attrs: Any) -> object: ...
+
+    def emit_durable(self, kind: str, /, **attrs: Any) -> None:
+        """Record it, and on disk at once (it must outlive a rank that dies in native code)."""

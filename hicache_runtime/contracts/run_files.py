@@ -48,6 +48,10 @@ RANK_TORCH_FR = "torch_fr.pkl"
 RANK_LOG = "log.txt"
 RANK_FAULTS_FIRED = "faults_fired.json"
 """The faults fired on a rank, written just before a fault ends it with no dump (rank-kill)."""
+RANK_JOURNAL = "journal.jsonl"
+"""The few events a rank writes to disk as they happen (a fault firing, a legacy path taken),
+each line marked ``durable``: what is left of its trace when it dies before it can dump (a
+native abort, a kill). Kept as the rank's ``events.jsonl`` then; removed when it dumped."""
 RANK_STORAGE_CLIENT_LOG = "storage-client.log"
 """The L3 client library's own log lines (a backend that keeps them, e.g. Mooncake's glog)."""
 

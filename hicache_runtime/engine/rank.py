@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from faults.injector import FaultInjector
 from faults.points import FaultPoint
+from faults.rendezvous import PrefetchIORendezvous, needs_prefetch_rendezvous
 from hicache_runtime.cache.hicache import HiCache
 from hicache_runtime.cache.interface import NoPrefixCache, PrefixCache
 from hicache_runtime.config import RuntimeConfig
@@ -36,6 +38,7 @@ from hicache_runtime.l3.workers import StorageWorkers
 from hicache_runtime.telemetry.tracer import Tracer
 
 _IO_BUDGET_FRACTION = 0.25
+_RENDEZVOUS_S = 30.0
 """Share of the protocol timeout one L3 query or backup may take on a rank."""
 
 
@@ -158,7 +161,19 @@ def _storage_workers(cfg: RuntimeConfig, rank: RankInfo, model: TinyTransformer,
     # A peer waits in an L3 vote for at most this plus one storage call (see ``l3_ops``).
     budget = cfg.observability.protocol_timeout_s * _IO_BUDGET_FRACTION
     return StorageWorkers(cfg.storage, backend, codec, host_pool, sync, tracer, rank,
-                          cfg.legacy, faults, aborts.request, sidecars, io_budget_s=budget)
+                          cfg.legacy, faults, aborts.request, sidecars, io_budget_s=budget,
+                          rendezvous=_prefetch_rendezvous(cfg, rank))
+
+
+def _prefetch_rendezvous(cfg: RuntimeConfig, rank: RankInfo) -> PrefetchIORendezvous | None:
+    """The store-backed rendezvous a mid-prefetch-abort times itself with (every rank of a
+    run that arms one builds it: the peers record, rank 0 waits)."""
+    if not needs_prefetch_rendezvous(cfg.faults, rank.world_size) or not dist.is_initialized():
+        return None
+    store = dist.distributed_c10d._get_default_store()  # the store the ranks joined with
+    # a peer's IO thread works through its own backlog first (slow storage under load): give
+    # it long; it depends on nothing rank 0 does, so the wait ends unless a peer is stuck
+    return PrefetchIORendezvous(store, rank, timeout_s=_RENDEZVOUS_S)
 
 
 def host_tokens_for(cfg: RuntimeConfig, shape: KVShape) -> int:

@@ -68,6 +68,9 @@ class PrefetchOperation:
     """Sidecar pools: agreed leading hit pages per pool."""
     local_pool_pages: dict[str, int] = field(default_factory=dict)
     """Sidecar pools: pages this rank's IO thread counted as loaded, per pool."""
+    pool_pages_ok: dict[str, list[bool]] = field(default_factory=dict)
+    """Sidecar pools: which pages this rank's IO thread found, in page order (IO thread;
+    the settlement traces them, so a hole counted as coverage shows)."""
     pool_pages: dict[str, int] = field(default_factory=dict)
     """Sidecar pools: consensus loaded pages per pool (MIN over ranks)."""
     local_completed: int = 0

@@ -276,9 +276,14 @@ class L3Tier:
         self.pins.unpin(op.anchor_slots)
         req.storage_pending = inserted
         self.stats["prefetched_tokens"] += inserted
+        pools = {}
+        if self.workers.sidecars:  # hybrid models: what each pool found and what counted
+            pools = {"pools_ok": {n: list(op.pool_pages_ok.get(n, ()))
+                                  for n in self.workers.sidecars},
+                     "pools_counted": {n: op.pool_pages.get(n, 0) for n in self.workers.sidecars}}
         self.tracer.emit(Ev.PREFETCH_SETTLE, rid=op.rid, completed=completed,
                          local=op.local_completed, consensus=op.completed,
-                         hit_pages=op.hit_pages, inserted=inserted)
+                         hit_pages=op.hit_pages, inserted=inserted, **pools)
         if op.io_finished or op.host_slots is None:
             self._finish(op)
 

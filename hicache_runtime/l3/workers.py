@@ -51,6 +51,7 @@ from hicache_runtime.l3.ops import (
 
 if TYPE_CHECKING:
     from faults.injector import FaultInjector
+    from faults.rendezvous import PrefetchIORendezvous
     from hicache_runtime.config import StorageConfig
     from hicache_runtime.contracts.topology import RankInfo
     from hicache_runtime.dist.protocols import RankSync
@@ -77,7 +78,8 @@ class StorageWorkers:
                  legacy: frozenset[LegacySwitch], faults: FaultInjector | None = None,
                  request_abort: AbortRequester | None = None,
                  sidecars: dict[str, SidecarCodec] | None = None,
-                 io_budget_s: float | None = None) -> None:
+                 io_budget_s: float | None = None,
+                 rendezvous: PrefetchIORendezvous | None = None) -> None:
         self.cfg = cfg
         self.backend = backend
         self.codec = codec
@@ -93,6 +95,8 @@ class StorageWorkers:
         self.faults = faults if faults and faults.armed(FaultPoint.PREFETCH_BATCH) \
             and rank.rank == 0 else None
         self.request_abort = request_abort
+        self.rendezvous = rendezvous
+        """Armed with a mid-prefetch-abort: times rank 0's abort after the peers' IO."""
         self.io_budget_s = io_budget_s
         """Wall time one query or backup may take from when it was queued (None: unbounded)."""
         self.vote_backups = not storage_drain_is_stage_local(legacy)
@@ -241,7 +245,8 @@ class StorageWorkers:
                 self._maybe_abort(op, index)
                 if op.is_terminated():
                     if early_exit:
-                        self.tracer.emit(Ev.PREFETCH_ACK, rid=op.rid, batch=index, stopped=True)
+                        self.tracer.emit_durable(Ev.PREFETCH_ACK, rid=op.rid, batch=index,
+                                                 stopped=True)
                         stopped = True
                         return  # upstream, pre-#27010: no further acks for this op
                     if late_writes and not failed and op.pages_freed:
@@ -267,6 +272,8 @@ class StorageWorkers:
             if not stopped:  # the completion ack, also if something above raised
                 self.prefetch_sync_queue.put(PrefetchAck(op.rid, op.local_completed, -1, True,
                                                          self._pool_pages(op)))
+            if self.rendezvous is not None and self.faults is None:
+                self.rendezvous.finished(op.rid)
 
     def _late_write(self, op: PrefetchOperation, keys: list[str], first_page: int,
                     info: StorageCallInfo) -> None:
@@ -303,7 +310,7 @@ class StorageWorkers:
             self.codec.write_pages(self.host, slots[: good * ps],
                                    payloads[:good])  # type: ignore[arg-type]
         reused = [p for p in pages[:good] if self.host.allocator.is_used(p)]
-        self.tracer.emit(Ev.PREFETCH_LATE_WRITE, rid=op.rid, pages=pages[:good],
+        self.tracer.emit_durable(Ev.PREFETCH_LATE_WRITE, rid=op.rid, pages=pages[:good],
                          reused=reused)
 
     def _pool_pages(self, op: PrefetchOperation) -> tuple[int, ...]:
@@ -319,6 +326,7 @@ class StorageWorkers:
         payloads = [p if p is not None and codec.fits(p) else None
                     for p in self.backend.batch_get(keys, info)]
         arrived = [i for i, p in enumerate(payloads) if p is not None]
+        op.pool_pages_ok.setdefault(name, []).extend(p is not None for p in payloads)
         leading = next((i for i, p in enumerate(payloads) if p is None), len(payloads))
         counted = len(arrived) if LegacySwitch.SUM_HIT_PAGES in self.legacy else leading
         ps = self.page_size
@@ -356,6 +364,8 @@ class StorageWorkers:
         fired = self.faults.fire(FaultPoint.PREFETCH_BATCH, step=self.tracer.step, rid=op.rid,
                                  kinds={FaultKind.MID_PREFETCH_ABORT})
         if any(s.batch is None or s.batch == index for s in fired):
+            if self.rendezvous is not None:  # the peers are past this op (faults.rendezvous)
+                self.rendezvous.wait_for_peers(op.rid)
             # The abort must land while this op is in flight: wait until it was applied.
             self.request_abort(op.rid).wait(_ABORT_WAIT_S)
 

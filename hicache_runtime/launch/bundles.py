@@ -36,7 +36,9 @@ from hicache_runtime.contracts.rank_result import read_rank_result
 from hicache_runtime.contracts.run_files import (
     RANK_DIRS,
     RANK_ENTRY,
+    RANK_EVENTS,
     RANK_FAULTS_FIRED,
+    RANK_JOURNAL,
     RANK_LOG,
     RANK_STATE,
     RunDir,
@@ -106,7 +108,7 @@ def _finish(dest: Path, cfg: RuntimeConfig, outcome: RunOutcome, reason: str,
             entries: list[RankEntry], fired: list[FiredFaultRecord], missing: list[int],
             mismatches: list[dict[str, Any]]) -> Path:
     """Fold the ranks' own files into the manifest and write it, last."""
-    for name in (RANK_ENTRY, RANK_FAULTS_FIRED):
+    for name in (RANK_ENTRY, RANK_FAULTS_FIRED, RANK_JOURNAL):
         for stale in dest.glob(f"{RANK_DIRS}/{name}"):
             stale.unlink()
     write_manifest(dest, build_manifest(cfg, outcome, reason, entries, fired,
@@ -140,6 +142,11 @@ def _rank_entry(run: RunDir, cfg: RuntimeConfig, ex: RankExit, outcome: RunOutco
                           error=f"no dump: exited with code {ex.returncode}"
                           f"{describe_exit(ex.returncode)}", files=RankFiles())
     entry.exit_code = ex.returncode
+    journal = d / RANK_JOURNAL
+    if journal.exists() and not (d / RANK_EVENTS).exists():
+        # died before dumping its ring: what it journaled is all that is left of its trace
+        journal.replace(d / RANK_EVENTS)
+        entry.files.events = in_bundle(r, RANK_EVENTS)
     entry.files.pyspy = pyspy or entry.files.pyspy
     entry.files.log = in_bundle(r, RANK_LOG) if (d / RANK_LOG).exists() else None
     return entry

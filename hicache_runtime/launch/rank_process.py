@@ -51,6 +51,7 @@ from hicache_runtime.contracts.rank_result import write_rank_result
 from hicache_runtime.contracts.run_files import (
     RANK_ENTRY,
     RANK_FAULTS_FIRED,
+    RANK_JOURNAL,
     RANK_TORCH_FR,
     RANK_TRACEBACK,
     RunDir,
@@ -171,6 +172,7 @@ class RankDumper:
 def run_rank(run_dir: Path, rank: RankInfo, cfg: RuntimeConfig) -> int:
     """Run one rank to completion; returns the process exit code."""
     tracer = make_tracer(cfg, rank)
+    tracer.journal = RunDir(run_dir).rank_bundle(rank.rank) / RANK_JOURNAL
     groups = create_groups(rank, tracer, cfg.observability.protocol_timeout_s)
     sync = DistributedSync(rank, tracer, groups, cfg.legacy,
                            cfg.observability.pending_send_limit)

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
+from hicache_runtime.contracts.event_payloads import check_event, strict_events
 from hicache_runtime.contracts.events import EventRecord
 from hicache_runtime.contracts.topology import RankInfo
 
@@ -51,16 +52,22 @@ class Tracer:
         self.total = 0
         self.observer: Callable[[str, dict[str, Any]], None] | None = None
         """Sees every event, also with the ring off (the consensus checker uses it)."""
+        self._strict = strict_events()
+        """Check every event against its payload model (the test suite turns it on)."""
+        self.journal: Path | None = None
+        """Where :meth:`emit_durable` appends (a run's rank sets it; none: ring only)."""
         if jsonl_path is not None and enabled:
             jsonl_path.parent.mkdir(parents=True, exist_ok=True)
             self._sink = jsonl_path.open("w", encoding="utf-8")
 
-    def emit(self, kind: str, /, **attrs: Any) -> None:
+    def emit(self, kind: str, /, **attrs: Any) -> EventRecord | None:
         """Record one event. Attributes must be JSON-friendly scalars or short lists."""
+        if self._strict:
+            check_event(kind, attrs)
         if self.observer is not None:
             self.observer(kind, attrs)
         if not self.enabled:
-            return
+            return None
         self.total += 1
         rec = (self.total, time.monotonic_ns(), kind, threading.current_thread().name,
                self.step, attrs)
@@ -69,6 +76,25 @@ class Tracer:
             line = json.dumps(self._as_dict(rec), default=str)
             with self._sink_lock:
                 self._sink.write(line + "\n")
+        return rec
+
+    def emit_durable(self, kind: str, /, **attrs: Any) -> None:
+        """Record one event and append it to the rank's journal at once (flushed, one line
+        marked ``durable``). For the rare events that tell a failure's cause from its
+        consequences (a fault firing, a legacy path taken): a rank that dies in native code
+        (gloo's abort on a size mismatch) or is killed never dumps its ring, and without
+        them its peers' evidence shows only the consequences."""
+        rec = self.emit(kind, **attrs)
+        if rec is None or self.journal is None:
+            return
+        line = json.dumps({**self._as_dict(rec), "durable": True}, default=str)
+        with self._sink_lock:
+            try:
+                self.journal.parent.mkdir(parents=True, exist_ok=True)
+                with self.journal.open("a", encoding="utf-8") as fh:
+                    fh.write(line + "\n")
+            except OSError:
+                self.journal = None  # a full or read-only disk: the ring still has it
 
     @contextmanager
     def span(self, kind: str, /, **attrs: Any) -> Iterator[dict[str, Any]]:

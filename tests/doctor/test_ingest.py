@@ -22,10 +22,10 @@ def _tar(case: Path, dest: Path) -> Path:
 
 
 def test_tar_gz_of_a_bundle_is_read_without_extracting(tmp_path: Path) -> None:
-    archive = _tar(FIXTURES / "prefetch-gap-overcount" / "bundle-tp1-sum-hit-pages",
+    archive = _tar(FIXTURES / "rank-divergence-detected" / "bundle-tp2-consensus",
                    tmp_path / "bundle.tar.gz")
     d = diagnose([str(archive)])
-    assert d.verdicts[0].signature == "prefetch-gap-overcount"
+    assert d.verdicts[0].signature == "rank-divergence-detected"
     assert any("bundle.tar.gz!incident/rank0/events.jsonl" in i.path for i in d.inputs)
     assert list(tmp_path.iterdir()) == [archive]
 

@@ -27,6 +27,8 @@ LEGACY = {
     "host-capacity-divergence/runtime-pp2-local-host-capacity": "local-host-capacity",
     "lru-clock-divergence/runtime-tp2-wallclock-lru": "wallclock-lru",
     "prefetch-abort-use-after-free/runtime-tp2-abort-frees-in-flight": "abort-frees-in-flight",
+    "prefetch-gap-overcount/runtime-tp1-sum-hit-pages": "sum-hit-pages",
+    "prefetch-abort-ack-starvation/runtime-tp2-abort-early-exit-divergence": "abort-early-exit",
 }
 
 
@@ -179,3 +181,12 @@ def test_sigkill_without_a_dump_is_a_kill_and_after_a_dump_the_launcher(tmp_path
     oom = [line for line in d.rule_log if line.startswith("fact oom-killed")]
     assert len(oom) == 1
     assert "rank 3" in oom[0]
+
+
+def test_sum_hit_pages_counts_sidecar_pages_past_a_hole() -> None:
+    """The settlement's own record (which pages each pool found, how many it counted) is
+    the evidence: the fact reads fields the runtime writes."""
+    d = _diagnose("prefetch-gap-overcount/runtime-tp1-sum-hit-pages")
+    texts = [e.text for e in d.verdicts[0].evidence]
+    assert any("counted" in t and "pool all_pages" in t and "only the first" in t
+               for t in texts), texts

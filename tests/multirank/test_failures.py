@@ -106,4 +106,10 @@ def test_a_killed_rank_leaves_a_bundle_and_no_orphans(bundle_root: Path) -> None
     assert survivor.files.stacks, "the surviving rank still dumped its evidence"
     state = json.loads((Path(s.bundle) / (survivor.files.state or "")).read_text())
     assert state["rank"] == 0
+    # what the killed rank journaled as it happened is its trace now: the fault that killed it
+    assert dead.files.events == "rank1/events.jsonl"
+    lines = [json.loads(x) for x in (Path(s.bundle) / dead.files.events).read_text().splitlines()]
+    assert [(e["kind"], e["attrs"]["kind"], e["durable"]) for e in lines] == \
+        [("fault.fired", "rank-kill", True)]
+    assert not list(Path(s.bundle).glob("rank*/journal.jsonl"))  # the survivor dumped its ring
     assert not _rank_processes()

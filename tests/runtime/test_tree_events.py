@@ -17,6 +17,9 @@ class Recorder:
     def emit(self, kind: str, /, **attrs: Any) -> None:
         self.events.append((kind, attrs))
 
+    def emit_durable(self, kind: str, /, **attrs: Any) -> None:
+        self.emit(kind, **attrs)
+
 
 def test_a_split_is_an_event_naming_both_nodes_and_the_cut() -> None:
     sink = Recorder()
