@@ -539,6 +539,7 @@ def inject(
             raise ConfigError("inject", "give fault specs, or --replay BUNDLE [--shrink]")
         _inject_faults(faults, tp, pp, legacy, seed, requests, config, bundle_dir, warm,
                        json_out)
+        return
     if faults:
         raise ConfigError("inject", "--replay reruns the bundle's own faults; drop the specs")
     given = [name for name, v in (("--tp", tp), ("--pp", pp), ("--legacy", legacy),
@@ -1091,7 +1092,7 @@ def main(argv: list[str] | None = None) -> None:
     except typer.TyperException as exc:  # click's ClickException: usage errors and kin
         if type(exc).__name__ == "NoArgsIsHelpError":  # the help was shown; nothing to add
             sys.exit(EXIT_USAGE)
-        message = " ".join(str(exc.format_message()).split())  # type: ignore[attr-defined]
+        message = " ".join(str(exc.format_message()).split())
         ctx = getattr(exc, "ctx", None)
         where = f"{ctx.command_path}: " if ctx is not None else ""
         hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""

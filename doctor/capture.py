@@ -41,7 +41,6 @@ from hicache_runtime.contracts.run_files import (
     DP_RANK_ENV,
     HELPER_PROCESS_ENV,
     RANK_PYSPY,
-    in_bundle,
     rank_dir_name,
 )
 
@@ -164,7 +163,9 @@ def _dump(cmd: list[str], extra: list[str], t: Target, out: Path, timeout_s: flo
           ) -> CaptureTarget:
     rec = CaptureTarget(pid=t.pid, rank=t.rank, tp=t.tp, pp=t.pp, dp=t.dp,
                         cmdline=t.cmdline[:500])
-    rank_dir = out / rank_dir_name(t.rank)
+    # a process whose rank is unknown (or claimed twice) keeps its files under its pid
+    folder = rank_dir_name(t.rank) if t.rank is not None else f"pid{t.pid}"
+    rank_dir = out / folder
     rank_dir.mkdir(exist_ok=True)
     res = pyspy_dump(t.pid, command=cmd, extra=extra, timeout_s=timeout_s)
     if res.timed_out:
@@ -179,7 +180,7 @@ def _dump(cmd: list[str], extra: list[str], t: Target, out: Path, timeout_s: flo
                                 res.returncode or 0)
         return rec
     (rank_dir / RANK_PYSPY).write_bytes(res.stdout)
-    rec.pyspy = in_bundle(t.rank, RANK_PYSPY)
+    rec.pyspy = f"{folder}/{RANK_PYSPY}"
     return rec
 
 

@@ -29,6 +29,8 @@ from doctor.report.model import (
     EXIT_DIAGNOSED,
     EXIT_NO_SIGNATURE,
     EXIT_UNREADABLE,
+    BlockedSite,
+    CollectiveFinding,
     Diagnosis,
     DiagnosisStatus,
     Divergence,
@@ -37,6 +39,7 @@ from doctor.report.model import (
     LookalikeFinding,
     Mitigation,
     NearMiss,
+    RankRow,
     Verdict,
 )
 from doctor.report.narrative import observations
@@ -45,7 +48,14 @@ from hicache_runtime.contracts.bundle import RunOutcome
 from signatures.fact_names import Fact
 from signatures.index import load_index, warm_up
 from signatures.loader import load_catalog
-from signatures.matching import NEAR_MISS, LookalikeMatch, Score, match_lookalikes, score_all
+from signatures.matching import (
+    NEAR_MISS,
+    LookalikeMatch,
+    MechanismHit,
+    Score,
+    match_lookalikes,
+    score_all,
+)
 from signatures.models import Catalog
 
 T = TypeVar("T")
@@ -79,19 +89,20 @@ def analyse(ev: Evidence, catalog: Catalog) -> Diagnosis:
             return default
 
     guard("progress between samples", lambda: mark_progress(ev, frames), None)
-    rows = guard("rank table", lambda: rank_rows(ev, frames), [])
-    sites = guard("blocked call sites", lambda: blocked_sites(ev, frames), [])
-    findings = guard("collective alignment", lambda: align(ev), [])
-    divs = guard("decision alignment", lambda: all_divergences(ev), [])
+    rows: list[RankRow] = guard("rank table", lambda: rank_rows(ev, frames), [])
+    sites: list[BlockedSite] = guard("blocked call sites", lambda: blocked_sites(ev, frames), [])
+    findings: list[CollectiveFinding] = guard("collective alignment", lambda: align(ev), [])
+    divs: list[Divergence] = guard("decision alignment", lambda: all_divergences(ev), [])
     guard("upstream templates", lambda: resolve_lines(ev, load_index()), None)
-    mechs = guard("upstream mechanisms", lambda: mechanisms(ev, load_index()), [])
+    mechs: list[MechanismHit] = guard("upstream mechanisms",
+                                      lambda: mechanisms(ev, load_index()), [])
     facts = guard("facts", lambda: derive_facts(ev, frames, rows, sites, findings, divs,
                                                 problems.append, mechs), FactSet())
     first = divs[0] if divs else None
     obs = guard("observation", lambda: build_observation(ev, frames, facts, mechs), None)
-    scores = guard("scoring", lambda: score_all(catalog, obs, _causal(first, facts)),
+    scores: list[Score] = guard("scoring", lambda: score_all(catalog, obs, _causal(first, facts)),
                    []) if obs is not None else []
-    looks = guard("look-alikes", lambda: match_lookalikes(catalog, obs),
+    looks: list[LookalikeMatch] = guard("look-alikes", lambda: match_lookalikes(catalog, obs),
                   []) if obs is not None else []
     diag = _report(ev, catalog, scores, facts, looks)
     diag.ranks, diag.blocked_sites, diag.collectives = rows, sites, findings

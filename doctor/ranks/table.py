@@ -149,7 +149,8 @@ def _crashed_row(row: RankRow, t: ThreadStack, exc: ExceptionRecord | None,
     thread), the Python thread that was inside a collective says where the rank was, and a
     frameless C++ exception (``terminate called ... what():``) says why."""
     row.state, row.thread, row.error = RankCondition.CRASHED, t.name or t.tid, f"Fatal: {t.fatal}"
-    row.frame = site_label(frames.innermost_caller(t.frames) or (t.frames or [None])[0])
+    row.frame = site_label(frames.innermost_caller(t.frames)
+                           or (t.frames[0] if t.frames else None))
     if t.frames:
         return
     if blocked:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, TypeGuard
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -22,6 +22,7 @@ from doctor.evidence import ExceptionRecord, ExitRecord, RankHint, SourceRef
 from doctor.ranks.builder import MAX_SLOTS, MAX_WORLD, EvidenceBuilder
 from hicache_runtime.contracts.bundle import Manifest
 from hicache_runtime.contracts.errors import DumpFormatError
+from hicache_runtime.contracts.event_payloads import fields_of
 from hicache_runtime.contracts.events import Ev
 
 CAPTURE_KIND = "hicache-capture"
@@ -94,14 +95,15 @@ def read_manifest(raw: bytes, name: str, sink: EvidenceBuilder) -> None:
     sink.mismatches += n_mismatches
     room = MAX_MISMATCH_EXAMPLES - len(sink.mismatch_examples)
     sink.mismatch_examples.extend(_mismatch(x) for x in m.mismatches[:max(0, room)])
-    for r in m.missing_ranks:
-        sink.add_expected_rank(r)
-    for f in m.faults_fired:
+    for missing in m.missing_ranks:
+        sink.add_expected_rank(missing)
+    fault_fields = fields_of(Ev.FAULT)
+    for f in m.faults_fired:  # as the rank's own fault event would have said it
         if _valid_rank(f.rank):
             sink.slot(RankHint(rank=f.rank)).events.append(
-                (Ev.FAULT, f.model_dump(), src, f.step))
-    for i, r in enumerate(m.ranks):
-        _rank_entry(r.model_dump(), SourceRef(name, None), sink, i)
+                (Ev.FAULT, f.model_dump(include=set(fault_fields)), src, f.step))
+    for i, entry in enumerate(m.ranks):
+        _rank_entry(entry.model_dump(), SourceRef(name, None), sink, i)
 
 
 def _manifest_json(raw: bytes, what: str) -> dict[str, Any]:
@@ -117,7 +119,7 @@ def _manifest_json(raw: bytes, what: str) -> dict[str, Any]:
     return data
 
 
-def _valid_rank(value: Any) -> bool:
+def _valid_rank(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_WORLD
 
 

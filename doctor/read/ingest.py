@@ -26,7 +26,7 @@ import sys
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, cast
 
 from doctor.evidence import MAX_NAME, InputRecord, InputStatus, RankHint, clip
 from doctor.ranks.builder import EvidenceBuilder
@@ -63,7 +63,7 @@ class _Prefixed(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, b: bytearray) -> int:  # type: ignore[override]
+    def readinto(self, b: Any) -> int:  # a writable buffer (bytearray or memoryview)
         if self._head:
             n = min(len(b), len(self._head))
             b[:n] = self._head[:n]
@@ -202,7 +202,7 @@ class Ingester:
         if kind is Kind.GZIP:
             inner = name[:-3] if name.endswith(".gz") else name + "!gunzip"
             stream = _Inflated(body)
-            self._read_one(inner, stream, depth + 1)
+            self._read_one(inner, cast(BinaryIO, stream), depth + 1)
             if stream.cut:
                 self.sink.problem(stream.cut_message(name))
             return "gzip stream" + (" (cut: expands too far)" if stream.cut else "")
@@ -215,7 +215,8 @@ class Ingester:
                 fh = tar.extractfile(member)
                 if fh is not None:
                     count += 1
-                    self._read_one(clip(f"{name}!{member.name}", MAX_NAME), fh, depth + 1)
+                    self._read_one(clip(f"{name}!{member.name}", MAX_NAME),
+                                   cast(BinaryIO, fh), depth + 1)
         if inflated is not None and inflated.cut:
             self.sink.problem(inflated.cut_message(name))
         return f"{count} member(s)"
@@ -230,7 +231,7 @@ class _Counting(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, b: bytearray) -> int:  # type: ignore[override]
+    def readinto(self, b: Any) -> int:  # a writable buffer (bytearray or memoryview)
         data = self._raw.read(len(b))
         b[:len(data)] = data
         self.count += len(data)
@@ -251,7 +252,7 @@ class _Inflated(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, b: bytearray) -> int:  # type: ignore[override]
+    def readinto(self, b: Any) -> int:  # a writable buffer (bytearray or memoryview)
         if self.cut:
             return 0
         data = self._gz.read(len(b))

@@ -66,7 +66,7 @@ def draft_signature(d: Diagnosis, sig_id: str | None = None) -> dict[str, Any]:
              ("Hang in " + fp.blocked[0] if fp.blocked else "Unknown failure"))
     evidence = [f"{e.text} ({e.file}:{e.line})" if e.file else e.text
                 for v in d.verdicts[:1] for e in v.evidence] or d.observations[:6]
-    draft = {
+    draft: dict[str, Any] = {
         "id": sig_id,
         "title": f"{TODO} {title}",
         "severity": "high",

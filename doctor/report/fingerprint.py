@@ -136,7 +136,7 @@ _ADDRESS = re.compile(r"(?:^|(?<=\S))\s*(?:\[0x[0-9a-fA-F]+\]|\+\s*0x[0-9a-fA-F]
 _BARE_ADDRESS = re.compile(r"^\s*(?:0x)?[0-9a-fA-F]{8,}\s*$")  # a frame with no symbol
 
 
-def _innermost(stack: list, frames: FrameClassifier) -> list[str]:  # type: ignore[type-arg]
+def _innermost(stack: list, frames: FrameClassifier) -> list[str]:
     """The innermost function names that are not plumbing (bare: ``Class.method`` becomes
     ``method``; native addresses dropped). Independent of where a library is installed: a
     source checkout and a site-packages install give the same list."""

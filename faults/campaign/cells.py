@@ -13,6 +13,7 @@ one :class:`PropertyResult` per property.
 
 from __future__ import annotations
 
+import builtins
 import fnmatch
 import json
 import re
@@ -97,7 +98,7 @@ class PropertyResult(BaseModel):
     """Cells in which the property could not be read (e.g. outputs of a run that crashed)."""
     violating: list[PropertyViolation] = []
 
-    @property
+    @builtins.property  # the field ``property`` hides the builtin in this class body
     def holds(self) -> bool:
         return self.violations == 0
 

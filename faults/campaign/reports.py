@@ -179,17 +179,18 @@ def _matrix(result: CampaignResult, links: dict[str, str]) -> str:
     for row, cells in rows.items():
         out.append(f"<tr><th>{e(row)}</th>")
         for m in modes:
-            c = cells.get(m)
-            if c is None:
+            cell = cells.get(m)
+            if cell is None:
                 out.append("<td></td>")
                 continue
-            state = "skip" if c.skipped is not None else "pass" if c.passed else "fail"
-            seen = e(c.observed) + (f" ({c.confidence:.2f})" if c.confidence is not None else "")
-            if c.id in links:
-                seen = f'<a href="{e(links[c.id])}">{seen}</a>'
-            out.append(f'<td class="{state}" data-cell="{e(c.id)}" data-state="{state}">'
-                       f"<strong>{state}</strong><br>expected {e(c.expect)}<br>showed {seen}"
-                       f"<br>{c.wall_s:.1f} s</td>")
+            state = "skip" if cell.skipped is not None else "pass" if cell.passed else "fail"
+            seen = e(cell.observed) + (f" ({cell.confidence:.2f})"
+                                       if cell.confidence is not None else "")
+            if cell.id in links:
+                seen = f'<a href="{e(links[cell.id])}">{seen}</a>'
+            out.append(f'<td class="{state}" data-cell="{e(cell.id)}" data-state="{state}">'
+                       f"<strong>{state}</strong><br>expected {e(cell.expect)}<br>showed {seen}"
+                       f"<br>{cell.wall_s:.1f} s</td>")
         out.append("</tr>")
     out.append("</tbody></table>")
     return "\n".join(out)

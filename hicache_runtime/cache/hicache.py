@@ -357,10 +357,10 @@ class HiCache(PrefixCache):
         if self.host is not None:
             host_tree = self.tree.token_counts()["host"]
             free, hcap = self.host.available_tokens, self.host.capacity_tokens
-            held = self.host_held_outside_tree()
-            if free + host_tree + held != hcap:
+            outside = self.host_held_outside_tree()
+            if free + host_tree + outside != hcap:
                 raise InvariantViolation(
-                    f"host pool: free {free} + tree {host_tree} + in flight {held} != "
+                    f"host pool: free {free} + tree {host_tree} + in flight {outside} != "
                     f"capacity {hcap}")
             _check_slots(self.tree, "host_value", self.host.allocator.is_used, self.page_size)
             if held is not None:  # between steps: no transient load-back pins

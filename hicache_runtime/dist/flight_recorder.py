@@ -38,6 +38,9 @@ import torch.distributed as dist
 from hicache_runtime.contracts.events import Ev
 from hicache_runtime.contracts.outcome import FLIGHT_RECORD_ATTR
 
+ReduceOpType = dist.ReduceOp.RedOpType
+"""What ``dist.ReduceOp.SUM`` and its siblings are (torch types them so, not as ``ReduceOp``)."""
+
 if TYPE_CHECKING:
     from hicache_runtime.telemetry.tracer import Tracer
 
@@ -156,7 +159,7 @@ class Group:
 
     # --- collectives --------------------------------------------------------------------------
 
-    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOpType = dist.ReduceOp.SUM
                    ) -> torch.Tensor:
         if self.size == 1:
             return tensor

@@ -41,12 +41,13 @@ import torch
 import torch.distributed as dist
 
 from hicache_runtime.contracts.errors import ResourceLeak
-from hicache_runtime.contracts.legacy import LegacySwitch
 from hicache_runtime.contracts.events import Ev
+from hicache_runtime.contracts.legacy import LegacySwitch
+from hicache_runtime.dist.flight_recorder import ReduceOpType
 
 if TYPE_CHECKING:
-    from hicache_runtime.dist.groups import RankGroups
     from hicache_runtime.contracts.topology import RankInfo
+    from hicache_runtime.dist.groups import RankGroups
     from hicache_runtime.telemetry.tracer import Tracer
 
 
@@ -316,7 +317,7 @@ class DistributedSync(RankSync):
         self._trace_vote("prefetch_hit", list(pages), out, stage_local=True)
         return out
 
-    def _decide(self, vec: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
+    def _decide(self, vec: torch.Tensor, op: ReduceOpType) -> torch.Tensor:
         if self.rank.is_first_stage:
             self.groups.tp_cpu.all_reduce(vec, op)
         else:
@@ -374,6 +375,7 @@ class DistributedSync(RankSync):
                     data = torch.empty(size, dtype=torch.uint8)
                 self.groups.tp_cpu.broadcast(data, self._tp0)
             else:
+                assert self._prev is not None
                 data = torch.empty(size, dtype=torch.uint8)
                 self.groups.pp_sync.recv(data, self._prev)
         if self._next is not None:

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, TypedDict, cast
 
 import torch
 
@@ -281,7 +281,7 @@ class Engine:
                 msg = {"reqs": mine.reqs, "aborts": mine.aborts, "stop": stop}
         local = self.rt.cache.local_drain_counts()
         agreed, out = self.rt.sync.step_sync(local, msg)
-        got: RequestMessage = out or {}
+        got: RequestMessage = cast(RequestMessage, out or {})
         return StepInput(got.get("reqs", []), got.get("aborts", []), mine.applied,
                          bool(got.get("stop")), agreed)
 

@@ -150,7 +150,7 @@ def _storage_workers(cfg: RuntimeConfig, rank: RankInfo, model: TinyTransformer,
     """The L3 backend and its threads (not started): the cache builds its L3 tier on them."""
     offsets = {"layer_start": model.layers_range.start, "head_start": model.kv_heads.start}
     codec = PageCodec.for_pool(host_pool, **offsets)
-    sidecars = {name: SidecarCodec.for_pool(host_pool, name, **offsets)
+    sidecars: dict[str, SidecarCodec] = {name: SidecarCodec.for_pool(host_pool, name, **offsets)
                 for name in cfg.model.sidecars}
     # store contents are untrusted: the backend never reads more than this rank's largest page
     backend = make_backend(cfg.storage, rank, model=model_id(cfg.model),

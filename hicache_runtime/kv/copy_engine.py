@@ -714,7 +714,7 @@ def _copy_staged(src: torch.Tensor, dst: torch.Tensor, plan: PagePlan, page_byte
 def _page_major(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Both page views with the page dimension first and the others in ``dst``'s memory order
     (the order an indexed assignment into ``dst`` should walk)."""
-    rest = sorted((d for d in range(dst.dim()) if d != 1), key=lambda d: -dst.stride(d))
+    rest = sorted((d for d in range(dst.dim()) if d != 1), key=lambda d: -dst.stride()[d])
     return src.permute(1, *rest), dst.permute(1, *rest)
 
 
@@ -751,7 +751,7 @@ def _transposing(src: torch.Tensor, dst: torch.Tensor) -> bool:
     bandwidth unless the copy stays within its caches."""
     def order(t: torch.Tensor) -> list[int]:
         return sorted((d for d in range(t.dim()) if t.shape[d] > 1 and d != 1),
-                      key=lambda d: -t.stride(d))
+                      key=lambda d: -t.stride()[d])
 
     dims = order(dst)
     if order(src) == dims:

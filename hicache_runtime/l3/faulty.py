@@ -88,7 +88,8 @@ class FaultyBackend(StorageBackend):
         if FaultKind.STORAGE_CORRUPT in kinds:
             obj = self.inner.scheme.object_keys(keys)
             t0 = time.perf_counter()
-            raws = self.inner.read_raw(obj) if self.inner.healthy else [None] * len(obj)
+            raws: list[tuple[bytes, bytes] | None] = \
+                self.inner.read_raw(obj) if self.inner.healthy else [None] * len(obj)
             raws = self._corrupt_one(raws)
             # discard=False: the stored object is fine, only our in-memory copy is bad.
             out = self.inner.verify(obj, raws, t0=t0, discard=False)

@@ -249,7 +249,7 @@ def _token_major_header(codec: PageCodec) -> bytes:
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, shared (no copy)."""
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    return t.view(torch.uint8).numpy().data.cast("B")
 
 
 def _page_bytes(pool: KVPool, buf: torch.Tensor, page: int) -> np.ndarray:

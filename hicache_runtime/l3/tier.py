@@ -432,10 +432,10 @@ class L3Tier:
         }
 
 
-def _take(q: queue.Queue, n: int, workers: StorageWorkers) -> list:  # type: ignore[type-arg]
+def _take(q: queue.Queue, n: int, workers: StorageWorkers) -> list:
     """``n`` items, blocking while this rank's own thread is behind (as upstream); a worker
     that died while we wait is reported instead of waited for forever."""
-    out = []
+    out: list[Any] = []
     while len(out) < n:
         try:
             out.append(q.get(timeout=_TAKE_POLL_S))

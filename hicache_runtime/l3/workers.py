@@ -169,7 +169,7 @@ class StorageWorkers:
         self.tracer.emit(Ev.STORAGE, op="raised", ok=False, thread=where, rid=rid,
                          error=f"{type(exc).__name__}: {exc}"[:300])
 
-    def _loop(self, q: queue.Queue, handle: Callable[[object], None]) -> None:  # type: ignore[type-arg]
+    def _loop(self, q: queue.Queue, handle: Callable[[object], None]) -> None:
         while not self.stop_event.is_set():
             try:
                 item = q.get(timeout=_POLL_S)
@@ -187,7 +187,7 @@ class StorageWorkers:
 
     # --- prefetch: existence query and hit vote -----------------------------------------------
 
-    def _query(self, op: PrefetchOperation) -> None:  # type: ignore[override]
+    def _query(self, op: PrefetchOperation) -> None:
         op.hashes = extend_chain(op.last_hash, op.tokens, self.page_size)
         for name in self.sidecars:
             op.pool_hashes[name] = [sidecar_hash(h, name) for h in op.hashes]
@@ -232,7 +232,7 @@ class StorageWorkers:
 
     # --- prefetch: page reads ------------------------------------------------------------------
 
-    def _transfer(self, op: PrefetchOperation) -> None:  # type: ignore[override]
+    def _transfer(self, op: PrefetchOperation) -> None:
         hashes = op.hashes[: op.hit_pages]
         batch = self.cfg.io_batch_pages
         info = StorageCallInfo(rid=op.rid, step=self.tracer.step)
@@ -371,7 +371,7 @@ class StorageWorkers:
 
     # --- prefetch: per-batch MIN vote ---------------------------------------------------------
 
-    def _reduce(self, ack: PrefetchAck) -> None:  # type: ignore[override]
+    def _reduce(self, ack: PrefetchAck) -> None:
         if LegacySwitch.LOCAL_PREFETCH_PROGRESS not in self.legacy:
             agreed = self.sync.progress_vote([ack.completed_tokens, *ack.pool_pages])
             ack = PrefetchAck(ack.rid, agreed[0], ack.batch, ack.completed_req,
@@ -380,7 +380,7 @@ class StorageWorkers:
 
     # --- backup --------------------------------------------------------------------------------
 
-    def _backup(self, op: BackupOperation) -> None:  # type: ignore[override]
+    def _backup(self, op: BackupOperation) -> None:
         if not self.writer:
             op.skipped = True  # MLA-style single writer: others skip the write, but still ack
         else:

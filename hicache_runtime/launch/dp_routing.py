@@ -85,7 +85,7 @@ class LoadBoard:
         self._shm = shared_memory.SharedMemory(name=name, create=create, size=size)
         self._owner = create
         if create:
-            self._shm.buf[:size] = bytes(size)
+            self._buf[:size] = bytes(size)
         elif not track:
             resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
 
@@ -93,12 +93,18 @@ class LoadBoard:
     def name(self) -> str:
         return self._shm.name
 
+    @property
+    def _buf(self) -> memoryview:
+        buf = self._shm.buf
+        assert buf is not None, "the load board is closed"
+        return buf
+
     def publish(self, group: int, load: int, step: int = 0) -> None:
-        _SLOT.pack_into(self._shm.buf, group * _SLOT.size, int(load), int(step),
+        _SLOT.pack_into(self._buf, group * _SLOT.size, int(load), int(step),
                         time.monotonic_ns())
 
     def snapshot(self) -> list[Slot]:
-        return [Slot(*_SLOT.unpack_from(self._shm.buf, g * _SLOT.size))
+        return [Slot(*_SLOT.unpack_from(self._buf, g * _SLOT.size))
                 for g in range(self.groups)]
 
     def loads(self) -> list[int]:

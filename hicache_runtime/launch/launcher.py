@@ -217,8 +217,8 @@ def signals_interrupt() -> Iterator[Callable[[], None]]:
     try:
         yield quiet
     finally:
-        for sig, previous in old.items():
-            signal.signal(sig, previous)
+        for signum, previous in old.items():
+            signal.signal(signum, previous)
 
 
 def _salvage_bundle(run_dir: Path, cfg: RuntimeConfig, bundle_root: Path,

@@ -315,7 +315,9 @@ def _torch_fr(d: Path, stacks: bool = True) -> str | None:
     if not os.environ.get("TORCH_FR_BUFFER_SIZE"):
         return None
     try:
-        raw = torch._C._distributed_c10d._dump_fr_trace(includeStackTraces=stacks)
+        # private and untyped in torch's stubs; present in builds with the Flight Recorder
+        raw = torch._C._distributed_c10d._dump_fr_trace(  # type: ignore[attr-defined]
+            includeStackTraces=stacks)
     except Exception:  # not built in, or nothing recorded: the bundle says so by omission
         return None
     (d / RANK_TORCH_FR).write_bytes(raw)

@@ -116,8 +116,9 @@ class L3Stats(BaseModel):
     @field_validator("backend", mode="after")
     @classmethod
     def _round_times(cls, b: StorageStats) -> StorageStats:
-        return StorageStats(**{k: seconds(v) if isinstance(v, float) else v
-                               for k, v in b.as_dict().items()})
+        rounded: dict[str, Any] = {k: seconds(v) if isinstance(v, float) else v
+                                   for k, v in b.as_dict().items()}
+        return StorageStats(**rounded)
 
 
 class RankCacheStats(BaseModel):

@@ -23,7 +23,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from hicache_runtime.contracts.errors import DumpFormatError
 from hicache_runtime.contracts.jsonl import iter_lines, open_regular
@@ -214,7 +214,7 @@ def _meta(name: str, pid: int, tid: int, value: str) -> dict[str, Any]:
     return {"name": name, "ph": "M", "pid": pid, "tid": tid, "args": {"name": value}}
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -96,7 +96,7 @@ class TemplateMatcher:
         self._cache: dict[str, list[Match]] = {}
 
     def tokens_of(self, tid: int) -> list[int]:
-        return self._toks[self._offs[tid]:self._offs[tid + 1]].tolist()  # type: ignore[no-any-return]
+        return self._toks[self._offs[tid]:self._offs[tid + 1]].tolist()
 
     def match(self, text: str, limit: int = 3) -> list[Match]:
         """The templates ``text`` was most likely printed from, best first (ties within 0.05

@@ -118,7 +118,7 @@ def merge(system: str, versions: list[tuple[Provenance, list[tuple[str, Found]]]
     table = sorted(([text, fi[path], fn[func], level, exc, line, mask]
                     for (text, path, func, level, exc), (mask, line) in rows.items()),
                    key=lambda r: (r[1], r[5], r[0], r[2], r[3], r[4]))
-    words = [template_words(r[0]) for r in table]
+    words = [template_words(str(r[0])) for r in table]
     vocab = sorted({w for ws in words for w in ws if w is not None})
     vi = {w: i for i, w in enumerate(vocab)}
     ids = np.array([vi[w] if w is not None else -1 for ws in words for w in ws], dtype=np.int32)

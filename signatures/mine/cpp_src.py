@@ -473,12 +473,12 @@ class _Scanner:
             self.add(parts, Level.CHECK, "EnforceNotMet", line)
             return after
         if name in _ARG_MACROS:
-            k, cond, level, exc = _ARG_MACROS[name]
+            k, cond_arg, level, exc = _ARG_MACROS[name]
             if name in ("TORCH_CHECK_WITH", "C10_THROW_ERROR") and args and args[0]:
                 exc = args[0][-1].text
             parts = []
-            if cond is not None and len(args) > cond:
-                parts.append(_lit(self.code(args[cond]) + ". "))
+            if cond_arg is not None and len(args) > cond_arg:
+                parts.append(_lit(self.code(args[cond_arg]) + ". "))
             parts += [p for a in args[k:] for p in _operand(a, self.names)]
             if len(args) > k:
                 self.add(parts, level, exc, line)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import html
 import io
 import re
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 _FENCE = re.compile(r"^\s{0,3}(?:```|~~~)[\w+.-]*\s*$")
 _QUOTE = re.compile(r"^(?:> ?){1,4}")
@@ -91,7 +91,7 @@ class HtmlText(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, b: bytearray) -> int:  # type: ignore[override]
+    def readinto(self, b: Any) -> int:  # a writable buffer (bytearray or memoryview)
         while not self._out and not self._eof:
             self._fill()
         n = min(len(b), len(self._out))

@@ -88,7 +88,7 @@ class LocalMooncakeStore:
 
     @property
     def master_pid(self) -> int | None:
-        return self._master.pid if self.master_running else None
+        return self._master.pid if self._master is not None and self.master_running else None
 
     @property
     def master_running(self) -> bool:
