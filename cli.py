@@ -24,7 +24,12 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from hicache_runtime.contracts.errors import ConfigError, HiCacheError, ToolUnavailable
+from hicache_runtime.contracts.errors import (
+    ConfigError,
+    HiCacheError,
+    ToolUnavailable,
+    first_problem,
+)
 
 
 class _HelpFormatter(typer._click.HelpFormatter):
@@ -979,7 +984,7 @@ def _read_diagnosis(path: Path) -> Any:
     except ValidationError as exc:
         raise ConfigError("--from", f"{path} is not a diagnosis from `hicache doctor --json` "
                                     f"({exc.error_count()} problem(s), first: "
-                                    f"{exc.errors()[0]['msg']})") from None
+                                    f"{first_problem(exc)[1]})") from None
 
 
 def _emit_docs(docs: dict[str, str], out: Path | None, html_out: bool, single: bool,

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from faults.kinds import DEFAULT_LAG_MS, KINDS, PARAM_NAMES, FaultKind
 from faults.points import FaultPoint
-from hicache_runtime.contracts.errors import InvalidFaultSpec
+from hicache_runtime.contracts.errors import InvalidFaultSpec, validation_problem
 
 
 class FaultSpec(BaseModel):
@@ -260,8 +260,7 @@ def _validate(fields: dict[str, Any], text: str) -> FaultSpec:
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
-            where = ".".join(str(x) for x in err["loc"])
-            msg = str(err["msg"]).removeprefix("Value error, ")
+            where, msg = validation_problem(err)
             got = fields.get(str(err["loc"][0])) if err["loc"] else None
             shown = f"{where}={_quote(str(got), 40)[1:-1]}" if got is not None else where
             problems.append(f"{shown}: {msg}" if where else msg)

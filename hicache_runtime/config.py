@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from faults.spec import FaultSpec, check_topology
 from hicache_runtime.config_files import short_repr
 from hicache_runtime.contracts import l3_backends
-from hicache_runtime.contracts.errors import ConfigError
+from hicache_runtime.contracts.errors import ConfigError, validation_problem
 from hicache_runtime.contracts.l3_backends import NO_BACKEND
 from hicache_runtime.contracts.legacy import LegacySwitch
 
@@ -382,9 +382,7 @@ def _config_error(exc: ValidationError, names: Mapping[str, str]) -> ConfigError
 
 def _problem(err: Any) -> tuple[str, str]:
     """One validation error as (the field's dotted key, what is wrong with it)."""
-    field = ".".join(str(p) for p in err["loc"])
-    msg = str(err["msg"])
-    msg = msg.removeprefix("Value error, ")
+    field, msg = validation_problem(err)
     m = _AT_RE.match(msg)
     if m:
         field, msg = m.group(1), m.group(2)
@@ -429,12 +427,20 @@ def redis_url_problem(url: str) -> str | None:
 
 # --- what one run may ask of this machine --------------------------------------------------
 
-MAX_WORLD_SIZE = 64
-"""Rank processes one run may start on this machine."""
+@dataclass(frozen=True)
+class Limits:
+    """Upper bounds on what a config may ask of this machine: rank processes, and the largest
+    value of each listed field. ``who`` says whose bounds they are in an error (a run, a
+    replay). Checked by :func:`check_limits`."""
 
-#: Largest values a run accepts: far above what a toy-sized runtime is for, small enough that a
-#: typo (an extra dozen digits) is an error, not hours of work and all of memory.
-RUN_LIMITS: dict[str, int] = {
+    who: str
+    ranks: int
+    values: Mapping[str, int | float]
+
+
+#: A run's bounds: far above what a toy-sized runtime is for, small enough that a typo (an
+#: extra dozen digits) is an error, not hours of work and all of memory.
+RUN_LIMITS = Limits("a run", 64, {
     "workload.requests": 100_000,
     "workload.max_new_tokens": 1 << 16,
     "workload.system_prompt_tokens": 1 << 20,
@@ -442,7 +448,9 @@ RUN_LIMITS: dict[str, int] = {
     "workload.long_context_tokens": 1 << 20,
     "scheduler.max_running_requests": 1 << 20,
     "observability.ring_size": 1 << 24,
-}
+})
+MAX_WORLD_SIZE = RUN_LIMITS.ranks
+"""Rank processes one run may start on this machine."""
 
 _ELEMENT_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 _MEMORY_HEADROOM = 0.8
@@ -490,6 +498,23 @@ def memory_need(cfg: RuntimeConfig) -> MemoryNeed:
                       host_pools=n * host * per_token, weights=n * weights)
 
 
+def check_limits(cfg: RuntimeConfig, limits: Limits, field: str | None = None) -> None:
+    """Raise :class:`ConfigError` at the first bound of ``limits`` the config passes (named
+    by its field, or all under ``field``)."""
+    t = cfg.topology
+    if t.grid_size > limits.ranks:
+        raise ConfigError(field or "topology",
+                          f"tp={t.tp} pp={t.pp} dp={t.dp} is {t.grid_size} rank processes; "
+                          f"{limits.who} starts at most {limits.ranks}")
+    data = cfg.model_dump(mode="python")
+    for dotted, cap in limits.values.items():
+        section, _, name = dotted.partition(".")
+        value = data[section][name]
+        if value is not None and value > cap:
+            raise ConfigError(field or dotted, f"{dotted} is {short_repr(value)}; "
+                                               f"{limits.who} allows at most {cap}")
+
+
 def check_run_limits(cfg: RuntimeConfig, *, memory: bool = True, accelerator: bool = False,
                      device_free: int | None = None) -> None:
     """Refuse a run this machine cannot hold, before anything is allocated or started.
@@ -500,17 +525,7 @@ def check_run_limits(cfg: RuntimeConfig, *, memory: bool = True, accelerator: bo
     caller knows; this module does not import torch). Raises :class:`ConfigError` naming the
     field.
     """
-    t = cfg.topology
-    if t.grid_size > MAX_WORLD_SIZE:
-        raise ConfigError("topology", f"tp={t.tp} pp={t.pp} dp={t.dp} is {t.grid_size} rank "
-                                      f"processes; a run starts at most {MAX_WORLD_SIZE}")
-    data = cfg.model_dump(mode="python")
-    for dotted, cap in RUN_LIMITS.items():
-        section, _, name = dotted.partition(".")
-        value = data[section][name]
-        if value is not None and value > cap:
-            raise ConfigError(dotted, f"{short_repr(value)} is more than a run takes "
-                                      f"(at most {cap})")
+    check_limits(cfg, RUN_LIMITS)
     if not memory:
         return
     need = memory_need(cfg)

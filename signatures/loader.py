@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from hicache_runtime.contracts.errors import ConfigError
+from hicache_runtime.contracts.errors import ConfigError, first_problem
 from hicache_runtime.contracts.legacy import LegacySwitch
 from signatures.models import Catalog, Signature
 
@@ -47,9 +47,8 @@ def load_catalog(directory: Path | None = None) -> Catalog:
         catalog = Catalog(version=str(index.get("version", "")), frames=index.get("frames", {}),
                           patterns=patterns, signatures=sigs, lookalikes=lookalikes)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(x) for x in err["loc"])
-        raise ConfigError(f"catalog.{where}", err["msg"]) from None
+        where, what = first_problem(exc)
+        raise ConfigError(f"catalog.{where}", what) from None
     _check_references(catalog)
     return catalog
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from doctor.evidence import ExceptionRecord, ExitRecord, RankHint, SourceRef
 from doctor.ranks.builder import MAX_SLOTS, MAX_WORLD, EvidenceBuilder
 from hicache_runtime.contracts.bundle import Manifest
-from hicache_runtime.contracts.errors import DumpFormatError
+from hicache_runtime.contracts.errors import DumpFormatError, first_problem
 from hicache_runtime.contracts.event_payloads import fields_of
 from hicache_runtime.contracts.events import Ev
 
@@ -78,10 +78,9 @@ def read_manifest(raw: bytes, name: str, sink: EvidenceBuilder) -> None:
         m = Manifest.model_validate(data)
     except ValidationError as exc:
         _salvage(data, name, sink)
-        raise DumpFormatError(f"manifest does not match the bundle schema: "
-                              f"{exc.errors()[0]['msg'][:200]} at "
-                              f"{'.'.join(str(x) for x in exc.errors()[0]['loc'])[:200]}") \
-            from None
+        where, what = first_problem(exc)
+        raise DumpFormatError(f"manifest does not match the bundle schema: {what} at "
+                              f"{where}") from None
     src = SourceRef(name, None)
     sink.set_outcome(m.outcome.value, src)
     for key in ("tp", "pp", "dp"):
@@ -211,7 +210,7 @@ def read_capture(raw: bytes, name: str, sink: EvidenceBuilder) -> CaptureManifes
         cap = CaptureManifest.model_validate(data)
     except ValidationError as exc:
         raise DumpFormatError(f"capture.json does not validate: "
-                              f"{exc.errors()[0]['msg'][:200]}") from None
+                              f"{first_problem(exc)[1]}") from None
     if cap.world_size:
         sink.topology.set("world", cap.world_size, name)
     for t in cap.targets:

@@ -54,7 +54,7 @@ from hicache_runtime.config import (
     location_keys,
 )
 from hicache_runtime.config_files import load_file, parse_text, short_repr
-from hicache_runtime.contracts.errors import ConfigError, InvalidFaultSpec
+from hicache_runtime.contracts.errors import ConfigError, InvalidFaultSpec, first_problem
 from hicache_runtime.contracts.legacy import LegacySwitch, parse_legacy
 
 HEALTHY = "healthy"
@@ -378,8 +378,5 @@ def _known_outcomes() -> set[str]:
 
 
 def _spec_error(exc: ValidationError, where: str, prefix: str) -> ConfigError:
-    err = exc.errors()[0]
-    field = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "") or "campaign"
-    field = field if len(field) <= 80 else field[:77] + "..."
-    msg = str(err["msg"]).removeprefix("Value error, ")
-    return ConfigError(f"campaign.{field}", f"{msg} ({where})")
+    field, msg = first_problem(exc, prefix)
+    return ConfigError(f"campaign.{field or 'campaign'}", f"{msg} ({where})")

@@ -9,7 +9,7 @@ Bundles travel between people (attached to issues, sent to on-call), so ``hicach
   and the file store's path are dropped (the replay supplies its own, under its output
   directory), and a bundle that names a Redis server replays against a private file store
   unless the user names a server with ``--storage-url``;
-* what the run costs is capped (:data:`MAX_WORLD_SIZE` ranks, :data:`CAPS` for requests, pool
+* what the run costs is capped (:data:`CAPS`: ranks, and values for requests, pool
   and model sizes, timeouts; then the memory its pools and weights need against what this
   machine has, as for any run), with a one-line error beyond;
 * fault specs are checked strictly: kinds that exist and parameters that fit them (the
@@ -36,15 +36,20 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from faults.spec import FaultKind, FaultSpec
-from hicache_runtime.config import LOCATION_KEYS, RuntimeConfig, check_run_limits, load_config
+from hicache_runtime.config import (
+    LOCATION_KEYS,
+    Limits,
+    RuntimeConfig,
+    check_limits,
+    check_run_limits,
+    load_config,
+)
 from hicache_runtime.contracts.bundle import Manifest
-from hicache_runtime.contracts.errors import ConfigError, DumpFormatError
+from hicache_runtime.contracts.errors import ConfigError, DumpFormatError, first_problem, printable
 from hicache_runtime.contracts.run_files import MANIFEST
 
 MAX_MANIFEST_BYTES = 4 << 20
 """A genuine manifest is a few KB (a wrong-output one with many mismatches, a few hundred)."""
-MAX_WORLD_SIZE = 8
-"""Ranks (tp * pp) a replay may start; every topology the campaigns use fits."""
 MAX_FAULTS = 32
 MAX_FAULT_MS = 10_000.0
 """A lag beyond 10 s per opportunity turns a replay into a wait, not a reproduction."""
@@ -52,8 +57,9 @@ RID_GLOB_RE = re.compile(r"[A-Za-z0-9_.*?\[\]!-]{1,64}")
 """Request ids are like ``chat3-t1``; a glob needs only these characters (no spaces, quotes,
 ``$``, ``;`` or newlines: nothing a shell or a terminal would act on)."""
 
-#: Upper bounds on what a bundle may ask a replay to allocate or wait for (validated values).
-CAPS: dict[str, int | float] = {
+#: Upper bounds on what a bundle may ask a replay to allocate or wait for (validated values):
+#: 8 rank processes (every topology the campaigns use fits), and these values.
+CAPS = Limits("a replay", 8, {
     "workload.requests": 4096,
     "workload.max_new_tokens": 4096,
     "workload.system_prompt_tokens": 65536,
@@ -73,7 +79,7 @@ CAPS: dict[str, int | float] = {
     "observability.protocol_timeout_s": 600.0,
     "storage.reconnect_backoff_max_s": 60.0,
     "storage.prefetch_timeout_base_s": 600.0,
-}
+})
 
 
 @dataclass(frozen=True)
@@ -151,10 +157,9 @@ def read_manifest(bundle: Path) -> Manifest:
     try:
         return Manifest.model_validate_json(raw)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "manifest"
-        raise DumpFormatError(f"{path} is not a bundle manifest: {where}: "
-                              f"{printable(str(err['msg']))}") from None
+        where, what = first_problem(exc)
+        raise DumpFormatError(f"{path} is not a bundle manifest: {where or 'manifest'}: "
+                              f"{what}") from None
     except (ValueError, RecursionError) as exc:
         raise DumpFormatError(f"{path} is not a bundle manifest: "
                               f"{printable(str(exc))}") from None
@@ -221,16 +226,7 @@ def guard_config(raw: dict[str, Any], *, storage_url: str | None = None) -> Guar
 
 
 def _check_caps(cfg: RuntimeConfig) -> None:
-    t = cfg.topology
-    if t.world_size > MAX_WORLD_SIZE:
-        raise ConfigError("bundle", f"topology tp={t.tp} pp={t.pp} is {t.world_size} ranks; "
-                                    f"a replay starts at most {MAX_WORLD_SIZE}")
-    data = cfg.model_dump(mode="python")
-    for dotted, cap in CAPS.items():
-        section, _, name = dotted.partition(".")
-        value = data[section][name]
-        if value is not None and value > cap:
-            raise ConfigError("bundle", f"{dotted} is {value}; a replay allows at most {cap}")
+    check_limits(cfg, CAPS, field="bundle")
     if len(cfg.faults) > MAX_FAULTS:
         raise ConfigError("bundle", f"{len(cfg.faults)} fault specs; a replay takes at most "
                                     f"{MAX_FAULTS}")
@@ -257,12 +253,6 @@ def _check_fault(i: int, spec: FaultSpec) -> None:
 
 
 # --- showing bundle text ------------------------------------------------------------------------
-
-
-def printable(text: str, limit: int = 160) -> str:
-    """``text`` safe to print on a terminal: control characters shown escaped, length cut."""
-    out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[: limit + 1])
-    return out if len(out) <= limit else out[: limit - 3] + "..."
 
 
 def redact(url: str) -> str:

@@ -19,8 +19,9 @@ Counted in pages (L3 reservations are tokens of prefetch budget, rounded up to p
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, computed_field, model_validator
 
 if TYPE_CHECKING:
     from hicache_runtime.cache.interface import PrefixCache
@@ -29,10 +30,12 @@ if TYPE_CHECKING:
 LEAK_FIELDS = ("device_unowned", "device_locked", "host_unowned", "host_pinned", "l3_reserved")
 
 
-@dataclass(frozen=True)
-class DrainAccount:
-    """One rank's holdings at drain; every counter is 0 on a rank that leaked nothing."""
+class DrainAccount(BaseModel):
+    """One rank's holdings at drain; every counter is 0 on a rank that leaked nothing. The
+    one definition: measured here, carried in the rank's result to the launcher (validated
+    there), summed into the run's leak check."""
 
+    model_config = ConfigDict(frozen=True, extra="forbid")
     device_capacity: int
     device_free: int
     device_tree: int
@@ -46,6 +49,15 @@ class DrainAccount:
     l3_reserved: int = 0
     l3_open: int = 0
 
+    @model_validator(mode="before")
+    @classmethod
+    def _recount(cls, data: Any) -> Any:
+        # the serialised form carries the sum; it is recomputed, never taken as given
+        if isinstance(data, dict) and "leaked_pages" in data:
+            data = {k: v for k, v in data.items() if k != "leaked_pages"}
+        return data
+
+    @computed_field  # type: ignore[prop-decorator]
     @property
     def leaked_pages(self) -> int:
         return sum(getattr(self, f) for f in LEAK_FIELDS)
@@ -55,7 +67,7 @@ class DrainAccount:
         return {f: getattr(self, f) for f in (*LEAK_FIELDS, "l3_open") if getattr(self, f)}
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "leaked_pages": self.leaked_pages}
+        return self.model_dump()
 
 
 def drain_account(cache: PrefixCache) -> DrainAccount:

@@ -12,6 +12,12 @@ catch them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
 
 class HiCacheError(Exception):
     """Root of every error this project raises on purpose.
@@ -111,3 +117,30 @@ class RankDivergence(HiCacheError, RuntimeError):
 
 class InjectedFault(HiCacheError, RuntimeError):
     """Raised at a fault point by an injected ``raise``/``rank-kill``-style fault."""
+
+
+# --- one validation error, as a message says it ---------------------------------------------
+
+_FIELD_LIMIT, _MSG_LIMIT = 80, 400
+
+
+def printable(text: str, limit: int = 160) -> str:
+    """``text`` safe to print on one terminal line: control characters (newlines included)
+    shown escaped, the length cut at ``limit``."""
+    out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[: limit + 1])
+    return out if len(out) <= limit else out[: limit - 3] + "..."
+
+
+def validation_problem(err: Mapping[str, Any], prefix: str = "") -> tuple[str, str]:
+    """One pydantic validation error as ``(where, what)``: the dotted field path (after
+    ``prefix``, empty when the error is about the whole input) and the message without
+    pydantic's ``Value error,`` lead-in, each printable and bounded (a field name or value
+    that came from an untrusted file may be long, or hold control characters)."""
+    where = ".".join(str(p) for p in (prefix, *err.get("loc", ())) if p != "")
+    what = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+    return printable(" ".join(where.split()), _FIELD_LIMIT), printable(what, _MSG_LIMIT)
+
+
+def first_problem(exc: ValidationError, prefix: str = "") -> tuple[str, str]:
+    """:func:`validation_problem` of the first error ``exc`` holds."""
+    return validation_problem(exc.errors()[0], prefix)

@@ -23,6 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, ValidationError
 
+from hicache_runtime.contracts.errors import validation_problem
 from hicache_runtime.contracts.events import Ev
 
 STRICT_ENV = "HICACHE_STRICT_EVENTS"
@@ -469,6 +470,6 @@ def check_event(kind: str, attrs: dict[str, Any], *, older: bool = False) -> Non
     except ValidationError as exc:
         errors = [e for e in exc.errors() if not (older and e["type"] == "missing")]
         if errors:
-            where = ".".join(str(p) for p in errors[0]["loc"])
-            raise EventContractError(f"{kind}: {where}: {errors[0]['msg']} "
+            where, what = validation_problem(errors[0])
+            raise EventContractError(f"{kind}: {where}: {what} "
                                      f"(attrs {sorted(attrs)})") from None

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from hicache_runtime.contracts.bundle import FiredFaultRecord, RunOutcome
-from hicache_runtime.contracts.errors import DumpFormatError
+from hicache_runtime.contracts.errors import DumpFormatError, first_problem
 
 MAX_RESULT_BYTES = 256 << 20
 """A result holds every request's tokens: tens of MB for the largest workloads; a file larger
@@ -75,7 +75,6 @@ def read_rank_result(path: Path, limit: int = MAX_RESULT_BYTES) -> RankResult | 
     try:
         return RankResult.model_validate_json(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "file"
-        raise DumpFormatError(f"{path.name}: not a rank result ({where}: {first['msg']}; "
+        where, what = first_problem(exc)
+        raise DumpFormatError(f"{path.name}: not a rank result ({where or 'file'}: {what}; "
                               f"{exc.error_count()} error(s))") from exc

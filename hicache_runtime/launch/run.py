@@ -164,26 +164,6 @@ def _total(ranks: list[RankCacheStats]) -> RankCacheStats:
     return RankCacheStats(**summed(RankCacheStats, ranks), l3=l3)
 
 
-class RankDrain(BaseModel):
-    """One rank's holdings at drain (:class:`~hicache_runtime.cache.accounting.DrainAccount`), in
-    pages; every leak counter is 0 on a rank that leaked nothing."""
-
-    model_config = ConfigDict(extra="forbid")
-    device_capacity: int
-    device_free: int
-    device_tree: int
-    device_unowned: int = 0
-    device_locked: int = 0
-    host_capacity: int = 0
-    host_free: int = 0
-    host_tree: int = 0
-    host_unowned: int = 0
-    host_pinned: int = 0
-    l3_reserved: int = 0
-    l3_open: int = 0
-    leaked_pages: int = 0
-
-
 class LeakCheck(BaseModel):
     """The end-of-run page accounting of every rank that got to its drain (a rank that
     crashed or hung before it has none: ``complete`` is then false)."""
@@ -191,13 +171,13 @@ class LeakCheck(BaseModel):
     model_config = ConfigDict(extra="forbid")
     complete: bool
     leaked_pages: int
-    ranks: dict[int, RankDrain] = {}
+    ranks: dict[int, DrainAccount] = {}
 
     @classmethod
     def of(cls, ranks: dict[int, dict[str, Any] | None], world: int) -> LeakCheck | None:
         """From each rank's raw account (``None`` where it did not drain); ``None`` when no
         rank drained."""
-        per = {r: RankDrain.model_validate(a) for r, a in sorted(ranks.items()) if a}
+        per = {r: DrainAccount.model_validate(a) for r, a in sorted(ranks.items()) if a}
         if not per:
             return None
         return cls(complete=len(per) == world, ranks=per,

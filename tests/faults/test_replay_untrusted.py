@@ -201,7 +201,7 @@ def test_crafted_multirank_bundle_keeps_rank_files_under_the_output_dir(
 
 @pytest.mark.parametrize(("edit", "says"), [
     (lambda m: m["config"].update(topology={"tp": 4, "pp": 4}),
-     "topology tp=4 pp=4 is 16 ranks; a replay starts at most 8"),
+     "tp=4 pp=4 dp=1 is 16 rank processes; a replay starts at most 8"),
     (lambda m: m["config"]["workload"].update(requests=99999999999999999999999),
      "workload.requests is 99999999999999999999999; a replay allows at most 4096"),
     (lambda m: m["config"]["cache"].update(device_tokens=1 << 40),
