@@ -157,7 +157,7 @@ def test_backoff_grows_and_is_capped(make_redis_backend: MakeBackend,
     for _ in range(6):
         time.sleep(0.05)  # past any backoff: this call is the probe
         b.batch_exists(hashes(1))
-        seen.append(b._backoff_s)
+        seen.append(b.outage.state()["backoff_s"])
     assert seen[0] == 0.02
     assert max(seen) == 0.04
     assert b.stats().outages == 1

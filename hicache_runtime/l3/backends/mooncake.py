@@ -37,7 +37,6 @@ import ctypes
 import logging
 import mmap
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -47,6 +46,7 @@ from hicache_runtime.l3 import envelope
 from hicache_runtime.l3.backend import RawPage, StorageBackend
 from hicache_runtime.l3.backends import mooncake_client as mc
 from hicache_runtime.l3.keys import KeyScheme
+from hicache_runtime.l3.outage import Outage
 
 if TYPE_CHECKING:
     from hicache_runtime.config import StorageConfig
@@ -109,17 +109,12 @@ class MooncakeBackend(StorageBackend):
         self.url = self.target.url
         self.max_payload_bytes = max_payload_bytes
         self.slot_bytes = envelope.HEADER_SIZE + max_payload_bytes
-        self.base_backoff_s = reconnect_backoff_s
-        self.max_backoff_s = max(max_backoff_s, reconnect_backoff_s)
         self.connect_timeout_s = connect_timeout_s
         self._client: Any = None
         self._arenas: dict[int, _Arena] = {}
-        self._state_lock = threading.Lock()
-        self._down_since: float | None = None
-        self._backoff_s = reconnect_backoff_s
-        self._next_probe = 0.0
-        self._probing = False
-        self._last_error = ""
+        self.outage = Outage("mooncake", self.target.master, base_backoff_s=reconnect_backoff_s,
+                             max_backoff_s=max_backoff_s, count=self._count, emit=self._emit,
+                             url=self.url)
         self._warned: set[str] = set()
         self._log_start = 0
         problem = mc.reachable(self.target, connect_timeout_s)
@@ -134,7 +129,7 @@ class MooncakeBackend(StorageBackend):
                     f"Mooncake master at {self.target.master} is unreachable ({problem})",
                     hint="start mooncake_master (or omit --storage-url for a private one), fix "
                          "--storage-url, or pass --storage-optional to start with L3 off")
-            self._mark_down(problem)
+            self.outage.mark_down(problem)
 
     @classmethod
     def from_config(cls, cfg: StorageConfig, scheme: KeyScheme, *, required: bool = True,
@@ -167,12 +162,12 @@ class MooncakeBackend(StorageBackend):
 
     @property
     def healthy(self) -> bool:
-        return not self._closed and self._down_since is None
+        return not self._closed and not self.outage.down
 
     @property
     def last_error(self) -> str:
         """The error that started (or last extended) the current outage."""
-        return self._last_error
+        return self.outage.last_error
 
     def client_log(self) -> str | None:
         """The Mooncake client's own log lines since this backend joined the store (bounded),
@@ -325,7 +320,7 @@ class MooncakeBackend(StorageBackend):
         store, an evicted replica) are logged once per code."""
         self._count(errors=1)
         if code in mc.OUTAGE_CODES:
-            self._mark_down(f"{op}: {mc.code_name(code)}")
+            self.outage.mark_down(f"{op}: {mc.code_name(code)}")
         else:
             self._warn_once(str(code), "L3 mooncake %s failed: %s", op, mc.code_name(code))
 
@@ -335,7 +330,6 @@ class MooncakeBackend(StorageBackend):
         if client is None:
             self._count(errors=1)
             return fallback
-        probe = self._down_since is not None
         try:
             result = run(client)
         except (RuntimeError, OSError, ValueError, TypeError) as exc:
@@ -343,27 +337,20 @@ class MooncakeBackend(StorageBackend):
             # client): this call failed; whether the master is gone, the next check says.
             self._count(errors=1)
             self._warn_once(type(exc).__name__, "L3 mooncake %s failed: %s", op, exc)
-            with self._state_lock:
-                self._probing = False
+            self.outage.release()
             return fallback
         except BaseException:
-            with self._state_lock:
-                self._probing = False  # never leave the probe slot taken
+            self.outage.release()  # never leave the probe slot taken
             raise
-        if probe:
-            self._mark_up()
+        # a probe whose call met the outage again (an outage code) gave its slot up already
+        self.outage.mark_up()
         return result
 
     def _may_try(self) -> Any:
         """The client when a call may go ahead: while up, when the client's own health check
         (a local read) passes; while down, for one probing caller after the backoff."""
-        if self._closed:
+        if self._closed or not self.outage.may_try():
             return None
-        with self._state_lock:
-            down = self._down_since is not None
-            if down and (self._probing or time.monotonic() < self._next_probe):
-                return None
-            self._probing = down
         client = self._client
         if client is None:
             problem = mc.reachable(self.target, self.connect_timeout_s)
@@ -374,48 +361,14 @@ class MooncakeBackend(StorageBackend):
                 except StorageUnavailable as exc:
                     problem = str(exc)
             if problem is not None:
-                self._mark_down(problem)
+                self.outage.mark_down(problem)
                 return None
         status = client.health_check()
         if status != mc.HEALTHY:
-            self._mark_down("the master is unreachable" if status == 2
+            self.outage.mark_down("the master is unreachable" if status == 2
                             else f"client health check {status}")
             return None
         return client
-
-    def _mark_down(self, why: str) -> None:
-        now = time.monotonic()
-        with self._state_lock:
-            first = self._down_since is None
-            if first:
-                self._down_since = now
-                self._backoff_s = self.base_backoff_s
-            elif self._probing:
-                self._backoff_s = min(self._backoff_s * 2, self.max_backoff_s)
-            else:
-                return  # a call that started before the outage was noticed
-            self._next_probe = now + self._backoff_s
-            self._probing = False
-            self._last_error = why
-        if first:
-            self._count(outages=1)
-            log.warning("L3 mooncake at %s unavailable (%s); serving from L1/L2 and retrying "
-                        "with backoff", self.target.master, why)
-            self._emit("outage", url=self.url, error=why)
-
-    def _mark_up(self) -> None:
-        """End the outage after a probe that went through (a probe whose call met the
-        outage again has already given up its slot in ``_mark_down``)."""
-        with self._state_lock:
-            if self._down_since is None or not self._probing:
-                return
-            down_s = time.monotonic() - self._down_since
-            self._down_since = None
-            self._probing = False
-            self._backoff_s = self.base_backoff_s
-        self._count(reconnects=1)
-        log.info("L3 mooncake at %s is back after %.1f s", self.target.master, down_s)
-        self._emit("reconnect", url=self.url, down_s=round(down_s, 3))
 
     def _warn_once(self, key: str, msg: str, *args: object) -> None:
         level = logging.DEBUG if key in self._warned else logging.WARNING

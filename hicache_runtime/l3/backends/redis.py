@@ -14,19 +14,19 @@ Connection loss: the runtime must keep serving from L1/L2 while Redis is away. S
   back) and emits ``l3.storage`` trace events ``outage`` / ``reconnect``;
 * while down, calls return at once without touching the network, except one probe at a time,
   allowed after an exponential backoff (``reconnect_backoff_s``, doubling, capped at
-  ``max_backoff_s``); the probe is the caller's own request, so a successful probe serves it;
+  ``max_backoff_s``); the probe is the caller's own request, so a successful probe serves it
+  (the state machine, shared with the Mooncake backend: :mod:`hicache_runtime.l3.outage`);
 * socket timeouts are short (``connect_timeout_s``, ``socket_timeout_s``) and redis-py's own
   retries are disabled, so no caller blocks for long on a dead server.
 
 Thread-safety: redis-py's connection pool hands each pipeline its own connection; the outage
-state is guarded by ``_state_lock``. Every public method may be called from any thread.
+state guards itself. Every public method may be called from any thread.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import urlsplit, urlunsplit
@@ -42,6 +42,7 @@ from hicache_runtime.contracts.errors import ConfigError, CorruptPage, StorageUn
 from hicache_runtime.l3 import envelope
 from hicache_runtime.l3.backend import RawPage, StorageBackend
 from hicache_runtime.l3.keys import KeyScheme
+from hicache_runtime.l3.outage import Outage
 
 if TYPE_CHECKING:
     from hicache_runtime.config import StorageConfig
@@ -83,8 +84,6 @@ class RedisBackend(StorageBackend):
         """Largest page payload read or written; longer values are rejected unread."""
         self.url = _redact(url)
         """The server URL without credentials (safe for logs, errors and traces)."""
-        self.base_backoff_s = reconnect_backoff_s
-        self.max_backoff_s = max(max_backoff_s, reconnect_backoff_s)
         try:
             self._client = redis.Redis.from_url(
                 url,
@@ -100,12 +99,9 @@ class RedisBackend(StorageBackend):
         except ValueError as exc:
             raise ConfigError("storage.url", f"{self.url!r} is not a Redis URL: {exc}",
                               hint="use redis://host:port/db") from None
-        self._state_lock = threading.Lock()
-        self._down_since: float | None = None
-        self._backoff_s = reconnect_backoff_s
-        self._next_probe = 0.0
-        self._probing = False
-        self._last_error = ""
+        self.outage = Outage("redis", self.url, base_backoff_s=reconnect_backoff_s,
+                             max_backoff_s=max_backoff_s, count=self._count, emit=self._emit,
+                             url=self.url, on_down=self._drop_idle_connections)
         self._arenas = threading.local()
         try:
             self._client.ping()
@@ -117,7 +113,7 @@ class RedisBackend(StorageBackend):
                     hint="start redis-server, fix --storage-url, or pass --storage-optional "
                          "(storage.required=false) to start with L3 off until it answers",
                 ) from None
-            self._mark_down(exc)
+            self.outage.mark_down(_short(exc))
         except RedisError as exc:
             self._client.close()
             raise StorageUnavailable(f"Redis at {self.url} refused PING ({_short(exc)})",
@@ -139,7 +135,7 @@ class RedisBackend(StorageBackend):
 
     @property
     def healthy(self) -> bool:
-        return not self._closed and self._down_since is None
+        return not self._closed and not self.outage.down
 
     # --- hooks --------------------------------------------------------------------------------
 
@@ -267,7 +263,7 @@ class RedisBackend(StorageBackend):
 
     def _call(self, op: str, run: Callable[[redis.client.Pipeline], T], fallback: T) -> T:
         """Run one pipelined operation, or fail soft with ``fallback``."""
-        if not self._may_try():
+        if self._closed or not self.outage.may_try():
             self._count(errors=1)
             return fallback
         try:
@@ -275,78 +271,32 @@ class RedisBackend(StorageBackend):
                 result = run(pipe)
         except _CONNECTION_ERRORS as exc:
             self._count(errors=1)
-            self._mark_down(exc)
+            self.outage.mark_down(_short(exc))
             return fallback
         except RedisError as exc:
             # A command error (OOM, READONLY replica...): the server is there, this call
             # failed. Not an outage; counted and logged at debug level.
             self._count(errors=1)
-            self._mark_up()
+            self.outage.mark_up()
             log.debug("L3 redis %s failed: %s", op, exc)
             return fallback
         except BaseException:
             # A bug in our code, not the server's: let it surface, but never leave the
             # probe slot taken (that would keep the backend down for good).
-            with self._state_lock:
-                self._probing = False
+            self.outage.release()
             raise
-        self._mark_up()
+        self.outage.mark_up()
         return result
 
-    def _may_try(self) -> bool:
-        """While up: always. While down: one probing caller at a time, after the backoff."""
-        if self._closed:
-            return False
-        with self._state_lock:
-            if self._down_since is None:
-                return True
-            if self._probing or time.monotonic() < self._next_probe:
-                return False
-            self._probing = True
-            return True
-
-    def _mark_down(self, exc: BaseException) -> None:
-        now = time.monotonic()
-        with self._state_lock:
-            first = self._down_since is None
-            if first:
-                self._down_since = now
-                self._backoff_s = self.base_backoff_s
-            elif self._probing:
-                self._backoff_s = min(self._backoff_s * 2, self.max_backoff_s)
-            else:
-                # A call that started before the outage was noticed: the schedule stands.
-                return
-            self._next_probe = now + self._backoff_s
-            self._probing = False
-            self._last_error = _short(exc)
-        if first:
-            self._count(outages=1)
-            log.warning("L3 redis at %s unavailable (%s); serving from L1/L2 and retrying "
-                        "with backoff", self.url, _short(exc))
-            self._emit("outage", url=self.url, error=_short(exc))
-            # Drop pooled sockets of the dead server so the probe opens a fresh connection.
-            # Connections in use by other threads fail on their own.
-            self._client.connection_pool.disconnect(inuse_connections=False)
-
-    def _mark_up(self) -> None:
-        if self._down_since is None:  # fast path, no lock: the common case
-            return
-        with self._state_lock:
-            if self._down_since is None:
-                return
-            down_s = time.monotonic() - self._down_since
-            self._down_since = None
-            self._probing = False
-            self._backoff_s = self.base_backoff_s
-        self._count(reconnects=1)
-        log.info("L3 redis at %s is back after %.1f s", self.url, down_s)
-        self._emit("reconnect", url=self.url, down_s=round(down_s, 3))
+    def _drop_idle_connections(self) -> None:
+        # The outage began: drop pooled sockets of the dead server so the probe opens a fresh
+        # connection. Connections in use by other threads fail on their own.
+        self._client.connection_pool.disconnect(inuse_connections=False)
 
     @property
     def last_error(self) -> str:
         """The error that started (or last extended) the current outage."""
-        return self._last_error
+        return self.outage.last_error
 
 
 def _redact(url: str) -> str:
