@@ -24,11 +24,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from faults.campaign.plan import HEALTHY, NO_SIGNATURE, CampaignSpec, CellSpec, Property
+from faults.campaign.plan import (
+    HEALTHY,
+    NO_SIGNATURE,
+    CampaignSpec,
+    CellSpec,
+    Property,
+    matrix_place,
+)
 from faults.spec import parse_faults
 from hicache_runtime.config import RuntimeConfig, check_run_limits, load_config
 from hicache_runtime.contracts.bundle import (
@@ -73,6 +80,9 @@ class CellResult(BaseModel):
     skipped: str | None = None
     """Why the cell did not run on this machine (its L3 backend's client is not installed):
     it neither passed nor failed."""
+    row: str = ""
+    column: str = ""
+    """Where the campaign's matrix shows it (``plan.matrix_place``)."""
 
 
 class PropertyViolation(BaseModel):
@@ -333,6 +343,13 @@ def _fired(bundle: Path) -> list[FiredFaultRecord]:
         return []
 
 
+def _identity(cell: CellSpec) -> dict[str, Any]:
+    """What every result of ``cell`` says about which cell it is."""
+    row, column = matrix_place(cell)
+    return {"id": cell.id, "expect": cell.expect, "faults": list(cell.faults), "row": row,
+            "column": column}
+
+
 def run_cell(spec: CampaignSpec, cell: CellSpec, work: Path, bundle_root: Path, *,
              memo: CampaignMemo | None = None, storage_url: str | None = None) -> CellResult:
     """Run one cell (after its warm-up run, if any) and judge it."""
@@ -343,28 +360,28 @@ def run_cell(spec: CampaignSpec, cell: CellSpec, work: Path, bundle_root: Path, 
         cfg = cell_config(spec, cell, work, bundle_root, storage_url)
         missing = unavailable(cfg.storage)
         if missing is not None:
-            return CellResult(id=cell.id, expect=cell.expect, observed="skipped", passed=False,
+            return CellResult(**_identity(cell), observed="skipped", passed=False,
                               outcome="skipped", wall_s=0.0, skipped=missing,
-                              detail=f"skipped: {missing}", faults=list(cell.faults),
+                              detail=f"skipped: {missing}",
                               properties={p.value: None for p in spec.properties})
         done = run_and_diagnose(cfg, warm=cell.warm, compare=cell.compare,
                                 bundle_root=bundle_root, memo=memo)
     except Exception as exc:  # a cell that cannot even run is a failed cell, not a crash
-        return CellResult(id=cell.id, expect=cell.expect, observed="error", passed=False,
+        return CellResult(**_identity(cell), observed="error", passed=False,
                           outcome="error", wall_s=round(time.monotonic() - t0, 2),
                           error=f"{type(exc).__name__}: {exc}".splitlines()[0],
-                          detail="the cell could not run", faults=list(cell.faults),
+                          detail="the cell could not run",
                           properties={p.value: None for p in spec.properties})
     bundle = done.bundle
     if bundle is not None:
         annotate_origin(Path(bundle), CellOrigin(campaign=spec.name, cell=cell.id,
                                                  expect=cell.expect, warm=cell.warm))
         bundle = str(label_bundle(Path(bundle), cell.id))
-    result = CellResult(id=cell.id, expect=cell.expect, observed=done.observed, passed=False,
+    result = CellResult(**_identity(cell), observed=done.observed, passed=False,
                         outcome=done.outcome, output_match=done.output_match,
                         verdict=done.signature, confidence=done.confidence, bundle=bundle,
                         error=done.error, faults_fired=done.faults_fired,
-                        wall_s=round(time.monotonic() - t0, 2), faults=list(cell.faults),
+                        wall_s=round(time.monotonic() - t0, 2),
                         leaked_pages=done.leaked_pages, leaks=done.leaks)
     if spec.properties:
         result.properties = judge_properties(spec.properties, done)

@@ -282,13 +282,37 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+# The cell-id grammar, in one place: ``<topology>/<mode>/<faults>[/seed<n>]``, e.g.
+# ``tp2pp2/skip-empty-sync+local-ack-drain/host-alloc-fail:pp=1``. Reports place a cell by its
+# parts (``matrix_place``), never by splitting an id: a spec may name its cells freely.
+
+
+def topology_label(tp: int, pp: int) -> str:
+    return "".join(p for p in (f"tp{tp}" if tp > 1 else "", f"pp{pp}" if pp > 1 else "")
+                   if p) or "tp1"
+
+
+def mode_label(legacy: list[str]) -> str:
+    """The legacy switches of a cell, or ``fixed``."""
+    return "+".join(sorted(legacy)) or "fixed"
+
+
+def faults_label(faults: list[str]) -> str:
+    """Canonical fault specs (ids do not depend on key order), or ``none``."""
+    return ";".join(f.compact() for f in parse_faults(faults)) or "none"
+
+
 def cell_id(tp: int, pp: int, legacy: list[str], faults: list[str],
             seed: int | None = None) -> str:
-    topo = "".join(p for p in (f"tp{tp}" if tp > 1 else "", f"pp{pp}" if pp > 1 else "")
-                    if p) or "tp1"
-    canonical = [f.compact() for f in parse_faults(faults)]  # ids do not depend on key order
-    text = f"{topo}/{'+'.join(sorted(legacy)) or 'fixed'}/{';'.join(canonical) or 'none'}"
+    text = f"{topology_label(tp, pp)}/{mode_label(legacy)}/{faults_label(faults)}"
     return text if seed is None else f"{text}/seed{seed}"
+
+
+def matrix_place(cell: CellSpec) -> tuple[str, str]:
+    """Where a cell sits in a campaign's matrix: its row (topology, faults, seed) and column
+    (the mode: its switches, or ``fixed``)."""
+    row = f"{topology_label(cell.tp, cell.pp)} {faults_label(cell.faults)}"
+    return (row + (f" seed{cell.seed}" if cell.seed else ""), mode_label(cell.legacy))
 
 
 def load_campaign(path: Path | None = None) -> CampaignSpec:

@@ -163,9 +163,7 @@ def _matrix(result: CampaignResult, links: dict[str, str]) -> str:
     rows: dict[str, dict[str, CellResult]] = {}
     modes: list[str] = []
     for c in result.cells:
-        parts = c.id.split("/")
-        mode = parts[1] if len(parts) >= 3 else "cell"
-        row = f"{parts[0]} {'/'.join(parts[2:])}" if len(parts) >= 3 else c.id
+        row, mode = c.row or c.id, c.column or "cell"
         rows.setdefault(row, {})[mode] = c
         if mode not in modes:
             modes.append(mode)

@@ -164,3 +164,29 @@ def test_markdown_report_lists_cells_and_failures() -> None:
 def test_cellspec_rejects_unknown_switch() -> None:
     with pytest.raises(ValueError, match="no-such"):
         CellSpec(legacy=["no-such"])
+
+
+def test_the_matrix_places_cells_by_their_parts_not_by_splitting_ids() -> None:
+    """Named cells (a prefix, a fault with slashes in a glob) sit in their topology x fault row
+    and their mode's column, like generated ones; a second seed gets its own row."""
+    from faults.campaign.cells import _identity
+    from faults.campaign.plan import matrix_place
+    from faults.campaign.reports import html_pages
+
+    cells = [CellSpec(id="mooncake/tp2/abort-early-exit/mid-prefetch-abort:batch=1", tp=2,
+                      legacy=["abort-early-exit"], faults=["mid-prefetch-abort:batch=1"],
+                      expect="prefetch-abort-ack-starvation"),
+             CellSpec(id="mooncake/tp2/fixed/mid-prefetch-abort:batch=1", tp=2,
+                      faults=["mid-prefetch-abort:batch=1"]),
+             CellSpec(tp=2, pp=2, legacy=["skip-empty-sync", "local-ack-drain"], seed=3)]
+    assert matrix_place(cells[0]) == ("tp2 mid-prefetch-abort:batch=1", "abort-early-exit")
+    assert matrix_place(cells[1]) == ("tp2 mid-prefetch-abort:batch=1", "fixed")
+    assert matrix_place(cells[2]) == ("tp2pp2 none seed3", "local-ack-drain+skip-empty-sync")
+    result = CampaignResult(name="m", started_at="2026-12-01T00:00:00+00:00", wall_s=1.0,
+                            cells=[CellResult(**_identity(c), observed=c.expect, passed=True,
+                                              outcome="hang", wall_s=1.0) for c in cells])
+    page = html_pages(result)["index.html"]
+    body = page[page.index("<tbody>"):]
+    assert body.count("<tr><th>") == 2  # two rows: the mooncake pair shares one
+    assert "<th>tp2 mid-prefetch-abort:batch=1</th>" in page
+    assert "<th>mooncake" not in page
