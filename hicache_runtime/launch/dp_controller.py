@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.connection
-import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -61,7 +59,6 @@ from hicache_runtime.contracts.run_files import RunDir
 from hicache_runtime.contracts.topology import RankInfo
 from hicache_runtime.engine.workload import Workload
 from hicache_runtime.kv.request import Req
-from hicache_runtime.launch import zygote
 from hicache_runtime.launch.bundles import RankExit, kept_bundle
 from hicache_runtime.launch.dp_bundle import group_dir, has_rank_dumps, write_dp_bundle
 from hicache_runtime.launch.dp_intake import (
@@ -75,10 +72,10 @@ from hicache_runtime.launch.dp_intake import (
     ToGroup,
 )
 from hicache_runtime.launch.dp_routing import LoadBoard, MessageKind, Policy, Router, recipients
+from hicache_runtime.launch.ending import abandon_run, judge_end
 from hicache_runtime.launch.launcher import (
     SELF_EXIT_S,
     STARTUP_ALLOWANCE_S,
-    Interrupted,
     LaunchResult,
     RankProcess,
     exits_of,
@@ -153,32 +150,22 @@ def launch_dp(cfg: RuntimeConfig, *, bundle_root: Path, caps: dict[str, int] | N
             finally:
                 ctl.stop()
             results, unreadable = ctl.results()
-            outcome = request.outcome if request is not None else RunOutcome.HEALTHY
-            error = request.reason if request is not None else None
-            if request is None and unreadable:
-                # every rank exited cleanly, but a result cannot be read: nothing to judge
-                r, why = min(unreadable.items())
-                outcome, error = RunOutcome.CRASH, f"rank {r}: {why}"
-                exits, events = ctl.exits(), ctl.tracer.events()
-                bundle, bundle_error = kept_bundle(lambda: write_dp_bundle(
-                    run_dir, cfg, bundle_root, outcome, error or "", exits, {}, [], events))
-            return DPLaunchResult(outcome, error, bundle, results, time.monotonic() - start,
-                                  run_dir, cfg, {r: x.returncode for r, x in ctl.exits().items()},
-                                  unreadable, bundle_error=bundle_error,
-                                  controller_events=ctl.tracer.events())
+            exits, events = ctl.exits(), ctl.tracer.events()
+            end = judge_end(request, unreadable, bundle, bundle_error,
+                            lambda outcome, reason: write_dp_bundle(
+                                run_dir, cfg, bundle_root, outcome, reason, exits, {}, [],
+                                events))
+            return DPLaunchResult(end.outcome, end.error, end.bundle, results,
+                                  time.monotonic() - start, run_dir, cfg,
+                                  {r: x.returncode for r, x in exits.items()}, unreadable,
+                                  bundle_error=end.bundle_error, controller_events=events)
         except BaseException as exc:
             quiet()  # a second Ctrl-C must not cut the cleanup short
             kept = bundle
             if ctl is not None:
                 ctl.stop()
                 kept = kept or ctl.salvage(bundle_root, exc)
-            zygote.close_shared()  # ranks forked but not yet known here die with it
-            shutil.rmtree(run_dir, ignore_errors=True)
-            if isinstance(exc, Interrupted):
-                exc.bundle = kept
-            if kept is not None:
-                sys.stderr.write(f"hicache: {exc or type(exc).__name__}; the run's bundle is "
-                                 f"kept at {kept}\n")
+            abandon_run(exc, run_dir, kept)
             raise
 
 

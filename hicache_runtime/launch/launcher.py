@@ -60,6 +60,7 @@ from hicache_runtime.contracts.rank_result import RankResult, read_rank_result
 from hicache_runtime.contracts.run_files import RANK_DIRS, RunDir, rank_dir_name
 from hicache_runtime.launch import zygote
 from hicache_runtime.launch.bundles import RankExit, kept_bundle, write_run_bundle
+from hicache_runtime.launch.ending import Interrupted, abandon_run, judge_end
 from hicache_runtime.launch.side_channel import (
     DumpRequest,
     ProgressFn,
@@ -113,16 +114,6 @@ class LaunchResult:
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
-class Interrupted(KeyboardInterrupt):
-    """A signal asked the launcher to stop (Ctrl-C, SIGTERM, SIGHUP). A KeyboardInterrupt, so
-    callers treat every one like Ctrl-C; ``bundle`` is the evidence kept, if any."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"interrupted by {signal.Signals(signum).name}")
-        self.signum = signum
-        self.bundle: Path | None = None
-
-
 def launch(cfg: RuntimeConfig, *, bundle_root: Path, caps: dict[str, int] | None = None,
            progress: ProgressFn | None = None) -> LaunchResult:
     """Run ``cfg`` as ``tp * pp`` processes; returns when every rank has exited. The caller
@@ -157,29 +148,18 @@ def launch(cfg: RuntimeConfig, *, bundle_root: Path, caps: dict[str, int] | None
                 kill_all(procs)
                 del store  # the ranks are gone: nobody talks to it any more
             results, unreadable = read_results(run_dir, procs)
-            outcome = request.outcome if request is not None else RunOutcome.HEALTHY
-            error = request.reason if request is not None else None
-            if request is None and unreadable:
-                # every rank exited cleanly, but a result cannot be read: nothing to judge
-                r, why = min(unreadable.items())
-                outcome, error = RunOutcome.CRASH, f"rank {r}: {why}"
-                bundle, bundle_error = kept_bundle(lambda: write_run_bundle(
-                    run_dir, cfg, bundle_root, outcome, error or "", exits_of(procs), {}, []))
-            return LaunchResult(outcome, error, bundle, results, time.monotonic() - start,
-                                run_dir, cfg, codes_of(procs), unreadable, bundle_error)
+            end = judge_end(request, unreadable, bundle, bundle_error,
+                            lambda outcome, reason: write_run_bundle(
+                                run_dir, cfg, bundle_root, outcome, reason, exits_of(procs),
+                                {}, []))
+            return LaunchResult(end.outcome, end.error, end.bundle, results,
+                                time.monotonic() - start, run_dir, cfg, codes_of(procs),
+                                unreadable, end.bundle_error)
         except BaseException as exc:
             quiet()  # a second Ctrl-C must not cut the cleanup short
             kill_all(procs)
-            kept = bundle or _salvage_bundle(run_dir, cfg, bundle_root, procs, exc)
-            # a rank forked but not yet known here (the signal came while ranks started) would
-            # write into the run directory after it is removed: its zygote takes it along
-            zygote.close_shared()
-            shutil.rmtree(run_dir, ignore_errors=True)
-            if isinstance(exc, Interrupted):
-                exc.bundle = kept
-            if kept is not None:
-                sys.stderr.write(f"hicache: {exc or type(exc).__name__}; the run's bundle is "
-                                 f"kept at {kept}\n")
+            abandon_run(exc, run_dir,
+                        bundle or _salvage_bundle(run_dir, cfg, bundle_root, procs, exc))
             raise
 
 
