@@ -379,26 +379,32 @@ class DPRoute(Payload):
     group: Int
     reason: str
     loads: Ints
-    board: Any
-    to: Any
+    """What the router read (its policy's view)."""
+    board: Ints
+    """Every group's load on the board as it stands."""
+    to: Ints
+    """Grid ranks the request goes to (its group's entry rank)."""
 
 
 class DPControl(Payload):
     what: str
     kind: str
-    to: Any
+    to: Ints
     rid: str | None = None
-    by: Any = None
+    by: OptInt = None
     outcome: str | None = None
 
 
 class DPReceive(Payload):
+    """A DP group's entry rank took a message: a request, an abort (``held``: whether it was
+    still waiting there), or the end of the stream (``held``: requests still waiting)."""
+
     what: str
     group: Int
     rid: str | None = None
     reason: str | None = None
     loads: Ints | None = None
-    held: Any = None
+    held: StrictBool | StrictInt | None = None
 
 
 # --- failures and checks ----------------------------------------------------------------------

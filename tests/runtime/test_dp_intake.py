@@ -194,7 +194,8 @@ def test_one_bundle_numbers_every_group_s_ranks_in_the_grid(tmp_path: Path) -> N
 
 def test_the_controller_s_trace_exports_as_a_process_of_its_own(tmp_path: Path) -> None:
     tracer = Tracer(RankInfo(CONTROLLER_RANK, 0, 0, 1, 1, 0, 2), jsonl_path=tmp_path / "c.jsonl")
-    tracer.emit(Ev.DP_ROUTE, rid="a", group=1, reason="round-robin", loads=[], board=[0, 0])
+    tracer.emit(Ev.DP_ROUTE, rid="a", group=1, reason="round-robin", loads=[], board=[0, 0],
+                to=[1])
     tracer.close()
     assert parse_event(b'{"kind": "x", "t_ns": 1, "rank": -2, "attrs": {}}') is None
     stats = export_perfetto([tmp_path / "c.jsonl"], tmp_path / "c.json")
