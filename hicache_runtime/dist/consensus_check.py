@@ -3,7 +3,11 @@ decisions every rank took independently are the same, and names the first that i
 
 Decisions are the agreed-on parts of decision events (``DECISION_ATTRS``) that the scheduler
 thread emits; they are hashed in batches and compared on the ``consensus`` group by a thread of
-their own.
+their own. The scheduler also waits at one point of every step (:meth:`ConsensusChecker.verify`,
+before the step's batch runs) until every rank is there and every decision of every rank so
+far has been compared: a divergence then always stops the ranks before a collective that
+depends on it can fail on mismatched shapes (which, on gloo, aborts a rank in native code and
+leaves only what its peers saw).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +48,11 @@ class ConsensusChecker:
         self._checked = 0
         self._stop = threading.Event()
         self._abandon = threading.Event()
+        self._wake = threading.Event()
+        self._barrier = -1
+        """The step the scheduler waits at in :meth:`verify` (-1: it is not waiting)."""
+        self._released = threading.Condition(self._lock)
+        self._released_step = -1
         self.divergence: str | None = None
         self._thread = threading.Thread(target=self._loop, name="hicache-consensus",
                                         daemon=True)
@@ -65,6 +75,22 @@ class ConsensusChecker:
         if self.divergence is not None:
             raise RankDivergence(self.divergence)
 
+    def verify(self, step: int, timeout_s: float) -> None:
+        """Scheduler thread, at the same point of every step on every rank: wait until a round
+        saw every rank here with all its decisions compared (or found the first that differs,
+        a count that differs included), then :meth:`check`. Gives up after ``timeout_s`` (a
+        peer that never arrives fails on its own) and lets the step go on."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            self._barrier = step
+        self._wake.set()
+        with self._lock:
+            while (self._released_step != step and self.divergence is None
+                   and self._thread.is_alive() and time.monotonic() < deadline):
+                self._released.wait(0.05)
+            self._barrier = -1
+        self.check()
+
     def stop(self, agreed: bool = True, timeout_s: float = 5.0) -> None:
         """Stop the thread and join it. ``agreed``: every rank is stopping; the thread keeps
         taking rounds until all of them say so, checks what is left and ends, so no rank
@@ -74,6 +100,7 @@ class ConsensusChecker:
         self._stop.set()
         if not agreed:
             self._abandon.set()
+        self._wake.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=timeout_s)
 
@@ -84,18 +111,33 @@ class ConsensusChecker:
 
     def _loop(self) -> None:
         while True:
-            self._stop.wait(self.interval_s)
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
             if self._abandon.is_set():
                 return
             with self._lock:
-                have = len(self._decisions)
-            # One MIN carries both: the decisions every rank has, and 1 once all ranks stop.
-            counts = self.group.all_reduce(
-                torch.tensor([have - self._checked, int(self._stop.is_set())]),
-                dist.ReduceOp.MIN)
-            n, all_stopping = int(counts[0].item()), int(counts[1].item()) == 1
+                have, barrier = len(self._decisions), self._barrier
+            new = have - self._checked
+            # One MIN carries everything: the fewest new decisions on any rank, 1 once all
+            # ranks stop, and (negated) the most new decisions and each rank's barrier step.
+            got = self.group.all_reduce(
+                torch.tensor([new, int(self._stop.is_set()), -new, barrier, -barrier]),
+                dist.ReduceOp.MIN).tolist()
+            n, all_stopping, n_max = int(got[0]), int(got[1]) == 1, -int(got[2])
+            at_barrier = int(got[3]) == -int(got[4]) == barrier >= 0
             if n > 0 and not self._check_batch(n):
                 return
+            if at_barrier and n == 0 and n_max > 0:
+                # every rank waits at the same step, and some took decisions the others did
+                # not: the first one past the common prefix is the divergence
+                with self._lock:
+                    extra = self._decisions[self._checked : self._checked + n_max]
+                self._report(extra)
+                return
+            if at_barrier and n_max == n:
+                with self._lock:  # every decision of every rank up to this step agreed
+                    self._released_step = barrier
+                    self._released.notify_all()
             if all_stopping:
                 return
 
@@ -116,7 +158,7 @@ class ConsensusChecker:
 
     def _report(self, batch: list[str]) -> None:
         every = self.group.all_gather_object(batch)
-        for i in range(len(batch)):
+        for i in range(max(len(b) for b in every)):
             values = [b[i].split("|", 1)[1] if i < len(b) else None for b in every]
             if len(set(values)) > 1:
                 ranks = "; ".join(f"rank {r}: {b[i]}" for r, b in

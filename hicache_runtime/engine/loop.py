@@ -186,6 +186,8 @@ class Engine:
             self._chunk_boundaries(prev)
         self._fault_point(FaultPoint.CACHE_EVENTS)
         batch = sched.next_batch(self.step, slot, intake.agreed)
+        if self.consensus is not None:  # every decision up to this batch, compared first
+            self.consensus.verify(self.step, rt.cfg.observability.protocol_timeout_s)
         if batch is not None:
             self._run_stage(batch)
             if rt.rank.pp_size == 1:
