@@ -10,7 +10,11 @@
 * ``backend``  :class:`StorageBackend` (the interface a backend implements), its stats;
 * ``registry`` backends by name (built-ins and entry-point plug-ins), :func:`make_backend`;
 * ``faulty``   the fault-injection wrapper for the ``storage.*`` fault points;
-* ``backends/`` the backends themselves (``file``, the embedded default; ``redis``).
+* ``outage``   the outage state machine of the remote backends (calls fail soft, one probe
+               after a doubling backoff);
+* ``backends/`` the backends themselves (``file``, the embedded default; ``redis``;
+               ``mooncake``, a client of a Mooncake Store, with ``mooncake_client`` and the
+               throwaway store of ``mooncake_master``; ``redis_server``, a throwaway Redis).
 
 Nothing is imported here: import the module you need.
 """
