@@ -44,7 +44,9 @@ class Fact(str, Enum):
     PEER_EXITED_FIRST = "peer-exited-first"
     """One rank died (signal, abort, exception) and its peers then lost their connection to it."""
     PROCESS_SEGFAULT = "process-segfault"
-    """A rank died of SIGSEGV/SIGBUS/SIGABRT (``Fatal Python error``, exit code -11/-6)."""
+    """A rank died of SIGSEGV/SIGBUS/SIGABRT (``Fatal Python error``, exit code -11/-6); not
+    an abort that an uncaught C++ exception the log names explains (``terminate called after
+    throwing ...``: gloo's size check, a c10 error)."""
     EXCEPTION_ON_DOWNSTREAM_STAGE = "exception-on-downstream-stage"
     """The failing exception was raised on a pipeline stage other than PP0."""
 

@@ -20,7 +20,7 @@ from doctor.evidence import (
     RankEvidence,
     ThreadState,
 )
-from doctor.facts.exits import fact_exits, fact_size_abort
+from doctor.facts.exits import fact_exits, fact_size_abort, uncaught_cxx
 from doctor.facts.factset import FactSet, witness
 from doctor.facts.injected import fact_injected
 from doctor.facts.trace import TRACE_FACTS
@@ -499,8 +499,12 @@ def _fact_logs(ev: Evidence, facts: FactSet) -> None:
                     continue  # "assertion failed: no free blocks left": a full pool, not a bug
                 facts.add(fact, witness(h.text, h.source, r.rank))
         sig = r.hits.get("fatal-signal")
+        thrown = uncaught_cxx(r)
         for h in (sig.kept if sig else []):
-            if h.groups.get("what") or h.groups.get("name") in ("SIGSEGV", "SIGABRT", "SIGBUS"):
+            what, name = h.groups.get("what") or "", h.groups.get("name")
+            if thrown is not None and ("Abort" in what or name == "SIGABRT"):
+                continue  # the abort of an uncaught C++ exception the log names
+            if what or name in ("SIGSEGV", "SIGABRT", "SIGBUS"):
                 facts.add(Fact.PROCESS_SEGFAULT, witness(h.text, h.source, r.rank))
 
 

@@ -8,6 +8,7 @@ timeouts, lost connections and blocked collectives consequences (``peer-exited-f
 
 from __future__ import annotations
 
+from doctor.evidence import ExceptionRecord, RankEvidence
 from doctor.facts.factset import FactSet, witness
 from doctor.facts.injected import killed_on_purpose
 from doctor.ranks.builder import Evidence
@@ -25,6 +26,7 @@ def fact_exits(ev: Evidence, frames: FrameClassifier, rows: list[RankRow],
     died: list[int] = []
     on_purpose = killed_on_purpose(ev)
     for r in ev.ranks.values():
+        thrown = uncaught_cxx(r)
         for x in r.exits:
             if stopped_after_dump(x):
                 continue  # the launcher stopped a rank after collecting its evidence
@@ -34,13 +36,13 @@ def fact_exits(ev: Evidence, frames: FrameClassifier, rows: list[RankRow],
             if killed_without_dump(x) or (x.exit_code == -9 and x.dumped is None):
                 facts.add(Fact.OOM_KILLED, witness(f"rank {r.rank} {describe(x)}", x.source,
                                                    r.rank))
-            if x.signal in ("SIGSEGV", "SIGABRT", "SIGBUS"):
+            if x.signal in ("SIGSEGV", "SIGBUS") or (x.signal == "SIGABRT" and thrown is None):
                 facts.add(Fact.PROCESS_SEGFAULT, witness(
                     f"rank {r.rank} died of {x.signal} (exit {x.exit_code})", x.source, r.rank))
             if x.root_cause or x.signal in ("SIGSEGV", "SIGABRT", "SIGBUS", "SIGKILL"):
                 died.append(r.rank)  # a plain non-zero exit is usually a peer's consequence
         for t in r.threads:
-            if t.fatal:
+            if t.fatal and not (thrown is not None and "Abort" in t.fatal):
                 facts.add(Fact.PROCESS_SEGFAULT, witness(
                     f"rank {r.rank}: Fatal Python error: {t.fatal} in thread {t.tid} at "
                     f"{site_label(frames.innermost_caller(t.frames))}", t.source, r.rank))
@@ -50,6 +52,13 @@ def fact_exits(ev: Evidence, frames: FrameClassifier, rows: list[RankRow],
                                                           or not exc.frames):
             died.append(r.rank)
     _peer_exited(ev, set(died), rows, facts)
+
+
+def uncaught_cxx(r: RankEvidence) -> ExceptionRecord | None:
+    """The uncaught C++ exception the rank's log shows (``terminate called after throwing an
+    instance of 'gloo::EnforceNotMet'``, read as a frameless record of a namespaced type): the
+    SIGABRT that follows is that exception's, a named error, not a fault in memory."""
+    return next((e for e in r.exceptions if not e.frames and "::" in e.type), None)
 
 
 def _peer_exited(ev: Evidence, died: set[int], rows: list[RankRow], facts: FactSet) -> None:
