@@ -449,8 +449,6 @@ RUN_LIMITS = Limits("a run", 64, {
     "scheduler.max_running_requests": 1 << 20,
     "observability.ring_size": 1 << 24,
 })
-MAX_WORLD_SIZE = RUN_LIMITS.ranks
-"""Rank processes one run may start on this machine."""
 
 _ELEMENT_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 _MEMORY_HEADROOM = 0.8

@@ -21,7 +21,6 @@ from typing import Any, BinaryIO
 from doctor.evidence import (
     MAX_ARRIVALS,
     Decision,
-    RankEvidence,
     RankHint,
     SourceRef,
     TimedEvent,
@@ -106,45 +105,35 @@ def _file_event(ev: dict[str, Any], src: SourceRef, hint: RankHint,
                    dp=_int(ev.get("dp")))
     slot = sink.slot(own.merged(hint))
     step = _int(ev.get("step")) or 0
-    if ev.get("durable") is True:
-        # a journal line (the rank died before dumping its ring): an event that happened,
-        # but the file holds only a few kinds, so it says nothing of what did not happen
-        slot.kinds.add("journal")
-        return _journaled(kind, attrs, src, step, slot, _int(ev.get("t_ns")))
-    slot.kinds.add("trace")
-    if slot.trace_start is None or step < slot.trace_start:
-        slot.trace_start = step
-    if slot.trace_end is None or step > slot.trace_end:
-        slot.trace_end = step
-    if kind == Ev.REQ_ARRIVE and len(slot.arrived) < MAX_ARRIVALS:
-        slot.arrived.add(str(attrs.get("rid", "")))
-    for attr, sample in _SAMPLE_ATTRS.items():
-        value = attrs.get(attr)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            slot.add_sample(sample, float(value), src)
+    # a journal line (the rank died before dumping its ring) is an event that happened, but
+    # its file holds only a few kinds: it says nothing of what did not happen (no coverage,
+    # no decisions to compare)
+    journal = ev.get("durable") is True
+    slot.kinds.add("journal" if journal else "trace")
+    if not journal:
+        if slot.trace_start is None or step < slot.trace_start:
+            slot.trace_start = step
+        if slot.trace_end is None or step > slot.trace_end:
+            slot.trace_end = step
+        if kind == Ev.REQ_ARRIVE and len(slot.arrived) < MAX_ARRIVALS:
+            slot.arrived.add(str(attrs.get("rid", "")))
+        for attr, sample in _SAMPLE_ATTRS.items():
+            value = attrs.get(attr)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                slot.add_sample(sample, float(value), src)
     if kind in NOTABLE:
         slot.events.append((kind, attrs, src, step))
     t_ns = _int(ev.get("t_ns"))
     if kind in TIMELINE and t_ns is not None:
         slot.timeline.append(_timed(kind, attrs, t_ns, step))
     spec = DECISIONS.get(kind)
-    if spec is not None and not _traced_conditionally(kind, attrs):
+    if spec is not None and not journal and not _traced_conditionally(kind, attrs):
         key_attr, fields = spec
         key = str(attrs.get(key_attr, "")) if key_attr else ""
         value = {f: attrs[f] for f in fields if f in attrs}
         if value:
             slot.add_decision(Decision(kind, key, json.dumps(value, sort_keys=True, default=str),
                                        step, src))
-    return True
-
-
-def _journaled(kind: str, attrs: dict[str, Any], src: SourceRef, step: int,
-               slot: RankEvidence, t_ns: int | None) -> bool:
-    """A journal line: a notable event and a timeline mark, never a decision or coverage."""
-    if kind in NOTABLE:
-        slot.events.append((kind, attrs, src, step))
-    if kind in TIMELINE and t_ns is not None:
-        slot.timeline.append(_timed(kind, attrs, t_ns, step))
     return True
 
 

@@ -66,8 +66,6 @@ class DrainAccount(BaseModel):
         """The non-zero leak counters (``l3_open`` included), for a one-line report."""
         return {f: getattr(self, f) for f in (*LEAK_FIELDS, "l3_open") if getattr(self, f)}
 
-    def as_dict(self) -> dict[str, Any]:
-        return self.model_dump()
 
 
 def drain_account(cache: PrefixCache) -> DrainAccount:

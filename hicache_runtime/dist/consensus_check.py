@@ -35,8 +35,11 @@ class ConsensusChecker:
 
     The scheduler thread records decisions (via the tracer's observer hook); a daemon thread
     agrees on how many every rank has (MIN), MIN/MAX-reduces a digest of that many, and on a
-    mismatch gathers them to find the first that differs. Like SGLang's
-    ``SGLANG_ENABLE_RANK_CONSENSUS_CHECKER``, but the report says *which* decision diverged.
+    mismatch gathers them to find the first that differs. Named after SGLang's
+    ``SGLANG_ENABLE_RANK_CONSENSUS_CHECKER`` (0.5.23 names the variable in
+    ``sglang/test/test_utils.py``; its checker is not in the wheel, so nothing here claims to
+    model it): the report says *which* decision diverged, and the per-step gate
+    (:meth:`verify`) is this runtime's own, a diagnostic that no release has.
     """
 
     def __init__(self, group: Group, tracer: Tracer, interval_s: float = 0.05) -> None:

@@ -38,8 +38,9 @@ from hicache_runtime.l3.workers import StorageWorkers
 from hicache_runtime.telemetry.tracer import Tracer
 
 _IO_BUDGET_FRACTION = 0.25
-_RENDEZVOUS_S = 30.0
 """Share of the protocol timeout one L3 query or backup may take on a rank."""
+_RENDEZVOUS_S = 30.0
+"""How long a mid-prefetch-abort on rank 0 waits for its peers' IO of the op."""
 
 
 class AbortInbox:

@@ -53,11 +53,6 @@ class Outage:
     def down(self) -> bool:
         return self._down_since is not None
 
-    def start_down(self, why: str) -> None:
-        """Begin in the outage state (the server did not answer at start-up), probing first
-        after the base backoff."""
-        self.mark_down(why)
-
     def may_try(self) -> bool:
         """Whether a call may go ahead: while up, always; while down, for one probing caller
         at a time once the backoff has passed (that caller holds the probe slot until it

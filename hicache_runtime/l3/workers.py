@@ -272,7 +272,7 @@ class StorageWorkers:
             if not stopped:  # the completion ack, also if something above raised
                 self.prefetch_sync_queue.put(PrefetchAck(op.rid, op.local_completed, -1, True,
                                                          self._pool_pages(op)))
-            if self.rendezvous is not None and self.faults is None:
+            if self.rendezvous is not None and self.faults is None:  # a peer: rank 0 waits
                 self.rendezvous.finished(op.rid)
 
     def _late_write(self, op: PrefetchOperation, keys: list[str], first_page: int,

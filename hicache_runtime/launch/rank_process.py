@@ -300,7 +300,7 @@ def _write_result(run_dir: Path, rt: RankRuntime, outcome: RunOutcome, error: st
                   result: EngineResult | None, step: int, *, drained: bool = False) -> None:
     """``drained``: the rank got through its drain (or failed the drain's own check), so its
     page accounting (``drain``) is what the run left behind."""
-    drain = drain_account(rt.cache).as_dict() if drained else None
+    drain = drain_account(rt.cache).model_dump() if drained else None
     write_rank_result(RunDir(run_dir).result(rt.rank.rank), rank_result(
         rt, outcome, error, result.reqs if result is not None else {}, step,
         result.wall_s if result else None, drain))

@@ -353,7 +353,7 @@ def run_single(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn
     results = {rt.rank.rank: rank_result(
         rt, outcome, error, result.reqs if result is not None else {}, engine.step,
         result.wall_s if result is not None else None,
-        drained.as_dict() if drained else None)}
+        drained.model_dump() if drained else None)}
     summary = _summary(cfg, outcome, error, bundle, wall, results)
     summary.bundle_error = bundle_error
     if outcome is RunOutcome.HEALTHY and compare and result is not None:
