@@ -115,13 +115,25 @@ def test_per_rank_timings_cut_different_chunks(bundle_root: Path, tmp_path: Path
     bundle = Path(s.bundle or "")
     seen = _chunking({r: bundle / f"rank{r}" / "events.jsonl" for r in (0, 1)})
     assert {seen[r]["profile"]["source"] for r in (0, 1)} == {"own"}
-    assert seen[0]["profile"]["latencies_ms"] != seen[1]["profile"]["latencies_ms"]
-    sizes = {r: {(rid, h): size for rid, h, size in seen[r]["decisions"]} for r in (0, 1)}
-    assert any(sizes[1].get(k) not in (None, v) for k, v in sizes[0].items()), \
-        "one request, one history, two chunk sizes"
+    assert seen[0]["profile"].get("latencies_ms") != seen[1]["profile"].get("latencies_ms")
+    # Each rank's own fit: either one request and history get two chunk sizes, or (a fit
+    # one rank's noisy samples could not give, under load) one rank cuts dynamic chunks
+    # where the other keeps fixed ones. Either way the decision sequences part.
+    first, second = seen[0]["decisions"], seen[1]["decisions"]
+    assert first != second, "every rank cut the same chunks from its own timings"
+    refused = {r for r in (0, 1) if "refused" in seen[r]["profile"]}
+    if not refused:
+        sizes = {r: {(rid, h): size for rid, h, size in seen[r]["decisions"]} for r in (0, 1)}
+        assert any(sizes[1].get(k) not in (None, v) for k, v in sizes[0].items()), \
+            "one request, one history, two chunk sizes"
+    else:
+        assert refused != {0, 1}, "both fits refused: fixed chunks everywhere, no divergence"
     from doctor.diagnose import diagnose
 
     d = diagnose([bundle])
     assert d.verdicts[0].signature in x.expect
     assert d.first_divergence is not None
-    assert d.first_divergence.kind == Ev.CHUNK_SIZE
+    # The doctor lines up decisions every rank made; a chunk decision only one rank made
+    # (the other refused its fit) first shows as the batch it shaped.
+    assert d.first_divergence.kind == Ev.CHUNK_SIZE if not refused else \
+        d.first_divergence.kind in (Ev.CHUNK_SIZE, Ev.BATCH)
