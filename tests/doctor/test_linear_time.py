@@ -41,6 +41,19 @@ def test_every_pattern_grows_linearly_with_its_input() -> None:
     assert sum("checking" in x for x in lines) > 400  # every module and the whole catalog
 
 
+def test_the_measure_tells_a_quadratic_pattern_from_a_linear_one() -> None:
+    """The check above, on a pattern known to be quadratic on a run of blanks with Python's
+    engine (each start position scans to the end) and on a linear one."""
+    import re
+
+    from tests.doctor.redos import superlinear
+
+    quadratic = re.compile(r"\s*x")
+    assert superlinear(quadratic, quadratic.pattern, 0, False) is not None
+    plain = re.compile(r"x\s*y")
+    assert superlinear(plain, plain.pattern, 0, False) is None
+
+
 def test_a_pattern_that_cannot_run_in_linear_time_is_refused() -> None:
     with pytest.raises(UnsafePattern, match="lookaround"):
         linear(r"CUDA error: (?!out of memory)")
