@@ -1076,6 +1076,15 @@ def capture(
 def main(argv: list[str] | None = None) -> None:
     """The ``hicache`` entry point. Usage errors (an unknown option, ``--tp abc``) are one line
     on stderr and exit 2, like every other user error; not click's usage box."""
+    from hicache_runtime.contracts.install import shadowed
+
+    elsewhere = shadowed()
+    if elsewhere:  # a generic import name of ours taken by another distribution
+        where = "; ".join(f"{name} from {path}" for name, path in elsewhere.items())
+        print(f"error: this hicache ({Path(__file__).resolve().parent}) would import {where}: "
+              "another distribution installs the same import name (or it is missing); "
+              "uninstall that one or use a separate virtual environment", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
     import render  # noqa: F401 - its consoles, the help's included, end quietly on a closed pipe
 
     try:

@@ -23,9 +23,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from doctor.evidence import InputStatus
+from doctor.model.evidence import InputStatus
+from doctor.model.findings import RankCondition
 from doctor.read.ingest import EMPTY
-from doctor.report.model import RankCondition
 
 if TYPE_CHECKING:
     from hicache_runtime.launch.run import RunSummary

@@ -10,16 +10,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import BinaryIO, TypeVar
 
-from doctor.evidence import InputStatus
 from doctor.facts.derive import derive_facts
 from doctor.facts.factset import FactSet
 from doctor.facts.observation import build_observation
 from doctor.facts.trace import divergence_fact
 from doctor.facts.upstream import mechanisms, resolve_lines
-from doctor.ranks.builder import Evidence, EvidenceBuilder
+from doctor.model.builder import Evidence, EvidenceBuilder
+from doctor.model.evidence import InputStatus
+from doctor.model.findings import BlockedSite, CollectiveFinding, Divergence, EvidenceItem, RankRow
+from doctor.model.frames import classifier_for
 from doctor.ranks.collectives import align
 from doctor.ranks.divergence import all_divergences
-from doctor.ranks.frames import classifier_for
 from doctor.ranks.table import blocked_sites, mark_progress, rank_rows
 from doctor.read.ingest import EMPTY, Ingester
 from doctor.report.bounds import MAX_LISTED_RANKS, clip_texts, rank_ranges
@@ -29,17 +30,12 @@ from doctor.report.model import (
     EXIT_DIAGNOSED,
     EXIT_NO_SIGNATURE,
     EXIT_UNREADABLE,
-    BlockedSite,
-    CollectiveFinding,
     Diagnosis,
     DiagnosisStatus,
-    Divergence,
-    EvidenceItem,
     InputSummary,
     LookalikeFinding,
     Mitigation,
     NearMiss,
-    RankRow,
     Verdict,
 )
 from doctor.report.narrative import observations

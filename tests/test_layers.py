@@ -1,18 +1,20 @@
 """The layers of the code base, checked from the source: no upward import, no file cycle, no
 folder a newcomer has to read as one flat room.
 
-Layers, lowest first (a module imports only from its own layer or below):
+The layers form two ordered lists, lowest first, that share their bottom and their top
+(:data:`CHAINS`): a module imports only from its own layer or from one before it in a list that
+holds both. The runtime and the doctor sit side by side: neither imports the other.
 
-* ``hicache_runtime.contracts``: errors, bundle models, event names, registries, topology;
-  torch-free, imports nothing of ours outside itself;
-* ``faults`` (definitions: points, specs, the injector) and ``signatures``: contracts only;
-* ``doctor``: contracts and signatures, torch-free;
-* the runtime's subpackages, in the order of ``RUNTIME_ORDER`` (config, telemetry, dist, kv,
-  l3, cache, engine, launch): contracts, fault definitions, and runtime packages at or below
-  their own place;
-* ``faults.campaign`` (campaign orchestration): everything above, it runs the runtime and asks
-  the doctor;
-* ``cli`` and ``render``: the front end, anything.
+* the runtime's list: ``hicache_runtime.contracts`` (errors, bundle models, event names and
+  payloads, registries, topology; torch-free, imports nothing of ours outside itself), the
+  fault definitions (``faults``: points, specs, the injector), then the runtime's subpackages
+  in the order of :data:`RUNTIME_ORDER`;
+* the doctor's list: contracts, ``signatures`` (the catalog), then the doctor's model
+  (``doctor.model``: evidence, findings, frame classes) and its stages in the order they run
+  (``read``, ``ranks``, ``facts``, ``report``), then the doctor's own root modules
+  (``diagnose``, ``capture``); all torch-free;
+* both end in ``faults.campaign`` (it runs the runtime and asks the doctor) and the front end
+  (``cli``, ``render``).
 
 Imports under ``if TYPE_CHECKING:`` and inside functions count for layering (a dependency is a
 dependency, whenever it is paid); only module-level imports outside ``TYPE_CHECKING`` count for
@@ -29,9 +31,16 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("hicache_runtime", "faults", "doctor", "signatures")
 FRONT = ("cli", "render")
 RUNTIME_ORDER = ("config", "telemetry", "dist", "kv", "l3", "cache", "engine", "launch")
+DOCTOR_ORDER = ("model", "read", "ranks", "facts", "report")
+TOP = ("campaign", "front")
+CHAINS = (
+    ("contracts", "faults", *(f"runtime.{x}" for x in RUNTIME_ORDER), *TOP),
+    ("contracts", "signatures", *(f"doctor.{x}" for x in DOCTOR_ORDER), "doctor", *TOP),
+)
 #: Runtime modules at the runtime package's root and the layer they belong to.
 RUNTIME_ROOT_MODULES = {"config": "config", "config_files": "config"}
-TORCH_FREE = ("contracts", "faults", "signatures", "doctor")
+TORCH_FREE = ("contracts", "faults", "signatures", "doctor",
+              *(f"doctor.{x}" for x in DOCTOR_ORDER))
 HEAVY = ("torch",)  # numpy is a dependency of the light install (the log prefilter)
 MAX_MODULES_PER_FOLDER = 15
 
@@ -128,8 +137,14 @@ def layer(name: str) -> str:
         return "front"
     if parts[0] == "faults":
         return "campaign" if len(parts) > 1 and parts[1] == "campaign" else "faults"
-    if parts[0] in ("signatures", "doctor"):
-        return parts[0]
+    if parts[0] == "signatures":
+        return "signatures"
+    if parts[0] == "doctor":
+        if len(parts) > 1 and parts[1] in DOCTOR_ORDER:
+            return "doctor." + parts[1]
+        assert len(parts) == 1 or (ROOT / "doctor" / f"{parts[1]}.py").is_file(), \
+            f"{name}: doctor subpackage not in DOCTOR_ORDER"
+        return "doctor"
     if len(parts) == 1 or parts[1] == "contracts":
         return "contracts"
     if parts[1] in RUNTIME_ROOT_MODULES:
@@ -139,18 +154,9 @@ def layer(name: str) -> str:
 
 
 def may_import(src: str, dst: str) -> bool:
-    if src == dst or dst == "contracts" or src in ("front", "campaign"):
-        return src != "campaign" or dst != "front"
-    if src == "faults":
-        return dst == "faults"
-    if src == "doctor":
-        return dst == "signatures"
-    if src.startswith("runtime."):
-        if dst == "faults":
-            return True
-        if dst.startswith("runtime."):
-            return RUNTIME_ORDER.index(dst[8:]) <= RUNTIME_ORDER.index(src[8:])
-    return False
+    """``dst`` is ``src`` or comes before it in a list that holds both."""
+    return src == dst or any(src in chain and dst in chain
+                             and chain.index(dst) < chain.index(src) for chain in CHAINS)
 
 
 def test_every_import_points_down() -> None:
@@ -252,5 +258,10 @@ def test_the_checker_sees_an_upward_import(tmp_path: Path) -> None:
     assert not may_import(layer("faults.injector"), layer("hicache_runtime.telemetry.tracer"))
     assert may_import(layer("faults.campaign.cells"), layer("doctor.diagnose"))
     assert may_import(layer("hicache_runtime.engine.rank"), layer("faults.injector"))
+    assert not may_import(layer("doctor.read.bundle"), layer("doctor.ranks.table"))
+    assert not may_import(layer("doctor.ranks.table"), layer("doctor.report.model"))
+    assert may_import(layer("doctor.facts.derive"), layer("doctor.model.findings"))
+    assert not may_import(layer("hicache_runtime.l3.tier"), layer("doctor.read.bundle"))
+    assert not may_import(layer("signatures.loader"), layer("doctor.model.evidence"))
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycles(graph) == [["a", "b", "c"]]

@@ -183,3 +183,23 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert tests.endswith("python -m pytest -n 2")
     ci = _shell_command((ROOT / ".ci" / "run").read_text())
     assert _shell_command(tests) in ci
+
+
+def test_a_generic_import_name_taken_by_another_distribution_stops_hicache(
+        tmp_path: Path) -> None:
+    """Another distribution's ``doctor`` package first on the path: ``hicache`` names the
+    shadowed import and where it would come from, and exits 2 before running anything."""
+    other = tmp_path / "site"
+    (other / "doctor").mkdir(parents=True)
+    (other / "doctor" / "__init__.py").write_text("raise SystemExit('the other doctor ran')\n")
+    code = (f"import sys; sys.path.insert(0, {str(other)!r}); "
+            "from cli import main; main(['--version'])")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"doctor from {other}" in proc.stderr
+    assert "the other doctor ran" not in proc.stderr
+    whole = subprocess.run([sys.executable, "-c", "from cli import main; main(['--version'])"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert whole.returncode == 0, whole.stderr
+    assert whole.stdout.startswith("hicache ")

@@ -12,7 +12,12 @@ import functools
 import re
 from collections.abc import Callable, Sequence
 
-from doctor.evidence import (
+from doctor.facts.exits import fact_exits, fact_size_abort, uncaught_cxx
+from doctor.facts.factset import FactSet, witness
+from doctor.facts.injected import fact_injected
+from doctor.facts.trace import TRACE_FACTS
+from doctor.model.builder import Evidence
+from doctor.model.evidence import (
     ExceptionRecord,
     Frame,
     InputStatus,
@@ -20,15 +25,7 @@ from doctor.evidence import (
     RankEvidence,
     ThreadState,
 )
-from doctor.facts.exits import fact_exits, fact_size_abort, uncaught_cxx
-from doctor.facts.factset import FactSet, witness
-from doctor.facts.injected import fact_injected
-from doctor.facts.trace import TRACE_FACTS
-from doctor.ranks.builder import Evidence
-from doctor.ranks.frames import FrameClassifier, startup_phase
-from doctor.ranks.table import failing_exception, is_comm_error, site_label
-from doctor.read.ingest import EMPTY
-from doctor.report.model import (
+from doctor.model.findings import (
     BlockedSite,
     CollectiveFinding,
     Divergence,
@@ -36,6 +33,9 @@ from doctor.report.model import (
     RankCondition,
     RankRow,
 )
+from doctor.model.frames import FrameClassifier, startup_phase
+from doctor.ranks.table import failing_exception, is_comm_error, site_label
+from doctor.read.ingest import EMPTY
 from hicache_runtime.contracts.bundle import RunOutcome
 from signatures.fact_names import Fact
 from signatures.index import UpstreamIndex, load_index

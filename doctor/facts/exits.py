@@ -8,14 +8,14 @@ timeouts, lost connections and blocked collectives consequences (``peer-exited-f
 
 from __future__ import annotations
 
-from doctor.evidence import ExceptionRecord, RankEvidence
 from doctor.facts.factset import FactSet, witness
 from doctor.facts.injected import killed_on_purpose
-from doctor.ranks.builder import Evidence
+from doctor.model.builder import Evidence
+from doctor.model.evidence import ExceptionRecord, RankEvidence
+from doctor.model.findings import RankCondition, RankRow
+from doctor.model.frames import FrameClassifier
 from doctor.ranks.exits import describe, killed_without_dump, stopped_after_dump
-from doctor.ranks.frames import FrameClassifier
 from doctor.ranks.table import failing_exception, is_comm_error, site_label
-from doctor.report.model import RankCondition, RankRow
 from signatures.fact_names import Fact
 from signatures.matching import Witness
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from doctor.evidence import SourceRef
+from doctor.model.evidence import SourceRef
 from signatures.fact_names import Fact
 from signatures.matching import Witness
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from doctor.evidence import SourceRef
 from doctor.facts.factset import FactSet, witness
-from doctor.ranks.builder import Evidence
+from doctor.model.builder import Evidence
+from doctor.model.evidence import SourceRef
 from hicache_runtime.contracts.events import Ev
 from signatures.fact_names import Fact
 

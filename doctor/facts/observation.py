@@ -10,10 +10,10 @@ names) is kept too, for the catalog's upstream markers: a storage thread idle in
 
 from __future__ import annotations
 
-from doctor.evidence import ExceptionRecord, RankEvidence, ThreadState
 from doctor.facts.factset import FactSet
-from doctor.ranks.builder import Evidence
-from doctor.ranks.frames import FrameClassifier
+from doctor.model.builder import Evidence
+from doctor.model.evidence import ExceptionRecord, RankEvidence, ThreadState
+from doctor.model.frames import FrameClassifier
 from doctor.ranks.table import blocked_threads, is_comm_error, site_label
 from signatures.matching import (
     MechanismHit,

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from doctor.evidence import SourceRef
 from doctor.facts.factset import FactSet, witness
-from doctor.ranks.builder import Evidence
-from doctor.report.model import Divergence
+from doctor.model.builder import Evidence
+from doctor.model.evidence import SourceRef
+from doctor.model.findings import Divergence
 from hicache_runtime.contracts.events import Ev
 from signatures.fact_names import Fact
 

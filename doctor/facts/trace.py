@@ -29,12 +29,12 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from doctor.evidence import RankEvidence, SourceRef
 from doctor.facts.factset import FactSet, witness
 from doctor.facts.stages import host_capacity_events, stage_batches
-from doctor.ranks.builder import Evidence
+from doctor.model.builder import Evidence
+from doctor.model.evidence import RankEvidence, SourceRef
+from doctor.model.findings import Divergence
 from doctor.ranks.divergence import DRAIN_KINDS, EVICT_KINDS, PREFIX_KINDS
-from doctor.report.model import Divergence
 from hicache_runtime.contracts.events import Ev
 from signatures.fact_names import Fact
 from signatures.matching import Witness

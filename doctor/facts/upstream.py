@@ -25,9 +25,9 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from doctor.evidence import ExceptionRecord, FailureLine, Frame, RankEvidence
-from doctor.ranks.builder import Evidence
-from doctor.ranks.frames import startup_phase
+from doctor.model.builder import Evidence
+from doctor.model.evidence import ExceptionRecord, FailureLine, Frame, RankEvidence
+from doctor.model.frames import startup_phase
 from doctor.ranks.table import is_comm_error
 from signatures.index import UpstreamIndex
 from signatures.index.components import Component

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from doctor.evidence import Collective, RankEvidence
-from doctor.ranks.builder import Evidence
+from doctor.model.builder import Evidence
+from doctor.model.evidence import Collective, RankEvidence
+from doctor.model.findings import CollectiveFinding, EvidenceItem, FindingKind
 from doctor.ranks.p2p import P2P_OPS, p2p_findings
 from doctor.ranks.table import site_label
-from doctor.report.model import CollectiveFinding, EvidenceItem, FindingKind
 
 _SIZE_FREE = {"all_to_all", "alltoall", "all_to_all_single", "gather", "scatter", "send", "recv",
               "coalesced", "batch_isend_irecv", "barrier", "broadcast_object_list"}

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import functools
 
-from doctor.evidence import Decision
-from doctor.ranks.builder import Evidence
+from doctor.model.builder import Evidence
+from doctor.model.evidence import Decision
+from doctor.model.findings import Divergence, EvidenceItem
 from doctor.read.trace import REQUEST_KEYED
-from doctor.report.model import Divergence, EvidenceItem
 from hicache_runtime.contracts.events import Ev
 
 #: Which fact a divergence of each kind supports (read by :mod:`doctor.facts.derive`).

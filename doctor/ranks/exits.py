@@ -9,7 +9,7 @@ then means a rank kill or the kernel OOM killer, SIGABRT a C++ abort, SIGSEGV a 
 
 from __future__ import annotations
 
-from doctor.evidence import ExitRecord
+from doctor.model.evidence import ExitRecord
 
 #: The runtime's own exit codes (``hicache_runtime.contracts.outcome``).
 _HICACHE_CODES = {1: "the rank failed with an exception", 3: "the rank reported a hang "

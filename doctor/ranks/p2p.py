@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from doctor.evidence import Collective
+from doctor.model.evidence import Collective
+from doctor.model.findings import CollectiveFinding, EvidenceItem, FindingKind
 from doctor.ranks.table import site_label
-from doctor.report.model import CollectiveFinding, EvidenceItem, FindingKind
 
 SEND_OPS = frozenset({"isend", "send"})
 RECV_OPS = frozenset({"irecv", "recv"})

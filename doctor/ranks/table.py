@@ -12,11 +12,11 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from doctor.evidence import ExceptionRecord, Frame, RankEvidence, ThreadStack, ThreadState
-from doctor.ranks.builder import Evidence
+from doctor.model.builder import Evidence
+from doctor.model.evidence import ExceptionRecord, Frame, RankEvidence, ThreadStack, ThreadState
+from doctor.model.findings import BlockedSite, EvidenceItem, RankCondition, RankRow
+from doctor.model.frames import FrameClassifier
 from doctor.ranks.exits import describe, stopped_after_dump
-from doctor.ranks.frames import FrameClassifier
-from doctor.report.model import BlockedSite, EvidenceItem, RankCondition, RankRow
 
 MAX_MISSING_ROWS = 32
 _COMM_ERROR = re.compile(r"Timed out waiting|Connection (closed|reset) by peer|NCCL|"

@@ -18,8 +18,8 @@ from typing import Any, TypeGuard
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from doctor.evidence import ExceptionRecord, ExitRecord, RankHint, SourceRef
-from doctor.ranks.builder import MAX_SLOTS, MAX_WORLD, EvidenceBuilder
+from doctor.model.builder import MAX_SLOTS, MAX_WORLD, EvidenceBuilder
+from doctor.model.evidence import ExceptionRecord, ExitRecord, RankHint, SourceRef
 from hicache_runtime.contracts.bundle import Manifest
 from hicache_runtime.contracts.errors import DumpFormatError, first_problem
 from hicache_runtime.contracts.event_payloads import fields_of

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from doctor.evidence import (
+from doctor.model.builder import MAX_WORLD, EvidenceBuilder
+from doctor.model.evidence import (
     MAX_THREADS,
     Collective,
     Frame,
@@ -30,8 +31,7 @@ from doctor.evidence import (
     ThreadStack,
     clip,
 )
-from doctor.ranks.builder import MAX_WORLD, EvidenceBuilder
-from doctor.ranks.frames import FrameClassifier
+from doctor.model.frames import FrameClassifier
 from hicache_runtime.contracts.errors import DumpFormatError
 
 MAX_FR_ENTRIES = 20_000

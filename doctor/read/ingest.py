@@ -2,7 +2,7 @@
 
 Every artifact goes through ``_read_one``, which sniffs it and hands it to its reader inside a
 guard: any error (malformed, truncated, binary, hostile, huge) becomes an
-:class:`~doctor.evidence.InputRecord` with a plain message and the next artifact is read — one
+:class:`~doctor.model.evidence.InputRecord` with a plain message and the next artifact is read — one
 bad file never stops the analysis (flutter-doctor style: a failing check is a result).
 
 Archives are streamed member by member and never extracted to disk; nested archives are read
@@ -28,9 +28,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
-from doctor.evidence import MAX_NAME, InputRecord, InputStatus, RankHint, clip
-from doctor.ranks.builder import EvidenceBuilder
-from doctor.ranks.frames import classifier_for
+from doctor.model.builder import EvidenceBuilder
+from doctor.model.evidence import MAX_NAME, InputRecord, InputStatus, RankHint, clip
+from doctor.model.frames import classifier_for
 from doctor.read.bundle import MAX_MANIFEST_BYTES, read_capture, read_manifest
 from doctor.read.dumps import read_pyspy_json, read_runtime_fr, read_torch_fr
 from doctor.read.logscan import LogScanner

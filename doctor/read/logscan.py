@@ -1,7 +1,8 @@
 """Streaming log scanner: large buffered reads, a vectorised prefilter, then the slow path.
 
 Memory is flat whatever the input size: the scanner holds one chunk (``CHUNK`` bytes) plus the
-unfinished last line, and everything it keeps is bounded per rank (see :mod:`doctor.evidence`).
+unfinished last line, and everything it keeps is bounded per rank (see
+:mod:`doctor.model.evidence`).
 
 Which lines reach the slow path (:class:`~doctor.read.text.lines.LineHandler`):
 

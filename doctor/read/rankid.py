@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from doctor.evidence import RankHint
+from doctor.model.evidence import RankHint
 
 _PATH_RANK = re.compile(r"(?:^|[^a-z])(?:rank|nccl_trace_rank|trace_rank|local_rank)[_-]?"
                         r"(?P<n>\d{1,6})(?!\d)", re.IGNORECASE)

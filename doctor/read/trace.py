@@ -18,14 +18,14 @@ from __future__ import annotations
 import json
 from typing import Any, BinaryIO
 
-from doctor.evidence import (
+from doctor.model.builder import EvidenceBuilder
+from doctor.model.evidence import (
     MAX_ARRIVALS,
     Decision,
     RankHint,
     SourceRef,
     TimedEvent,
 )
-from doctor.ranks.builder import EvidenceBuilder
 from hicache_runtime.contracts.events import Ev
 from hicache_runtime.contracts.jsonl import iter_lines
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from doctor.evidence import clip
+from doctor.model.evidence import clip
 
 MAX_TEXT = 4096
 MAX_LISTED_RANKS = 256

@@ -20,12 +20,13 @@ from __future__ import annotations
 import hashlib
 import re
 
-from doctor.evidence import ThreadState
 from doctor.facts.factset import FactSet
-from doctor.ranks.builder import Evidence
-from doctor.ranks.frames import FrameClassifier
+from doctor.model.builder import Evidence
+from doctor.model.evidence import ThreadState
+from doctor.model.findings import BlockedSite
+from doctor.model.frames import FrameClassifier
 from doctor.ranks.table import failing_exception, is_comm_error
-from doctor.report.model import BlockedSite, Fingerprint
+from doctor.report.model import Fingerprint
 from signatures.fact_names import Fact
 from signatures.index import load_index
 

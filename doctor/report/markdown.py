@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import re
 
-from doctor.evidence import InputStatus
-from doctor.report.model import Diagnosis, EvidenceItem, Verdict
+from doctor.model.evidence import InputStatus
+from doctor.model.findings import EvidenceItem
+from doctor.report.model import Diagnosis, Verdict
 
 #: Characters with a meaning in (GitHub-flavoured) Markdown inline text or tables.
 _SPECIAL = re.compile(r"([\\`*_\[\]<>|~#!&])")

@@ -10,9 +10,10 @@ an input named it, else with a placeholder and the way to find the pid.
 from __future__ import annotations
 
 from doctor.facts.observation import statements
-from doctor.ranks.builder import Evidence
+from doctor.model.builder import Evidence
+from doctor.model.findings import RankCondition, RankRow
 from doctor.report.bounds import rank_ranges
-from doctor.report.model import MissingItem, RankCondition, RankRow
+from doctor.report.model import MissingItem
 
 MAX_ITEMS = 32
 #: Rows whose stacks a hang does not need asked for: the rank is missing altogether (its own

@@ -7,11 +7,11 @@ instead of forcing the nearest signature.
 
 from __future__ import annotations
 
-from doctor.evidence import InputStatus
 from doctor.facts.factset import FactSet
 from doctor.facts.injected import INJECTED_EXCEPTION, injected_failures
-from doctor.ranks.builder import Evidence
-from doctor.report.model import BlockedSite, CollectiveFinding, Divergence, RankCondition, RankRow
+from doctor.model.builder import Evidence
+from doctor.model.evidence import InputStatus
+from doctor.model.findings import BlockedSite, CollectiveFinding, Divergence, RankCondition, RankRow
 from hicache_runtime.contracts.bundle import RunOutcome
 from signatures.fact_names import Fact
 

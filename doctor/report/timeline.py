@@ -14,16 +14,10 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 
-from doctor.evidence import TimedEvent
-from doctor.ranks.builder import Evidence
-from doctor.report.model import (
-    Divergence,
-    RankRow,
-    Timeline,
-    TimelineLane,
-    TimelineMark,
-    TimelineSpan,
-)
+from doctor.model.builder import Evidence
+from doctor.model.evidence import TimedEvent
+from doctor.model.findings import Divergence, RankRow
+from doctor.report.model import Timeline, TimelineLane, TimelineMark, TimelineSpan
 from hicache_runtime.contracts.events import Ev
 
 MAX_SPANS = 240

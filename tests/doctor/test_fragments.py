@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import io
 
-from doctor.evidence import ExceptionRecord, SourceRef, ThreadStack
-from doctor.ranks.builder import Evidence, EvidenceBuilder
+from doctor.model.builder import Evidence, EvidenceBuilder
+from doctor.model.evidence import ExceptionRecord, SourceRef, ThreadStack
 from doctor.read.ingest import Ingester
 from doctor.read.text.backtraces import chain_stack
 from doctor.read.text.pages import HtmlText, clean_line, looks_like_html

@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 
 from doctor.diagnose import diagnose
-from doctor.ranks.builder import MAX_RETAINED, MAX_WORLD, EvidenceBuilder
+from doctor.model.builder import MAX_RETAINED, MAX_WORLD, EvidenceBuilder
+from doctor.model.findings import EvidenceItem
 from doctor.read.dumps import _sizes, _text, parse_rank_list
 from doctor.report.bounds import clip_texts, rank_ranges
-from doctor.report.model import Diagnosis, EvidenceItem, NearMiss
+from doctor.report.model import Diagnosis, NearMiss
 from hicache_runtime.contracts.jsonl import iter_lines
 from tests.doctor import hostile
 from tests.doctor.hostile import run_capped

@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import doctor.read.logscan as logscan
-from doctor.evidence import RankHint
-from doctor.ranks.builder import EvidenceBuilder
+from doctor.model.builder import EvidenceBuilder
+from doctor.model.evidence import RankHint
 from doctor.read.logscan import LogScanner
 from doctor.read.prefilter import TriggerIndex
 from doctor.read.text.lines import LineHandler

@@ -10,8 +10,8 @@ import threading
 import traceback
 from pathlib import Path
 
-from doctor.evidence import ExceptionRecord, RankHint, SourceRef, ThreadStack
-from doctor.ranks.builder import EvidenceBuilder
+from doctor.model.builder import EvidenceBuilder
+from doctor.model.evidence import ExceptionRecord, RankHint, SourceRef, ThreadStack
 from doctor.read.dumps import read_pyspy_json
 from doctor.read.logscan import LogScanner
 from doctor.read.rankid import path_hint

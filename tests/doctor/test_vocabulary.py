@@ -12,15 +12,9 @@ import ast
 import json
 from pathlib import Path
 
-from doctor.evidence import InputStatus, ThreadState
-from doctor.report.model import (
-    Diagnosis,
-    DiagnosisStatus,
-    FindingKind,
-    InputSummary,
-    RankCondition,
-    RankRow,
-)
+from doctor.model.evidence import InputStatus, ThreadState
+from doctor.model.findings import FindingKind, RankCondition, RankRow
+from doctor.report.model import Diagnosis, DiagnosisStatus, InputSummary
 from hicache_runtime.contracts.events import Ev
 
 ROOT = Path(__file__).resolve().parents[2]

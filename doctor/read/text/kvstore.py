@@ -21,9 +21,8 @@ store only when the input shows a store in use and no disaggregation (:class:`Kv
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 
-from doctor.evidence import KvLineKind
+from doctor.model.evidence import KvContext, KvLineKind
 
 #: Components that are a KV storage tier (on the raw line: prefixes, tags, source sites).
 _STORE = re.compile(
@@ -76,22 +75,13 @@ def _gated(raw: str) -> bool:
     return any(k in low for k in _GATE)
 
 
-@dataclass
-class KvContext:
-    """What the whole input says about which KV layers are in use (all ranks together)."""
-
-    store: set[str] = field(default_factory=set)
-    """Store components seen anywhere (even on healthy lines)."""
-    pd: bool = False
-    """Prefill/decode disaggregation is in the picture."""
-
-    def note(self, raw: str) -> None:
-        """Remember the store components and the disaggregation ``raw`` names."""
-        m = _STORE.search(raw)
-        if m and len(self.store) < 16:
-            self.store.add(m[0][:40])
-        if not self.pd and _PD.search(raw):
-            self.pd = True
+def _note(ctx: KvContext, raw: str) -> None:
+    """Remember in ``ctx`` the store components and the disaggregation ``raw`` names."""
+    m = _STORE.search(raw)
+    if m and len(ctx.store) < 16:
+        ctx.store.add(m[0][:40])
+    if not ctx.pd and _PD.search(raw):
+        ctx.pd = True
 
 
 def classify(raw: str, ctx: KvContext) -> KvLineKind | None:
@@ -99,7 +89,7 @@ def classify(raw: str, ctx: KvContext) -> KvLineKind | None:
     noted in ``ctx``: the whole input's context decides whose a ``TRANSFER_FAILURE`` is."""
     if not _gated(raw):
         return None
-    ctx.note(raw)
+    _note(ctx, raw)
     pd = _PD.search(raw) is not None
     store = not pd and _STORE.search(raw) is not None
     transfer = not store and _TRANSFER.search(raw) is not None

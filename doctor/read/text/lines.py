@@ -6,7 +6,7 @@ faulthandler, py-spy text, gdb / c10 backtraces, torchrun failures, C++ terminat
 writer stream so interleaved ``[rank3]:`` or ``(VllmWorker pid=7)`` lines never mix, turns call
 chains into stacks, runs the catalog's log patterns on the line (trigger substrings first, then
 the regex), reads the job's topology from server arguments, and files every record into the
-:class:`~doctor.ranks.builder.EvidenceBuilder` slot of the rank that wrote it.
+:class:`~doctor.model.builder.EvidenceBuilder` slot of the rank that wrote it.
 
 Unprefixed lines continue the record of the last prefixed line (SGLang prints a traceback as
 one multi-line log record); a new prefixed record ends an exception message that ran over
@@ -19,7 +19,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from doctor.evidence import (
+from doctor.model.builder import EvidenceBuilder
+from doctor.model.evidence import (
     MAX_EXITS,
     ExceptionRecord,
     ExitRecord,
@@ -31,7 +32,6 @@ from doctor.evidence import (
     ThreadStack,
     line_shape,
 )
-from doctor.ranks.builder import EvidenceBuilder
 from doctor.read.text.backtraces import TRIGGERS as BACKTRACE_TRIGGERS
 from doctor.read.text.backtraces import NativeStackParser, chain_stack
 from doctor.read.text.kvstore import classify

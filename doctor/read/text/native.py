@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from doctor.evidence import ExceptionRecord, SourceRef
+from doctor.model.evidence import ExceptionRecord, SourceRef
 
 TRIGGERS = ("terminate called after throwing an instance of", "what():")
 _TERMINATE = re.compile(r"terminate called after throwing an instance of '(?P<type>[^']{1,200})'")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from doctor.evidence import RankHint
+from doctor.model.evidence import RankHint
 
 _TORCH = re.compile(r"\[(?:rank|default|trainer|worker|local_rank)(?P<n>\d{1,6})\]:(?: (?=\S))?"
                     # horovodrun / mpirun --tag-output: [3]<stderr>:

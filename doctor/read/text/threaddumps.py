@@ -28,7 +28,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from doctor.evidence import Frame, SourceRef, ThreadStack
+from doctor.model.evidence import Frame, SourceRef, ThreadStack
 
 Emit = Callable[[ThreadStack], None]
 MAX_FRAMES = 200

@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from doctor.evidence import ExitRecord, SourceRef
+from doctor.model.evidence import ExitRecord, SourceRef
 
 Emit = Callable[[int, ExitRecord], None]
 _ENTRY = re.compile(r"^\s*\[(?P<idx>\d{1,6})\]:\s*$")

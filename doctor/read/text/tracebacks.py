@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from doctor.evidence import ExceptionRecord, Frame, SourceRef
+from doctor.model.evidence import ExceptionRecord, Frame, SourceRef
 
 HEADER = "Traceback (most recent call last):"
 TRIGGERS = ("File \"", "File \\\"")

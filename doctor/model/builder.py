@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from doctor.evidence import InputRecord, RankEvidence, RankHint, SourceRef
-from doctor.read.text.kvstore import KvContext
+from doctor.model.evidence import InputRecord, KvContext, RankEvidence, RankHint, SourceRef
 
 _Key = tuple[str, int | None, int | None, int | None]
 MAX_WORLD = 65536

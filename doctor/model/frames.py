@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from doctor.evidence import Frame, ThreadStack, ThreadState
+from doctor.model.evidence import Frame, ThreadStack, ThreadState
 from signatures.linear import linear
 from signatures.models import FrameRules
 

@@ -1,7 +1,7 @@
 """The typed evidence model: what the inputs say, normalised per rank and thread.
 
 Every parser turns its artifact into these records and hands them to an
-:class:`~doctor.ranks.builder.EvidenceBuilder`; the analysis never looks at raw text again.
+:class:`~doctor.model.builder.EvidenceBuilder`; the analysis never looks at raw text again.
 Stacks are always stored innermost frame first, whatever order the artifact printed them in.
 Every record
 carries a :class:`SourceRef` (input file and line) so the report can cite it.
@@ -58,7 +58,7 @@ class InputStatus(StrEnum):
 
 
 class ThreadState(StrEnum):
-    """What a dumped thread was doing (:meth:`doctor.ranks.frames.FrameClassifier.state`)."""
+    """What a dumped thread was doing (:meth:`doctor.model.frames.FrameClassifier.state`)."""
 
     CRASHED = "crashed"
     """It died of a fatal signal."""
@@ -468,3 +468,13 @@ class InputRecord:
     status: InputStatus
     message: str = ""
     rank: int | None = None
+
+
+@dataclass
+class KvContext:
+    """What the whole input says about which KV layers are in use (all ranks together): the
+    store components seen anywhere (even on healthy lines) and whether prefill/decode
+    disaggregation is in the picture (``doctor.read.text.kvstore`` notes both)."""
+
+    store: set[str] = field(default_factory=set)
+    pd: bool = False
