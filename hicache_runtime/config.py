@@ -26,6 +26,7 @@ from hicache_runtime.contracts import l3_backends
 from hicache_runtime.contracts.errors import ConfigError, validation_problem
 from hicache_runtime.contracts.l3_backends import NO_BACKEND
 from hicache_runtime.contracts.legacy import LegacySwitch
+from hicache_runtime.contracts.profiles import DEFAULT_PROFILE, PROFILES, HostAlloc
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -122,6 +123,9 @@ class CacheConfig(BaseModel):
     write_through_threshold: int = Field(2, ge=1)
     load_back_threshold: int = Field(10, ge=0)
     """Skip load-back of fewer tokens than this; recompute them instead."""
+    host_alloc: HostAlloc | None = None
+    """How write-backups and prefetches take host pages: ``per-rank`` (every release) or
+    ``agreed`` (the vote of #31425, the ``proposed`` profile); None: the profile's."""
     mem_layout: Literal["layer_first", "page_first", "page_first_direct"] = "layer_first"
     """Host pool memory layout (SGLang ``--hicache-mem-layout``): ``layer_first`` (each layer
     of a page is its own block), ``page_first`` (a page holds every layer, token by token) or
@@ -269,8 +273,37 @@ class RuntimeConfig(BaseModel):
     scheduler: SchedulerConfig = SchedulerConfig()
     workload: WorkloadConfig = WorkloadConfig()
     observability: ObservabilityConfig = ObservabilityConfig()
+    profile: str = DEFAULT_PROFILE
+    """The release this run stands for (``contracts/profiles.py``): its switches are added to
+    ``legacy``, and its host allocation is used unless ``cache.host_alloc`` is set."""
     legacy: frozenset[LegacySwitch] = frozenset()
+    """Every legacy switch on: the profile's and any asked for besides."""
     faults: tuple[FaultSpec, ...] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_profile(cls, data: Any) -> Any:
+        """Add the profile's switches to ``legacy`` (idempotent: a dumped config reloads to
+        itself). A profile named in :meth:`with_overrides` adds its switches to those already
+        on; it removes none."""
+        if not isinstance(data, dict):
+            return data
+        name = data.get("profile", DEFAULT_PROFILE)
+        if not isinstance(name, str) or name not in PROFILES:
+            shown = short_repr(name)
+            raise ValueError(_at("profile", f"unknown profile {shown} (known: "
+                                 f"{', '.join(PROFILES)})"))
+        chosen = PROFILES[name]
+        data = dict(data)
+        asked = data.get("legacy") or ()
+        if chosen.switches and isinstance(asked, (list, tuple, set, frozenset)):
+            data["legacy"] = [*asked, *(s.value for s in chosen.switches)]
+        return data
+
+    @property
+    def host_alloc(self) -> HostAlloc:
+        """How host pages are taken (the profile's unless set)."""
+        return self.cache.host_alloc or PROFILES[self.profile].host_alloc
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RuntimeConfig:
@@ -317,7 +350,7 @@ class RuntimeConfig(BaseModel):
         run of every request in one group is the reference for any ``dp``."""
         return self.with_overrides(
             **{"cache.enable_prefix_cache": False, "storage.backend": "none", "faults": (),
-               "legacy": frozenset(), "observability.trace_path": None,
+               "legacy": frozenset(), "profile": "proposed", "observability.trace_path": None,
                "topology.dp": 1, "topology.dp_policy": "round-robin"}
         )
 

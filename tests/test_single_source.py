@@ -29,7 +29,7 @@ from faults.kinds import KINDS, PARAM_NAMES, FaultKind
 from faults.points import FaultPoint
 from faults.spec import FaultSpec, parse_fault, parse_faults
 from hicache_runtime.config import load_config
-from hicache_runtime.contracts.legacy import REGISTRY, Exposure, LegacySwitch, SwitchEntry
+from hicache_runtime.contracts.legacy import REGISTRY, Exposure, Fidelity, LegacySwitch, SwitchEntry
 from signatures.loader import load_catalog
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +65,9 @@ def test_registry_is_well_formed() -> None:
     assert set(REGISTRY) == set(LegacySwitch)
     for entry, x in _exposures():
         assert all(re.fullmatch(r"#\d+", f) for f in entry.fixes), entry.fixes
-        assert entry.broken_in
+        # a switch no release ran is synthetic, and says why
+        assert entry.broken_in or entry.fidelity is Fidelity.SYNTHETIC, entry.switch
+        assert (entry.fidelity is Fidelity.RELEASE) == (not entry.fidelity_note), entry.switch
         assert all(re.fullmatch(r"0\.5\.\d+", v) for v in entry.broken_in)
         assert _canonical(x.faults) == x.faults, "faults are written in their compact form"
         assert x.expect
@@ -256,3 +258,23 @@ def test_readme_fault_table_is_the_registry() -> None:
     text = (ROOT / "README.md").read_text()
     paragraph = text[text.index("**Fault kinds.**"):text.index("| kind | parameters |")]
     assert all(f"`{s}" in paragraph for s in SELECTORS), "every selector is named"
+
+
+def test_the_profile_table_matches_the_profile_registry() -> None:
+    """docs/legacy-switches.md, "Profiles": one row per profile, its switches, its host
+    allocation and the switches it leaves off, as ``contracts/profiles.py`` derives them."""
+    from hicache_runtime.contracts.profiles import DEFAULT_PROFILE, PROFILES
+
+    text = (ROOT / "docs" / "legacy-switches.md").read_text()
+    rows = {m[0]: m[1:] for m in re.findall(
+        r"^\| `([a-z0-9.-]+)` \| (.*?) \| (per-rank|agreed) \| (.*?) \|$", text, re.M)}
+    assert set(rows) == set(PROFILES)
+    for name, p in PROFILES.items():
+        on, alloc, left = rows[name]
+        assert sorted(re.findall(r"`([a-z-]+)`", on)) == sorted(s.value for s in p.switches)
+        assert alloc == p.host_alloc.value
+        assert sorted(re.findall(r"`([a-z-]+)`", left)) == sorted(s.value for s in p.left_out)
+        for switch in p.switches:  # a profile turns on only what its release ran
+            assert REGISTRY[switch].fidelity is Fidelity.RELEASE
+            assert p.release in REGISTRY[switch].broken_in
+    assert f"default is `{DEFAULT_PROFILE}`" in " ".join(text.split())

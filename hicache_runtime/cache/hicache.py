@@ -36,6 +36,7 @@ from hicache_runtime.config import CacheConfig, WritePolicy
 from hicache_runtime.contracts.errors import InvariantViolation
 from hicache_runtime.contracts.events import Ev
 from hicache_runtime.contracts.legacy import LegacySwitch
+from hicache_runtime.contracts.profiles import HostAlloc
 from hicache_runtime.dist.protocols import DrainCounts, RankSync
 from hicache_runtime.kv.host_pins import HostPins
 from hicache_runtime.kv.radix_tree import RadixTree, TreeNode
@@ -87,7 +88,8 @@ class HiCache(PrefixCache):
         write_back: WriteBackPath | None = None
         if host is not None and engine is not None:
             self.controller = CacheController(device, host, engine, tracer)
-            self.space = HostSpace(host, tree, self.pins, sync, tracer, self.stats)
+            self.space = HostSpace(host, tree, self.pins, sync, tracer, self.stats,
+                                   agreed=cfg.host_alloc is HostAlloc.AGREED)
             self.backups = WriteBackup(self.space, self.controller, tree, self.in_flight,
                                        tracer, self.stats, legacy)
             if storage is not None:

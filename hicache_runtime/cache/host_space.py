@@ -1,9 +1,11 @@
 """L2 space of the tiered cache: host-page allocation with LRU eviction of L2 leaves behind it.
 
-Write-backups and the L3 tier's prefetches both take host pages here. An allocation is agreed
-across ranks (two-phase: reserve, vote, commit or abort) so that one rank's failure cannot make
-the trees diverge; legacy paths keep the classic rank-local allocation. L2 eviction deletes
-evicted (host-only), unpinned leaves, least recently used first.
+Write-backups and the L3 tier's prefetches both take host pages here (:meth:`HostSpace.take`),
+as the run's host allocation says (``contracts/profiles.py`` ``HostAlloc``): rank-local, as
+every release allocates (each rank evicts once, retries and acts on its own outcome), or agreed
+across ranks (two-phase: reserve, vote, commit or abort; #31425's proposal) so that one rank's
+failure cannot make the trees diverge. L2 eviction deletes evicted (host-only), unpinned
+leaves, least recently used first.
 """
 
 from __future__ import annotations
@@ -29,13 +31,25 @@ class HostSpace:
     thread only."""
 
     def __init__(self, host: HostKVPool, tree: RadixTree, pins: HostPins, sync: RankSync,
-                 tracer: Tracer, counters: CacheCounters) -> None:
+                 tracer: Tracer, counters: CacheCounters, *, agreed: bool = True) -> None:
+        self.agreed = agreed
+        """Allocations are voted over every rank (``HostAlloc.AGREED``), else rank-local."""
         self.host = host
         self.tree = tree
         self.pins = pins
         self.sync = sync
         self.tracer = tracer
         self.counters = counters
+
+    def take(self, num_tokens: int, site: str, *, rank_local: bool = False
+             ) -> torch.Tensor | None:
+        """Host slots for a write-backup or a prefetch of ``num_tokens`` (0: none, though an
+        agreed allocation still votes), agreed over every rank or this rank's own as the run
+        allocates; ``rank_local`` for a legacy path that allocates locally whatever the run
+        does."""
+        if rank_local or not self.agreed:
+            return self.alloc_host(num_tokens) if num_tokens else None
+        return self.alloc_host_agreed(num_tokens, site)
 
     def alloc_host_agreed(self, num_tokens: int, site: str) -> torch.Tensor | None:
         """Host slots for ``num_tokens`` if *every* rank got them, else None everywhere (the
@@ -58,7 +72,7 @@ class HostSpace:
 
     def alloc_host(self, num_tokens: int) -> torch.Tensor | None:
         """Host slots for ``num_tokens``, evicting L2 leaves once if needed; None if full.
-        Rank-local: only legacy paths use it directly."""
+        Rank-local (every release's allocation)."""
         slots = self.host.alloc(num_tokens)
         if slots is None:
             self.evict_host(num_tokens - self.host.available_tokens)

@@ -47,17 +47,15 @@ class WriteBackup:
         ``write_back`` only the host pages are reserved: the caller copies synchronously.
 
         Host residency stays contiguous from the root: a node whose parent has no host copy is
-        not backed up. The allocation outcome is agreed across ranks before anything is
-        committed, unless the classic local decision is restored."""
+        not backed up. The allocation is the run's (``HostSpace.take``): agreed across ranks
+        before anything is committed, or each rank's own as releases allocate."""
         if node.host_value is not None or node.value is None:
             return 0
         parent = node.parent
         parent_ok = parent is self.tree.root or (parent is not None and parent.backuped)
-        if LegacySwitch.SKIP_EMPTY_SYNC in self.legacy:  # classic: a rank-local decision
-            slots = self.space.alloc_host(len(node.key)) if parent_ok else None
-        else:
-            slots = self.space.alloc_host_agreed(len(node.key) if parent_ok else 0,
-                                                 "write_backup")
+        # skip-empty-sync: the classic rank-local decision, whatever the run's allocation
+        slots = self.space.take(len(node.key) if parent_ok else 0, "write_backup",
+                                rank_local=LegacySwitch.SKIP_EMPTY_SYNC in self.legacy)
         if slots is None:
             self.counters.backup_skipped += len(node.key)
             self.tracer.emit(Ev.WRITE_SKIP, node=node.id, tokens=len(node.key),

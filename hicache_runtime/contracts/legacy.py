@@ -76,6 +76,21 @@ class Exposure:
     """A fault-free run fills L3 first."""
 
 
+class Fidelity(str, Enum):
+    """How faithfully a switch reproduces what a release ran (``docs/legacy-switches.md``)."""
+
+    RELEASE = "release"
+    """The release's own pre-fix code path, met by the trigger that release met: a run with
+    it is evidence about the releases in ``broken_in``."""
+    GRAFTED = "grafted"
+    """The release's pre-fix piece carried onto this runtime's post-fix protocols, a
+    combination no release shipped: the failure shows what the fix guards against, not what a
+    release did."""
+    SYNTHETIC = "synthetic"
+    """A trigger or a code path no release had (a stronger or a relocated form of the
+    pre-fix hazard): a reproduction, never evidence about a release."""
+
+
 @dataclass(frozen=True)
 class SwitchEntry:
     """Everything the project states about one switch, in one place. The README table, the
@@ -86,8 +101,17 @@ class SwitchEntry:
     fixes: tuple[str, ...]
     """Upstream SGLang PRs that removed the behaviour, e.g. ``#27285``."""
     broken_in: tuple[str, ...]
-    """Released SGLang versions that run the pre-fix code this switch restores."""
+    """Released SGLang versions (of 0.5.5, 0.5.13, 0.5.16, 0.5.20, 0.5.23, the ones read line
+    by line) that run the pre-fix code this switch restores; empty when none does."""
     exposures: tuple[Exposure, ...]
+    fidelity: Fidelity = Fidelity.RELEASE
+    fidelity_note: str = ""
+    """Why the switch is grafted or synthetic (empty for ``release``)."""
+
+    @property
+    def in_profiles(self) -> bool:
+        """Release profiles turn on only switches that run what a release ran."""
+        return self.fidelity is Fidelity.RELEASE
 
 
 def _entries(*entries: SwitchEntry) -> Mapping[LegacySwitch, SwitchEntry]:
@@ -116,36 +140,40 @@ REGISTRY: Mapping[LegacySwitch, SwitchEntry] = _entries(
         Exposure(("host-alloc-fail:pp=1",), ("write-ack-pop-empty",), pp=2,
                  config={"cache.device_tokens": 2048}),
     )),
-    SwitchEntry(LegacySwitch.LOCAL_PREFETCH_PROGRESS, ("#27010",), ("0.5.13",), (
+    SwitchEntry(LegacySwitch.LOCAL_PREFETCH_PROGRESS, ("#27010",), ("0.5.5", "0.5.13", "0.5.16"), (
         Exposure(("storage-shortfall:pp=1,mode=short,pages=3",), ("prefix-length-mismatch",),
                  pp=2, config=_FILE_L3, warm=True),
     )),
-    SwitchEntry(LegacySwitch.ABORT_EARLY_EXIT, ("#27010",), ("0.5.13",), (
+    SwitchEntry(LegacySwitch.ABORT_EARLY_EXIT, ("#27010",), ("0.5.5", "0.5.13", "0.5.16"), (
         Exposure(("mid-prefetch-abort:batch=1",), ("prefetch-abort-ack-starvation",), tp=2,
                  config=_FILE_L3),
-    )),
-    SwitchEntry(LegacySwitch.SUM_HIT_PAGES, ("#31443",), ("0.5.13",), (
+    ), Fidelity.GRAFTED, "the releases with the early break had no per-batch acks: the "
+       "starvation needs #27010's ack protocol, which none of them ran"),
+    SwitchEntry(LegacySwitch.SUM_HIT_PAGES, ("#31443",), ("0.5.13", "0.5.16"), (
         Exposure(("storage-shortfall:mode=holes,pages=1,at=1,pool=sidecar",),
                  ("prefetch-gap-overcount",),
                  config={**_FILE_L3, "model.sidecars": ["all_pages"]}, warm=True),
-    )),
+    ), Fidelity.GRAFTED, "the exposure runs sum() on otherwise fixed prefetch protocols; "
+       "0.5.13 and 0.5.16 counted so on hybrid models only, beside their other pre-fix "
+       "prefetch paths"),
     SwitchEntry(LegacySwitch.UNBOUNDED_PP_SENDS, ("#28916",), ("0.5.13",), (
         Exposure(("stage-lag:pp=1,ms=10",), ("pp-sync-send-leak",), pp=2,
                  config={"workload.requests": 24}),
     )),
-    SwitchEntry(LegacySwitch.LOCAL_HOST_CAPACITY, ("#29258",), ("0.5.13",), (
+    SwitchEntry(LegacySwitch.LOCAL_HOST_CAPACITY, ("#29258",), ("0.5.5", "0.5.13"), (
         # No fault: three layers over two stages give the stages different per-token sizes.
         Exposure((), ("host-capacity-divergence",), pp=2,
                  config={"model.num_layers": 3, "cache.host_bytes": 1572864,
                          "cache.host_tokens": None}),
     )),
-    SwitchEntry(LegacySwitch.WALLCLOCK_LRU, ("#22607",), ("0.5.5", "0.5.13", "0.5.20"), (
+    SwitchEntry(LegacySwitch.WALLCLOCK_LRU, ("#22607",), ("0.5.5", "0.5.13", "0.5.16"), (
         Exposure(("dma-lag:rank=1,ms=100",), ("lru-clock-divergence",), tp=2,
                  config={"cache.device_tokens": 1024, "cache.host_tokens": 512,
                          "observability.consensus_check": True}),
-    )),
+    ), Fidelity.SYNTHETIC, "the wall clock is the releases' own; the stamp taken when a rank "
+       "finds its own copy finished is this runtime's trigger, not theirs"),
     SwitchEntry(LegacySwitch.PER_RANK_CHUNK_TIMING, ("#37669", "#37675"),
-                ("0.5.12", "0.5.13", "0.5.14", "0.5.15", "0.5.16"), (
+                ("0.5.13", "0.5.16"), (
         # PP0's start-up forwards (step 0) are slowed per token: its own fit leans linear and
         # keeps continuation chunks near the base; PP1's stays quadratic and cuts them small.
         # PP1 fails on PP0's first continuation chunk, unless the consensus check names the
@@ -153,16 +181,20 @@ REGISTRY: Mapping[LegacySwitch, SwitchEntry] = _entries(
         Exposure(("compute-lag:pp=0,steps=0-0,ms=500",),
                  ("prefix-length-mismatch", "rank-divergence-detected"), pp=2,
                  config=_DYNAMIC_CHUNKING),
-    )),
-    SwitchEntry(LegacySwitch.ABORT_FREES_IN_FLIGHT, ("#31296", "#31668"), ("0.5.13",), (
+    ), Fidelity.SYNTHETIC, "upstream dropped only the attention-CP broadcast's result (ranks "
+       "part with CP > 1); this runtime has no CP and lets every rank of the pipeline fit "
+       "its own samples"),
+    SwitchEntry(LegacySwitch.ABORT_FREES_IN_FLIGHT, ("#31296", "#31668"), ("0.5.13", "0.5.16"), (
         Exposure(("mid-prefetch-abort:batch=0",), ("prefetch-abort-use-after-free",), tp=2,
                  config={**_FILE_L3, "workload.requests": 96}),
-    )),
-    SwitchEntry(LegacySwitch.ABORT_CHUNKED_ON_THE_SPOT, ("#28086",), ("0.5.13",), (
+    ), Fidelity.SYNTHETIC, "upstream freed only sidecar pools' pages under a read in flight; "
+       "the switch frees the op's KV pages too"),
+    SwitchEntry(LegacySwitch.ABORT_CHUNKED_ON_THE_SPOT, ("#28086",), (), (
         # A large L1: no eviction follows the teardown before the batches part.
         Exposure(("chunked-abort:chunk=0",), ("collective-shape-mismatch",), tp=2,
                  config={"cache.device_tokens": 2048}),
-    )),
+    ), Fidelity.SYNTHETIC, "no release tore a chunked request down on the spot: 0.5.13 ran "
+       "its remaining chunks on every rank"),
 )
 
 

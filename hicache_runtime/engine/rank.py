@@ -135,7 +135,9 @@ def build_rank(cfg: RuntimeConfig, rank: RankInfo | None = None, *,
                 storage = _storage_workers(cfg, rank, model, host_pool, sync, tracer, faults,
                                            aborts)
         tree = RadixTree(cfg.cache.page_size, _lru_clock(cfg), tracer)
-        cache = HiCache(cfg.cache, device_pool, host_pool, engine, sync, tracer, tree,
+        # the cache sees its own section only: the profile's host allocation goes in with it
+        cache_cfg = cfg.cache.model_copy(update={"host_alloc": cfg.host_alloc})
+        cache = HiCache(cache_cfg, device_pool, host_pool, engine, sync, tracer, tree,
                         cfg.legacy, storage)
     scheduler = Scheduler(cfg.scheduler, cache, tracer, num_slots=cfg.topology.pp)
     rt = RankRuntime(cfg, rank, device, tracer, faults, sync, model, device_pool, host_pool,

@@ -58,8 +58,11 @@ class HostAllocator(Protocol):
     def alloc_host(self, num_tokens: int) -> torch.Tensor | None:
         """Rank-local: slots, evicting L2 once if needed; None if L2 is full."""
 
-    def alloc_host_agreed(self, num_tokens: int, site: str) -> torch.Tensor | None:
-        """Slots if every rank got them, else None on every rank (a vote named ``site``)."""
+    def take(self, num_tokens: int, site: str, *, rank_local: bool = False
+             ) -> torch.Tensor | None:
+        """Slots as the run allocates host pages: agreed over every rank (None on every rank
+        unless all got them; a vote named ``site``) or this rank's own; ``rank_local`` forces
+        the latter."""
 
 
 @dataclass(frozen=True)
@@ -188,10 +191,9 @@ class L3Tier:
         if op.is_terminated() or tokens < self.threshold:
             self._revoke(op, "terminated" if op.is_terminated() else "below_threshold")
             return
-        if LegacySwitch.LOCAL_PREFETCH_PROGRESS in self.legacy:
-            slots = self.allocator.alloc_host(tokens)
-        else:
-            slots = self.allocator.alloc_host_agreed(tokens, "prefetch_alloc")
+        slots = self.allocator.take(
+            tokens, "prefetch_alloc",
+            rank_local=LegacySwitch.LOCAL_PREFETCH_PROGRESS in self.legacy)
         if slots is None:
             self._revoke(op, "host_full")
             return

@@ -92,11 +92,15 @@ def test_local_ack_drain_breaks_the_downstream_batch(bundle_root: Path) -> None:
 
 
 def test_fixed_protocols_survive_the_same_faults(bundle_root: Path, tmp_path: Path) -> None:
+    """The proposed protocols (every fix plus the host-allocation vote) survive the faults of
+    every switch at once; a release's rank-local allocation does not survive the first of them
+    (``test_profiles.py``)."""
     faults = ("host-alloc-fail:tp=1,p=0.3;dma-lag:pp=1,ms=30;"
               "storage-shortfall:rank=3,mode=short,pages=2;mid-prefetch-abort:batch=1")
     from faults.spec import parse_faults
 
-    cfg = mr_config(**{"topology.tp": 2, "topology.pp": 2, "workload.requests": 32,
+    cfg = mr_config(**{"profile": "proposed",
+                       "topology.tp": 2, "topology.pp": 2, "workload.requests": 32,
                        "cache.device_tokens": 256, "storage.backend": "file",
                        "storage.path": tmp_path / "l3", "storage.io_batch_pages": 2,
                        "faults": tuple(parse_faults([faults])),
