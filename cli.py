@@ -262,6 +262,10 @@ def run(
         help="Fault spec, e.g. 'dma-lag:ms=20' (repeatable).")] = None,
     legacy: Annotated[list[str] | None, typer.Option(
         help="Restore a pre-fix protocol, e.g. 'skip-empty-sync' (repeatable).")] = None,
+    profile: Annotated[str | None, typer.Option(
+        help="The release to stand for: sglang-0.5.5, -0.5.13, -0.5.16, -0.5.20, -0.5.23 "
+             "or proposed (hicache profiles list).",
+        show_default=_dflt("profile"))] = None,
     config: Annotated[Path | None, typer.Option(help="YAML, TOML or JSON config file.")] = None,
     trace: Annotated[Path | None, typer.Option(help="Write every event to this JSONL file.")]
     = None,
@@ -296,7 +300,8 @@ def run(
         "topology.tp": ("--tp", tp), "topology.pp": ("--pp", pp), "topology.dp": ("--dp", dp),
         "topology.dp_policy": ("--dp-policy", dp_policy),
         "workload.requests": ("--requests", requests), "workload.kind": ("--workload", workload),
-        "seed": ("--seed", seed), "cache.device_tokens": ("--device-tokens", device_tokens),
+        "seed": ("--seed", seed), "profile": ("--profile", profile),
+        "cache.device_tokens": ("--device-tokens", device_tokens),
         "cache.host_tokens": ("--host-tokens", host_tokens),
         "cache.page_size": ("--page-size", page_size),
         "cache.write_policy": ("--write-policy", write_policy),
@@ -413,12 +418,23 @@ def campaign(
     storage_url: Annotated[str | None, typer.Option(
         help="The Redis or Mooncake store of cells with storage.backend redis or mooncake (a "
              "spec may not name one).")] = None,
+    profile: Annotated[str | None, typer.Option(
+        help="Run every cell on this release profile instead of the spec's (the built-in "
+             "campaigns run proposed).")] = None,
+    profiles: Annotated[str | None, typer.Option(
+        help="The release matrix: run the cells without legacy switches once per profile "
+             "(comma-separated, e.g. sglang-0.5.13,sglang-0.5.23) and print what each "
+             "release does under each fault.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")]
     = False,
 ) -> None:
     """Run a fault campaign: each cell runs topology x legacy switches x faults x seed and must
     end as expected (healthy with outputs identical to a cache-disabled run, or failed with
-    the doctor naming the expected signature). Exit 1 when any cell did not."""
+    the doctor naming the expected signature). Exit 1 when any cell did not.
+
+    With --profiles, the release matrix: each cell that runs no legacy switch, once per
+    profile, judged by the doctor; nothing is expected of a release, so it exits 0 once every
+    run has its verdict."""
     _require_runtime("campaign")
     import render
     from faults.campaign.cells import run_campaign, seed_bases, select
@@ -427,6 +443,20 @@ def campaign(
     from faults.campaign.reports import markdown as markdown_report
 
     camp = load_campaign(spec)
+    if profile is not None and profiles is not None:
+        raise ConfigError("--profile", "give --profile (one profile for every cell) or "
+                                       "--profiles (the release matrix), not both")
+    if profile is not None:
+        from hicache_runtime.contracts.profiles import PROFILES
+
+        if profile not in PROFILES:
+            raise ConfigError("--profile", f"unknown profile {profile[:64]!r}",
+                              hint=f"known: {', '.join(PROFILES)}")
+        camp = camp.model_copy(update={"defaults": {**camp.defaults, "profile": profile}})
+    if profiles is not None:
+        _release_matrix(camp, profiles, only=only, seeds=seeds, list_cells=list_cells,
+                        junit=junit, markdown=markdown, html_dir=html_dir,
+                        bundle_dir=bundle_dir, storage_url=storage_url, json_out=json_out)
     seed_list = _seeds(seeds) if seeds else None
     if seed_list is not None:  # counted before select() multiplies the cells
         n = len(seed_bases(select(camp, only))) * len(seed_list)
@@ -467,6 +497,49 @@ def campaign(
     else:
         render.campaign_summary(result)
     raise typer.Exit(EXIT_OK if result.failed == 0 else EXIT_UNHEALTHY)
+
+
+def _release_matrix(camp: Any, profiles: str, *, only: str | None, seeds: str | None,
+                    list_cells: bool, junit: Path | None, markdown: Path | None,
+                    html_dir: Path | None, bundle_dir: Path, storage_url: str | None,
+                    json_out: bool) -> None:
+    """``hicache campaign --profiles``: the release matrix (``faults/campaign/releases.py``)."""
+    import render
+    from faults.campaign.cells import select
+    from faults.campaign.releases import (
+        markdown as matrix_markdown,
+    )
+    from faults.campaign.releases import (
+        parse_profiles,
+        release_spec,
+        run_release_matrix,
+    )
+    from faults.campaign.reports import junit_xml
+
+    if seeds is not None or html_dir is not None:
+        raise ConfigError("--profiles", "the release matrix runs each cell once per profile; "
+                                        "--seeds and --html do not apply")
+    names = parse_profiles(profiles)
+    cells = select(release_spec(camp, names[0]), only)
+    if not cells:
+        raise ConfigError("only", f"no cell without legacy switches matches {only!r}",
+                          hint="hicache campaign --list shows the cell ids")
+    if list_cells:  # each cell runs once per profile
+        render.campaign_cells(cells, {**camp.defaults, "profile": ",".join(names)})
+        raise typer.Exit(EXIT_OK)
+    with render.campaign_progress(len(cells) * len(names), enabled=not json_out) as hook:
+        result = run_release_matrix(camp, names, bundle_root=bundle_dir, only=only, hook=hook,
+                                    storage_url=storage_url)
+    if junit is not None:
+        junit.write_text(junit_xml(result.as_campaign()), encoding="utf-8")
+    if markdown is not None:
+        markdown.write_text(matrix_markdown(result), encoding="utf-8")
+    if json_out:
+        print(json.dumps({**result.model_dump(mode="json"), "reproduces": result.reproduces()},
+                         indent=2))
+    else:
+        render.release_matrix(result)
+    raise typer.Exit(EXIT_OK)
 
 
 def _seeds(text: str) -> list[int]:
@@ -525,6 +598,10 @@ def inject(
                                            show_default=_dflt("topology.pp"))] = None,
     legacy: Annotated[list[str] | None, typer.Option(
         help="Restore a pre-fix protocol (repeatable).")] = None,
+    profile: Annotated[str | None, typer.Option(
+        help="The release to stand for: sglang-0.5.5, -0.5.13, -0.5.16, -0.5.20, -0.5.23 "
+             "or proposed (hicache profiles list).",
+        show_default=_dflt("profile"))] = None,
     seed: Annotated[int | None, typer.Option(help="Seed of the workload and faults.",
                                              show_default=_dflt("seed"))] = None,
     requests: Annotated[int | None, typer.Option(
@@ -542,12 +619,13 @@ def inject(
     if replay is None:
         if shrink or not faults:
             raise ConfigError("inject", "give fault specs, or --replay BUNDLE [--shrink]")
-        _inject_faults(faults, tp, pp, legacy, seed, requests, config, bundle_dir, warm,
-                       json_out)
+        _inject_faults(faults, tp, pp, legacy, profile, seed, requests, config, bundle_dir,
+                       warm, json_out)
         return
     if faults:
         raise ConfigError("inject", "--replay reruns the bundle's own faults; drop the specs")
     given = [name for name, v in (("--tp", tp), ("--pp", pp), ("--legacy", legacy),
+                                  ("--profile", profile),
                                   ("--seed", seed), ("--requests", requests),
                                   ("--config", config)) if v is not None]
     if given:
@@ -605,7 +683,8 @@ def _replay(bundle: Path, *, shrink: bool, max_runs: int, confirm: int, out: Pat
 
 
 def _inject_faults(faults: list[str], tp: int | None, pp: int | None,
-                   legacy: list[str] | None, seed: int | None, requests: int | None,
+                   legacy: list[str] | None, profile: str | None, seed: int | None,
+                   requests: int | None,
                    config: Path | None, bundle_dir: Path | None, warm: bool | None,
                    json_out: bool) -> None:
     import render
@@ -617,7 +696,7 @@ def _inject_faults(faults: list[str], tp: int | None, pp: int | None,
 
     data: dict[str, Any] = _read_config(config) if config else {}
     given = {"topology.tp": ("--tp", tp), "topology.pp": ("--pp", pp), "seed": ("--seed", seed),
-             "workload.requests": ("--requests", requests)}
+             "workload.requests": ("--requests", requests), "profile": ("--profile", profile)}
     data.update({k: v for k, (_, v) in given.items() if v is not None})
     data["faults"] = parse_faults(faults)
     if legacy:
@@ -832,6 +911,24 @@ def signatures_show(
     render.signature_detail(sig)
 
 
+@signatures_app.command("affected",
+                        short_help="Write a release matrix's findings into the catalog.")
+@_handles_errors
+def signatures_affected(
+    matrix: Annotated[Path, typer.Argument(
+        help="The JSON of 'hicache campaign --profiles ... --json'.")],
+    out: Annotated[Path | None, typer.Option(
+        help="Where to write (default: the packaged catalog's affected.yaml).")] = None,
+) -> None:
+    """Record, per signature, the release profiles on which the matrix reproduced it and those
+    on which its own fault ran clean (catalog/affected.yaml; hicache signatures show prints it,
+    runbooks and the doctor use it)."""
+    from faults.campaign.affected import write_affected
+
+    path, count = write_affected(matrix, out)
+    print(f"{path}: {count} signatures")
+
+
 @signatures_app.command("new", short_help="Draft a catalog entry from an incident's evidence.")
 @_handles_errors
 def signatures_new(
@@ -921,6 +1018,53 @@ def faults_list(
     import render
 
     render.fault_listing(listing)
+
+
+profiles_app = typer.Typer(no_args_is_help=True,
+                           help="Release profiles: what the runtime runs to stand for one SGLang "
+                                "release (--profile on run, inject and campaign).",
+                           short_help="Release profiles: each release's protocols by name.")
+app.add_typer(profiles_app, name="profiles")
+
+
+@profiles_app.command("list", short_help="Every profile: its switches and host allocation.")
+@_handles_errors
+def profiles_list(
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """List the release profiles: the switches each turns on and how it allocates host pages
+    (docs/legacy-switches.md, "Profiles")."""
+    from hicache_runtime.contracts.profiles import PROFILES, describe
+
+    rows = [describe(p) for p in PROFILES.values()]
+    if json_out:
+        print(json.dumps(rows, indent=2))
+        return
+    import render
+
+    render.profile_table(rows)
+
+
+@profiles_app.command("show", short_help="One profile: what it runs, leaves off and lacks.")
+@_handles_errors
+def profiles_show(
+    name: Annotated[str, typer.Argument(help="A profile, e.g. sglang-0.5.13.")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Show one profile: its switches (with the upstream fixes), the pre-fix code its release
+    ran that the profile leaves off (grafted or synthetic switches) and what it does not model."""
+    from hicache_runtime.contracts.profiles import describe, profile
+
+    try:
+        row = describe(profile(name))
+    except KeyError as exc:
+        raise ConfigError("profile", str(exc.args[0])) from None
+    if json_out:
+        print(json.dumps(row, indent=2))
+        return
+    import render
+
+    render.profile_detail(row)
 
 
 def _signature(sig_id: str) -> Any:

@@ -387,6 +387,8 @@ def _verdict_detail(con: Console, v: Any) -> None:
     con.print(f"[{STYLE_KEY}]runbook[/] {esc(v.runbook)}", soft_wrap=True)  # a command
     if v.campaign_cell:
         con.print(f"[{STYLE_KEY}]campaign cell[/] {esc(v.campaign_cell)}", soft_wrap=True)
+    if v.release_note:
+        para(con, esc(v.release_note), f"[{STYLE_KEY}]release[/]")
 
 
 def signature_table(catalog: Any) -> None:
@@ -460,6 +462,13 @@ def signature_detail(sig: Any) -> None:
     if sig.campaign:
         con.print(f"[{STYLE_KEY}]campaign cell[/] {esc(sig.campaign.cell)} -> "
                   f"{sig.campaign.expect}")
+    a = sig.affected
+    if a is not None:
+        seen = ", ".join(a.reproduces) or "none of them"
+        para(con, esc(f"reproduced on {seen} of {', '.join(a.profiles)}"
+                      + (f"; its fault ({a.row}) ran clean on {', '.join(a.clean) or 'none'}"
+                         if a.row else "")
+                      + f" ({a.command}, {a.run_at})"), f"[{STYLE_KEY}]releases[/]")
 
 
 def capture_summary(result: Any) -> None:
@@ -549,6 +558,12 @@ def campaign_summary(result: Any) -> None:
         table.add_row(*row)
     con.print(_fit(con, table, {"cell": 16, "expected": 10, "observed": 10, "bundle": 12,
                                 "expected / observed": 16}))
+    weak = {k: v for c in result.cells for k, v in c.not_a_release.items()}
+    if weak:
+        kinds = ", ".join(f"{k} ({v})" for k, v in sorted(weak.items()))
+        con.print(f"[{STYLE_DIM}]not evidence about a release: cells with {esc(kinds)} "
+                  "reproduce a hazard no release met that way (hicache profiles show)[/]",
+                  soft_wrap=True)
     style = STYLE_OK if result.failed == 0 else STYLE_BAD
     skipped = f", {result.skipped} skipped on this machine" if result.skipped else ""
     con.print(f"[{style}]{result.passed} of {len(result.cells)} cells behaved as expected[/]"
@@ -723,3 +738,73 @@ def fault_listing(listing: Any) -> None:
         table.add_row(p.point + (" *" if p.crashable else ""), esc(p.summary))
     con.print(_fit(con, table, {"where": 20}))
     con.print(f"[{STYLE_DIM}]* crash and hang may name this point with point=[/]")
+
+
+def profile_table(rows: list[dict[str, Any]]) -> None:
+    """``hicache profiles list``."""
+    con = console()
+    table = Table(title="release profiles (--profile)", title_justify="left")
+    _short(table, "profile")
+    _short(table, "host pages")
+    _long(table, "switches on")
+    _long(table, "what it is")
+    for r in rows:
+        name = r["name"] + (" *" if r["default"] else "")
+        switches = "\n".join(s["switch"] for s in r["switches"]) or "-"
+        table.add_row(esc(name), esc(r["host_alloc"]), esc(switches), esc(r["summary"]))
+    con.print(_fit(con, table, {"switches on": 23, "what it is": 16}))
+    con.print(f"[{STYLE_DIM}]* the default; hicache profiles show NAME for what each leaves "
+              "off and does not model[/]")
+
+
+def profile_detail(r: dict[str, Any]) -> None:
+    """``hicache profiles show NAME``."""
+    con = console()
+    head = r["name"] + (" (the default)" if r["default"] else "")
+    con.print(f"[bold]{esc(head)}[/]: {esc(r['summary'])}", soft_wrap=True)
+    para(con, r["host_alloc"], "host pages:")
+    if r["switches"]:
+        con.print("switches on:")
+        for s in r["switches"]:
+            para(con, f"{s['switch']} (fixed by {', '.join(s['fixed_by'])})", "-", 2)
+    else:
+        para(con, "none: every protocol fix this runtime models is in", "switches on:")
+    if r["left_out"]:
+        con.print("pre-fix code the release ran that the profile leaves off:")
+        for switch, why in r["left_out"].items():
+            para(con, f"{switch}: {why}", "-", 2)
+    if r["not_modelled"]:
+        con.print("not modelled (the release differs here; this runtime does not):")
+        for line in r["not_modelled"]:
+            para(con, line, "-", 2)
+
+
+def release_matrix(result: Any) -> None:
+    """``hicache campaign --profiles``: cells by profiles, then where each signature
+    reproduces."""
+    con = console()
+    table = Table(title=f"release matrix of {esc(result.campaign)} ({result.wall_s:.0f} s)",
+                  title_justify="left")
+    _long(table, "cell")
+    for p in result.profiles:
+        _short(table, esc(p.removeprefix("sglang-")))
+    at = {(c.row, c.column): c for c in result.cells}
+    for row in dict.fromkeys(c.row for c in result.cells):
+        marks = []
+        for p in result.profiles:
+            c = at.get((row, p))
+            if c is None:
+                marks.append("")
+            elif c.skipped is not None:
+                marks.append(f"[{STYLE_DIM}]skipped[/]")
+            elif c.passed:
+                marks.append("[green]clean[/]")
+            else:
+                marks.append(f"[red]{esc(c.verdict or c.outcome)}[/]")
+        table.add_row(esc(row), *marks)
+    con.print(_fit(con, table, {"cell": 16}))
+    found = result.reproduces()
+    for sig, profiles in found.items():
+        para(con, ", ".join(profiles), f"{esc(sig)}:")
+    con.print(f"[{STYLE_DIM}]clean: healthy, outputs identical to a cache-disabled run; a "
+              "profile is this runtime's rendering of a release (hicache profiles show)[/]")

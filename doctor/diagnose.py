@@ -39,6 +39,7 @@ from doctor.report.model import (
     Verdict,
 )
 from doctor.report.narrative import observations
+from doctor.report.releases import weigh_by_release
 from doctor.report.timeline import build_timeline
 from hicache_runtime.contracts.bundle import RunOutcome
 from signatures.fact_names import Fact
@@ -118,7 +119,7 @@ def analyse(ev: Evidence, catalog: Catalog) -> Diagnosis:
 def _report(ev: Evidence, catalog: Catalog, scores: list[Score], facts: FactSet,
             looks: list[LookalikeMatch]) -> Diagnosis:
     """The verdict part of the report: status, verdicts, near misses, inputs, rule log."""
-    verdicts = [_verdict(s) for s in scores if s.named]
+    verdicts = weigh_by_release([_verdict(s) for s in scores if s.named], ev, catalog)
     near = [NearMiss(signature=s.signature.id, score=round(s.score, 2), because=s.because())
             for s in scores if not s.named and s.score >= NEAR_MISS][:5]
     lookalikes = [_lookalike(m) for m in looks]

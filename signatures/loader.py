@@ -27,6 +27,8 @@ from signatures.models import Catalog, Signature
 _INDEX = "catalog.yaml"
 _PATTERNS = "patterns.yaml"
 _LOOKALIKES = "lookalikes.yaml"
+_AFFECTED = "affected.yaml"
+"""Generated from a release matrix run (``hicache signatures affected``)."""
 
 
 @functools.lru_cache(maxsize=4)
@@ -40,7 +42,16 @@ def load_catalog(directory: Path | None = None) -> Catalog:
     lookalikes = (_read(root / _LOOKALIKES).get("lookalikes", [])
                   if (root / _LOOKALIKES).exists() else [])
     extra = sorted({p.stem for p in root.glob("*.yaml")} - set(order)
-                   - {"catalog", "patterns", "lookalikes"})
+                   - {"catalog", "patterns", "lookalikes", _AFFECTED.removesuffix(".yaml")})
+    if any("affected" in s for s in sigs):
+        raise ConfigError("catalog.affected", "a signature file may not set affected: it is "
+                                              f"generated into {_AFFECTED}")
+    affected = _read(root / _AFFECTED) if (root / _AFFECTED).exists() else {}
+    for s in sigs:
+        found = (affected.get("signatures") or {}).get(s.get("id"))
+        if found is not None:
+            s["affected"] = {k: affected.get(k) for k in ("campaign", "command", "run_at",
+                                                           "profiles")} | found
     if extra:
         raise ConfigError("catalog.order", f"signature files not listed in order: {extra}")
     try:

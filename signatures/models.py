@@ -307,6 +307,38 @@ class CampaignCell(_Strict):
         return f"hicache campaign --only '{self.fixed_twin if fixed else self.cell}'"
 
 
+class Affected(_Strict):
+    """Which release profiles a release matrix (``hicache campaign --profiles``) saw a signature
+    on: verified data, generated into ``catalog/affected.yaml`` from a matrix run
+    (``hicache signatures affected``), never written by hand. A profile is this
+    runtime's rendering of a release's protocols, not the release."""
+
+    campaign: str
+    command: str
+    run_at: str
+    profiles: list[str] = Field(min_length=1, description="every profile the matrix ran")
+    reproduces: list[str] = []
+    """Profiles on which some cell of the matrix ended with the doctor naming it."""
+    row: str | None = None
+    """The matrix row of the signature's own campaign cell (its fault and topology)."""
+    clean: list[str] = []
+    """Profiles on which that row ran clean (healthy, outputs identical): the fault that
+    exposes the signature does not expose it there."""
+    cells: list[str] = []
+    """``<profile>/<cell id>`` of every run that reproduced it."""
+
+    def no_longer_from(self, order: list[str]) -> str | None:
+        """The first profile of ``order`` (releases, oldest first) on which the signature's row
+        runs clean after a release on which it reproduced; None when there is none."""
+        seen = False
+        for name in order:
+            if name in self.reproduces:
+                seen = True
+            elif seen and name in self.clean:
+                return name
+        return None
+
+
 class RunbookText(_Strict):
     confirm: list[str] = Field(min_length=1, description="how to confirm it is this signature")
     diagnosis_path: list[str] = Field(min_length=1, description="from the error back to the cause")
@@ -330,6 +362,8 @@ class Signature(_Strict):
     runbook: RunbookText
     related: list[str] = []
     upstream: Upstream | None = None
+    affected: Affected | None = None
+    """Filled by the loader from ``catalog/affected.yaml``; not written in a signature file."""
 
 
 class LogPattern(_Strict):

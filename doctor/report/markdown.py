@@ -114,6 +114,8 @@ def _verdict(v: Verdict, primary: bool) -> list[str]:
            f"- runbook: {md_code(v.runbook)}"]
     if v.campaign_cell:
         out.append(f"- reproduced by campaign cell {md_code(v.campaign_cell)}")
+    if v.release_note:
+        out.append(f"- release: {md_escape(v.release_note)}")
     out += ["", "### Evidence", "", "| where | rank | evidence | rule |", "|---|---|---|---|"]
     out += [f"| {_where(e, table=True)} | {e.rank if e.rank is not None else '-'} | "
             f"{md_escape(e.text)} | {md_escape(e.rule)} |" for e in v.evidence]

@@ -29,7 +29,7 @@ from doctor.model.findings import (
     RankRow,
 )
 
-DIAGNOSIS_SCHEMA_VERSION = "1.4"
+DIAGNOSIS_SCHEMA_VERSION = "1.5"
 DIAGNOSIS_KIND = "hicache-diagnosis"
 EXIT_DIAGNOSED, EXIT_NO_SIGNATURE, EXIT_UNREADABLE = 0, 1, 2
 
@@ -67,6 +67,8 @@ class Verdict(BaseModel):
     mitigations: list[Mitigation]
     campaign_cell: str | None = None
     runbook: str = Field(description="the command that prints this signature's runbook")
+    release_note: str = ""
+    """Why the confidence was lowered for the release the input states (added in 1.5)."""
 
 
 class NearMiss(BaseModel):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from doctor.report.markdown import cite, md_code, md_escape
 from doctor.report.model import Diagnosis
+from hicache_runtime.contracts.profiles import PROFILES
 from signatures.models import Catalog, Signature
 
 
@@ -56,10 +57,33 @@ def _sections(sig: Signature, level: int = 1) -> list[str]:
         if cmds:
             out += ["", "  ```bash", *(f"  {c}" for c in cmds), "  ```"]
     out += ["", f"{h}# Upstream fix", ""] + [f"- {f.ref}: {f.summary}" for f in sig.upstream_fix]
+    out += _releases(sig, h)
     out += ["", f"{h}# Verify with a campaign cell", "", *_campaign(sig)]
     out += ["", f"{h}# Escalation", "", _para(sig.runbook.escalation), ""]
     if sig.related:
         out += [f"Related: {', '.join(f'[{r}]({r}.md)' for r in sig.related)}", ""]
+    return out
+
+
+def _releases(sig: Signature, h: str) -> list[str]:
+    """Which releases the release matrix saw it on (``catalog/affected.yaml``), and the first
+    release on which its fault no longer exposes it."""
+    a = sig.affected
+    if a is None:
+        return []
+    releases = [n for n, p in PROFILES.items() if p.release is not None]
+    seen = ", ".join(f"`{p}`" for p in a.reproduces) or "none of them"
+    out = ["", f"{h}# Releases", "",
+           f"The release matrix (`{a.command}`, {a.run_at}) reproduced it on {seen}, of "
+           f"{', '.join(f'`{p}`' for p in a.profiles)}."]
+    if a.row is not None:
+        out[-1] += (f" Its fault (`{a.row}`) ran clean on "
+                    f"{', '.join(f'`{p}`' for p in a.clean) or 'none of them'}.")
+    first = a.no_longer_from([r for r in releases if r in a.profiles])
+    if first is not None:
+        out[-1] += f" It no longer reproduces from `{first}` on."
+    out[-1] += (" A profile is this runtime's rendering of a release's protocols "
+                "(`hicache profiles show`), not a run of the release.")
     return out
 
 

@@ -45,12 +45,12 @@ from hicache_runtime.contracts.bundle import (
     label_bundle,
     load_manifest,
 )
-from hicache_runtime.contracts.legacy import parse_legacy
+from hicache_runtime.contracts.legacy import REGISTRY, Fidelity, parse_legacy
 
 if TYPE_CHECKING:
     from hicache_runtime.launch.run import ReferenceMemo, RunSummary
 
-RESULT_SCHEMA_VERSION = "1.0"
+RESULT_SCHEMA_VERSION = "1.1"
 
 
 class CellResult(BaseModel):
@@ -83,6 +83,10 @@ class CellResult(BaseModel):
     row: str = ""
     column: str = ""
     """Where the campaign's matrix shows it (``plan.matrix_place``)."""
+    not_a_release: dict[str, str] = {}
+    """The cell's switches that no release ran as the runtime does, each with its fidelity
+    (``grafted`` or ``synthetic``): its failure is a reproduction, not evidence about a
+    release (``contracts/legacy.py`` ``Fidelity``)."""
 
 
 class PropertyViolation(BaseModel):
@@ -346,8 +350,10 @@ def _fired(bundle: Path) -> list[FiredFaultRecord]:
 def _identity(cell: CellSpec) -> dict[str, Any]:
     """What every result of ``cell`` says about which cell it is."""
     row, column = matrix_place(cell)
+    weak = {s.value: REGISTRY[s].fidelity.value for s in parse_legacy(cell.legacy)
+            if REGISTRY[s].fidelity is not Fidelity.RELEASE}
     return {"id": cell.id, "expect": cell.expect, "faults": list(cell.faults), "row": row,
-            "column": column}
+            "column": column, "not_a_release": dict(sorted(weak.items()))}
 
 
 def run_cell(spec: CampaignSpec, cell: CellSpec, work: Path, bundle_root: Path, *,

@@ -97,6 +97,15 @@ def markdown(result: CampaignResult) -> str:
         lines.append(f"| {md_code(c.id, table=True)} | {md_escape(c.expect)} | "
                      f"{md_escape(obs)} {mark} | {md_escape(c.outcome)} | {c.wall_s:.1f} | "
                      f"{bundle} |")
+    weak = [c for c in result.cells if c.not_a_release]
+    if weak:
+        lines += ["", "## Cells that are no evidence about a release", "",
+                  "Their switches are grafted (a release's pre-fix piece on this runtime's fixed "
+                  "protocols) or synthetic (a trigger or code path no release had): "
+                  "`docs/legacy-switches.md`.", ""]
+        lines += [f"- {md_code(c.id)}: " + ", ".join(f"{md_code(k)} {v}"
+                                                     for k, v in c.not_a_release.items())
+                  for c in weak]
     failures = [c for c in result.cells if not c.passed and c.skipped is None]
     if failures:
         lines += ["", "## Cells that did not behave", ""]

@@ -149,3 +149,18 @@ def synthetic(switches: frozenset[LegacySwitch]) -> list[LegacySwitch]:
     synthetic), sorted: a failure with one of them on is no evidence about a release."""
     return sorted((s for s in switches if REGISTRY[s].fidelity is not Fidelity.RELEASE),
                   key=lambda s: s.value)
+
+
+def describe(p: Profile) -> dict[str, object]:
+    """What ``hicache profiles show`` prints (and ``--json`` gives): the profile, its switches
+    with their fixes, the switches its release ran that it leaves off and why, and what is
+    not modelled."""
+    return {
+        "name": p.name, "release": p.release, "summary": p.summary,
+        "default": p.name == DEFAULT_PROFILE, "host_alloc": p.host_alloc.value,
+        "switches": [{"switch": s.value, "fixed_by": list(REGISTRY[s].fixes)}
+                     for s in sorted(p.switches, key=lambda s: s.value)],
+        "left_out": {s.value: why for s, why in sorted(p.left_out.items(),
+                                                       key=lambda kv: kv[0].value)},
+        "not_modelled": list(p.not_modelled),
+    }
