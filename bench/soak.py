@@ -17,12 +17,15 @@ that keeps something per step (a send, a page, a record) shows as a slope. What 
   follows the unique content written.
 
 The faults are the ones the fixed protocols must survive (no crash, hang or kill), each active
-for ``--fault-window`` steps in turn. The workload is sized so the last request arrives at or
-after step ``--steps``; with ``--compare`` (default) outputs are checked against the
-cache-disabled run of the same topology.
+for ``--fault-window`` steps in turn; the run is on the ``proposed`` profile (``--profile``),
+since a release's rank-local host allocation does not survive ``host-alloc-fail``. The
+workload is sized so the last request arrives at or after step ``--steps``; with
+``--compare`` (default) outputs are checked against the cache-disabled run of the same
+topology.
 
 Usage: python bench/soak.py [--steps 10000] [--tp 2] [--pp 2] [--every 500] [--warmup 1000]
                             [--fault-window 250] [--no-faults] [--no-compare]
+                            [--profile proposed]
                             [--set observability.ring_size=4096 ...]
 
 Prints a line per sample while it runs, then one JSON line: ``outcome``, ``steps``,
@@ -106,7 +109,7 @@ def requests_for(steps: int, base: dict[str, Any]) -> int:
 def config(args: argparse.Namespace, l3_dir: Path) -> RuntimeConfig:
     base: dict[str, Any] = {
         "topology.tp": args.tp, "topology.pp": args.pp, "seed": args.seed,
-        "workload.arrival_gap_steps": args.arrival_gap,
+        "profile": args.profile, "workload.arrival_gap_steps": args.arrival_gap,
         "storage.backend": "file", "storage.path": l3_dir,
         "observability.sample_every": args.every,
         "observability.protocol_timeout_s": args.protocol_timeout,
@@ -265,6 +268,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "saturation, so nothing queues up by design)")
     ap.add_argument("--protocol-timeout", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", default="proposed",
+                    help="release profile (hicache profiles list); a release's rank-local host "
+                         "allocation fails under the rotation's host-alloc-fail")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="config override, e.g. observability.ring_size=4096 (JSON values)")
     ap.add_argument("--work-dir", type=Path, default=None)

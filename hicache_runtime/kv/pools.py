@@ -156,6 +156,9 @@ class DeviceKVPool(KVPool):
         self.layer_counter = LayerDoneCounter(shape.num_layers)
         self.consumer: int | None = None
         self.on_layer_wait: Callable[[int, int, int], None] | None = None
+        """Called with (layer, start ns, end ns) for every layer read of a batch whose
+        load-back was pending when it was formed: how long attention waited for that layer
+        (0 when it had landed)."""
         """Called with (layer, wait start ns, wait end ns) when attention had to wait."""
 
     def set_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -177,6 +180,9 @@ class DeviceKVPool(KVPool):
         if self.consumer is not None:
             if self.layer_counter.is_done(self.consumer, layer):
                 self.layer_counter.wait_until(self.consumer, layer)  # GPU: stream wait
+                if self.on_layer_wait is not None:  # read while the batch's load-back ran:
+                    now = time.monotonic_ns()  # a wait of 0, still an overlap to show
+                    self.on_layer_wait(layer, now, now)
             else:
                 t0 = time.monotonic_ns()
                 self.layer_counter.wait_until(self.consumer, layer)

@@ -180,7 +180,8 @@ class DPController:
         self.run_dir = run_dir
         self.per_group = t.world_size
         self.board = LoadBoard(t.dp, create=True)
-        self.router = Router(t.dp, Policy(t.dp_policy), read_loads=self.board.loads)
+        self.router = Router(t.dp, Policy(t.dp_policy),
+                             read_loads=self.board.loads_received)
         self.workload = Workload(cfg.workload, cfg.model.vocab_size, cfg.seed,
                                  client_aborts=not caps, caps=dict(caps or {}))
         self.tracer = Tracer(RankInfo(CONTROLLER_RANK, 0, 0, t.tp, t.pp, 0, t.dp),

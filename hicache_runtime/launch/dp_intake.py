@@ -123,6 +123,9 @@ class ControllerFeed:
         self._arrived: list[Req] = []
         self._aborts: list[str] = []
         self._held: set[str] = set()
+        self._received = 0
+        """Routed requests taken so far: the router counts the rest of its dispatches as in
+        flight."""
         self._reported = 0
         self._ended = False
 
@@ -133,7 +136,7 @@ class ControllerFeed:
     def poll(self, step: int, finished: dict[str, Req]) -> list[Req]:
         self._report(finished)
         self._receive(wait=not self._ended and not self._busy())
-        self._board.publish(self.group, len(self._held), step)
+        self._board.publish(self.group, len(self._held), step, self._received)
         out, self._arrived = self._arrived, []
         return out
 
@@ -173,6 +176,7 @@ class ControllerFeed:
         if isinstance(msg, Routed):
             self._arrived.append(msg.as_req())
             self._held.add(msg.rid)
+            self._received += 1
             self._tracer.emit(Ev.DP_RECEIVE, what="request", rid=msg.rid, group=self.group,
                               reason=msg.reason, loads=list(msg.loads))
         elif isinstance(msg, Abort):

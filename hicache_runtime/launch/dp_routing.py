@@ -20,8 +20,12 @@ writes (:class:`LoadBoard`): lock-free for the writer, free to read, and a few m
 stale. Staleness is paid for twice over: every dispatch adds a speculative +1 to the chosen
 group locally, and the real snapshot is re-read at most every :data:`REFRESH_S`. Without the
 speculative count a burst reads the same stale snapshot for every request and lands the whole
-burst on one group. The leader writes its scheduler step next to its load: the controller's
-clock for the request stream is the step every group has reached.
+burst on one group. A re-read keeps the requests still in flight: each slot also holds how
+many routed requests the group has received, so a dispatch the group has not received yet is
+added to its load, however long the group's step takes (a re-read used to drop them, and a
+burst that outlasted a slow step piled onto the group whose board said 0). The leader writes
+its scheduler step next to its load: the controller's clock for the request stream is the
+step every group has reached.
 
 A request that already names its group (``routed_dp_rank``, set by an external router, as in
 prefill/decode disaggregation) goes straight there: the local policy is only the fallback.
@@ -41,7 +45,7 @@ from hicache_runtime.contracts.errors import ConfigError
 
 #: The most a routing decision trusts a snapshot before reading it again.
 REFRESH_S = 0.020
-_SLOT = struct.Struct("<qqq")  # (load, step, monotonic ns when written) per DP group
+_SLOT = struct.Struct("<qqqq")  # (load, step, monotonic ns when written, received) per group
 
 
 class Policy(str, Enum):
@@ -57,11 +61,13 @@ class MessageKind(str, Enum):
 
 class Slot(NamedTuple):
     """One DP group's entry on the board: its load, its leader's step, when it was written
-    (monotonic ns; 0 until the leader first writes)."""
+    (monotonic ns; 0 until the leader first writes) and how many routed requests it has
+    received so far."""
 
     load: int
     step: int
     written_ns: int
+    received: int = 0
 
 
 class LoadBoard:
@@ -99,17 +105,22 @@ class LoadBoard:
         assert buf is not None, "the load board is closed"
         return buf
 
-    def publish(self, group: int, load: int, step: int = 0) -> None:
+    def publish(self, group: int, load: int, step: int = 0, received: int = 0) -> None:
         _SLOT.pack_into(self._buf, group * _SLOT.size, int(load), int(step),
-                        time.monotonic_ns())
+                        time.monotonic_ns(), int(received))
 
     def snapshot(self) -> list[Slot]:
         return [Slot(*_SLOT.unpack_from(self._buf, g * _SLOT.size))
                 for g in range(self.groups)]
 
     def loads(self) -> list[int]:
-        """Every group's load (the router's ``read_loads``)."""
+        """Every group's load."""
         return [slot.load for slot in self.snapshot()]
+
+    def loads_received(self) -> list[tuple[int, int]]:
+        """Every group's load and the routed requests it has received (the router's
+        ``read_loads``), from one snapshot."""
+        return [(slot.load, slot.received) for slot in self.snapshot()]
 
     def close(self) -> None:
         self._shm.close()
@@ -128,17 +139,19 @@ class Decision:
 
 @dataclass
 class Router:
-    """Picks a DP group per generate request. ``read_loads`` returns the current snapshot's
-    loads (one per group); ``clock`` is injectable so refresh timing is testable."""
+    """Picks a DP group per generate request. ``read_loads`` returns the current snapshot (one
+    entry per group: its load, or its load and the routed requests it has received); ``clock``
+    is injectable so refresh timing is testable."""
 
     groups: int
     policy: Policy = Policy.ROUND_ROBIN
-    read_loads: Callable[[], Sequence[int]] | None = None
+    read_loads: Callable[[], Sequence[int | tuple[int, int]]] | None = None
     clock: Callable[[], float] = time.monotonic
     refresh_s: float = REFRESH_S
     _next: int = 0
     _loads: list[int] = field(default_factory=list)
     _read_at: float = float("-inf")
+    _sent: list[int] = field(default_factory=list)
     refreshes: int = 0
 
     def __post_init__(self) -> None:
@@ -147,6 +160,7 @@ class Router:
         if self.policy is Policy.SHORTEST_QUEUE and self.read_loads is None:
             raise ConfigError("dp_policy", "shortest-queue routing needs a load snapshot")
         self._loads = [0] * self.groups
+        self._sent = [0] * self.groups
 
     def route(self, routed_dp_rank: int | None = None) -> Decision:
         if routed_dp_rank is not None:
@@ -170,16 +184,25 @@ class Router:
         if now - self._read_at < self.refresh_s:
             return
         assert self.read_loads is not None
-        loads = list(self.read_loads())
-        if len(loads) != self.groups:
-            raise ValueError(f"load snapshot has {len(loads)} groups, expected {self.groups}")
-        self._loads = [max(0, int(v)) for v in loads]
+        board = list(self.read_loads())
+        if len(board) != self.groups:
+            raise ValueError(f"load snapshot has {len(board)} groups, expected {self.groups}")
+        loads = []
+        for g, entry in enumerate(board):
+            if isinstance(entry, tuple):  # with the group's received count: add what is in
+                load, received = entry  # flight, sent here and not received there yet
+                loads.append(max(0, int(load)) + max(0, self._sent[g] - int(received)))
+            else:
+                loads.append(max(0, int(entry)))
+        self._loads = loads
         self._read_at = now
         self.refreshes += 1
 
     def _speculate(self, group: int) -> None:
-        # The request just sent is not in the snapshot yet: count it here until the next read.
+        # The request just sent is not in the snapshot yet: count it here until the next read
+        # (which counts it again as in flight until its group has received it).
         self._loads[group] += 1
+        self._sent[group] += 1
 
 
 def recipients(kind: MessageKind, *, dp: int, pp: int, tp: int,

@@ -62,6 +62,25 @@ def test_the_snapshot_is_reread_after_the_refresh_interval() -> None:
     assert router.refreshes == 2
 
 
+def test_a_reread_keeps_the_requests_a_group_has_not_received_yet() -> None:
+    """A burst that outlasts a refresh interval while every group is in a long step: the
+    board still says 0 everywhere, but it also says no group received anything, so the
+    re-read counts each dispatch as in flight and the burst stays spread."""
+    clock = FakeClock()
+    board = [(0, 0), (0, 0), (0, 0)]
+    router = Router(3, Policy.SHORTEST_QUEUE, read_loads=lambda: board, clock=clock)
+    picks = []
+    for _ in range(6):
+        picks.append(router.route().group)
+        clock.now += 1.5 * router.refresh_s  # each dispatch past a refresh interval
+    assert router.refreshes == 6
+    assert max(Counter(picks).values()) == 2, picks
+    # group 0 received its two and finished one: its load is what the board says
+    board[:] = [(1, 2), (0, 0), (0, 0)]
+    clock.now += 0.1
+    assert router.route().loads == (1, 2, 2)
+
+
 def test_shortest_queue_needs_a_snapshot() -> None:
     with pytest.raises(ConfigError, match="load snapshot"):
         Router(2, Policy.SHORTEST_QUEUE)

@@ -331,9 +331,11 @@ def test_layer_zero_computes_before_the_load_finishes(layout: str, tmp_path: Pat
                                                       bundle_root: Path) -> None:
     trace = tmp_path / "trace.jsonl"
     cfg = small_config(**{
+        # a copy slow enough (150 ms a job) that layer 0 finishes well inside it even when
+        # the machine is loaded and the scheduler thread waits for a core
         "model.num_layers": 4, "workload.kind": "multi_turn", "workload.requests": 16,
         "cache.device_tokens": 160, "cache.host_tokens": 2048, "cache.mem_layout": layout,
-        "observability.trace_path": trace, "faults": (parse_fault("dma-lag:ms=40"),),
+        "observability.trace_path": trace, "faults": (parse_fault("dma-lag:ms=150"),),
     })
     s = run_single(cfg, bundle_root=bundle_root)
     assert s.outcome is RunOutcome.HEALTHY, s.error
