@@ -418,6 +418,10 @@ def campaign(
     storage_url: Annotated[str | None, typer.Option(
         help="The Redis or Mooncake store of cells with storage.backend redis or mooncake (a "
              "spec may not name one).")] = None,
+    shard: Annotated[str | None, typer.Option(
+        help="Run only shard I of N (e.g. 2/4): a deterministic subset balanced by each "
+             "cell's estimated cost; 'hicache campaign merge' joins the shards' --json "
+             "results.")] = None,
     profile: Annotated[str | None, typer.Option(
         help="Run every cell on this release profile instead of the spec's (the built-in "
              "campaigns run proposed).")] = None,
@@ -431,6 +435,9 @@ def campaign(
     """Run a fault campaign: each cell runs topology x legacy switches x faults x seed and must
     end as expected (healthy with outputs identical to a cache-disabled run, or failed with
     the doctor naming the expected signature). Exit 1 when any cell did not.
+
+    hicache campaign merge A.json B.json ... -o ALL.json joins the --json results of every
+    --shard I/N of one run into the result of the whole run (with --junit and --markdown).
 
     With --profiles, the release matrix: each cell that runs no legacy switch, once per
     profile, judged by the doctor; nothing is expected of a release, so it exits 0 once every
@@ -453,6 +460,13 @@ def campaign(
             raise ConfigError("--profile", f"unknown profile {profile[:64]!r}",
                               hint=f"known: {', '.join(PROFILES)}")
         camp = camp.model_copy(update={"defaults": {**camp.defaults, "profile": profile}})
+    shard_of = None
+    if shard is not None:
+        from faults.campaign.shards import parse_shard
+
+        shard_of = parse_shard(shard)
+        if profiles is not None:
+            raise ConfigError("--shard", "shard a campaign, not the release matrix")
     if profiles is not None:
         _release_matrix(camp, profiles, only=only, seeds=seeds, list_cells=list_cells,
                         junit=junit, markdown=markdown, html_dir=html_dir,
@@ -467,6 +481,10 @@ def campaign(
     if not cells:
         raise ConfigError("only", f"no cell of campaign {camp.name!r} matches {only!r}",
                           hint="hicache campaign --list shows the cell ids")
+    if shard_of is not None:
+        from faults.campaign.shards import shard as shard_cells
+
+        cells = shard_cells(camp, cells, *shard_of)
     redis_cells = needs_store(camp, cells)
     if redis_cells and storage_url is None and not list_cells:
         raise ConfigError("--storage-url", f"{len(redis_cells)} cell(s) use a Redis store "
@@ -481,7 +499,7 @@ def campaign(
         raise typer.Exit(EXIT_OK)
     with render.campaign_progress(len(cells), enabled=not json_out) as hook:
         result = run_campaign(camp, bundle_root=bundle_dir, only=only, seeds=seed_list,
-                              hook=hook, storage_url=storage_url)
+                              hook=hook, storage_url=storage_url, shard=shard_of)
     if junit is not None:
         junit.write_text(junit_xml(result), encoding="utf-8")
     if markdown is not None:
@@ -497,6 +515,33 @@ def campaign(
     else:
         render.campaign_summary(result)
     raise typer.Exit(EXIT_OK if result.failed == 0 else EXIT_UNHEALTHY)
+
+
+@app.command("campaign-merge", hidden=True)
+@_handles_errors
+def campaign_merge(
+    results: Annotated[list[Path], typer.Argument(help="The --json results of every shard.")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="The merged result (JSON).")],
+    junit: Annotated[Path | None, typer.Option(help="Write JUnit XML here.")] = None,
+    markdown: Annotated[Path | None, typer.Option(help="Write a Markdown report here.")]
+    = None,
+) -> None:
+    """hicache campaign merge A.json B.json ... -o ALL.json: the shards of one run (--shard
+    1/N .. N/N, each once) joined into the whole run's result, cells in its order. Exit 1 when
+    any cell did not behave, as the whole run would."""
+    from faults.campaign.reports import junit_xml
+    from faults.campaign.reports import markdown as markdown_report
+    from faults.campaign.shards import merge, read_result
+
+    merged = merge([read_result(p) for p in results])
+    out.write_text(merged.model_dump_json(indent=2), encoding="utf-8")
+    if junit is not None:
+        junit.write_text(junit_xml(merged), encoding="utf-8")
+    if markdown is not None:
+        markdown.write_text(markdown_report(merged), encoding="utf-8")
+    print(f"{out}: {len(merged.cells)} cells from {len(results)} shards, {merged.passed} "
+          f"behaved as expected, {merged.failed} did not")
+    raise typer.Exit(EXIT_OK if merged.failed == 0 else EXIT_UNHEALTHY)
 
 
 def _release_matrix(camp: Any, profiles: str, *, only: str | None, seeds: str | None,
@@ -1231,8 +1276,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_USAGE)
     import render  # noqa: F401 - its consoles, the help's included, end quietly on a closed pipe
 
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:2] == ["campaign", "merge"]:  # a sub-command of a command with an argument
+        args[:2] = ["campaign-merge"]
     try:
-        code = app(args=argv, standalone_mode=False)
+        code = app(args=args, standalone_mode=False)
     except BrokenPipeError:  # while click itself wrote (help, usage)
         try:
             _closed_pipe()

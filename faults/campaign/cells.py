@@ -131,6 +131,11 @@ class CampaignResult(BaseModel):
     """Cells judged against a cache-disabled reference run an earlier cell already ran."""
     warmups_reused: int = 0
     """Cells whose L3 store was filled from an earlier cell's warm-up of the same config."""
+    shard: str | None = None
+    """``I/N`` when this is one shard of a run (``--shard``); None for a whole run."""
+    selection: list[str] = []
+    """A shard: the ids of every cell of the whole run, in its order (what a merge checks
+    completeness and order against)."""
 
     @property
     def passed(self) -> int:
@@ -172,7 +177,10 @@ def seed_bases(cells: list[CellSpec]) -> dict[str, CellSpec]:
 
 def run_campaign(spec: CampaignSpec, *, bundle_root: Path, only: str | None = None,
                  seeds: list[int] | None = None, hook: CellHook | None = None,
-                 storage_url: str | None = None) -> CampaignResult:
+                 storage_url: str | None = None,
+                 shard: tuple[int, int] | None = None) -> CampaignResult:
+    """Run the selected cells (``shard``: only the I-th of N balanced subsets of them,
+    ``faults/campaign/shards.py``)."""
     from hicache_runtime.launch.run import ReferenceMemo  # torch: imported once a cell runs
 
     started = datetime.now(UTC).isoformat(timespec="seconds")
@@ -180,7 +188,13 @@ def run_campaign(spec: CampaignSpec, *, bundle_root: Path, only: str | None = No
     results = []
     with tempfile.TemporaryDirectory(prefix="hicache-campaign-") as work:
         memo = CampaignMemo(Path(work) / "warm", ReferenceMemo())
-        for cell in select(spec, only, seeds):
+        chosen = select(spec, only, seeds)
+        selection = [c.id for c in chosen]
+        if shard is not None:
+            from faults.campaign.shards import shard as shard_of
+
+            chosen = shard_of(spec, chosen, *shard)
+        for cell in chosen:
             if hook is not None:
                 hook(cell, None)
             result = run_cell(spec, cell, Path(work), bundle_root, memo=memo,
@@ -192,7 +206,9 @@ def run_campaign(spec: CampaignSpec, *, bundle_root: Path, only: str | None = No
                           wall_s=round(time.monotonic() - t0, 2), cells=results,
                           properties=property_results(spec, results),
                           references_reused=memo.references.reused,
-                          warmups_reused=memo.warm_reused)
+                          warmups_reused=memo.warm_reused,
+                          shard=f"{shard[0]}/{shard[1]}" if shard is not None else None,
+                          selection=selection if shard is not None else [])
 
 
 @dataclass
@@ -452,9 +468,12 @@ def _judge(cell: CellSpec, r: CellResult) -> None:
         r.detail = f"{r.outcome}, but violates {', '.join(violated)}"
         return
     if r.passed:
-        r.detail = "healthy, outputs identical to the cache-disabled run" \
-            if r.observed == HEALTHY else f"{r.outcome}; the doctor names {r.observed} " \
-            f"({r.confidence:.2f})"
+        if r.observed == HEALTHY:
+            r.detail = "healthy, outputs identical to the cache-disabled run"
+        elif r.confidence is None:  # an expected no-signature: nothing was named
+            r.detail = f"{r.outcome}; the doctor names no known signature, as expected"
+        else:
+            r.detail = f"{r.outcome}; the doctor names {r.observed} ({r.confidence:.2f})"
     elif HEALTHY in expected:
         r.detail = f"expected healthy, got {r.outcome}" + (f" ({r.observed})"
                                                             if r.verdict else "")
