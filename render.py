@@ -468,7 +468,8 @@ def signature_detail(sig: Any) -> None:
         para(con, esc(f"reproduced on {seen} of {', '.join(a.profiles)}"
                       + (f"; its fault ({a.row}) ran clean on {', '.join(a.clean) or 'none'}"
                          if a.row else "")
-                      + f" ({a.command}, {a.run_at})"), f"[{STYLE_KEY}]releases[/]")
+                      + f" (release matrix of the {a.campaign} campaign, {a.run_at[:10]})"),
+             f"[{STYLE_KEY}]releases[/]")
 
 
 def capture_summary(result: Any) -> None:

@@ -5,10 +5,12 @@ release matrix's spec (``contracts/profiles.py``, ``faults/campaign/releases.py`
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+from faults.campaign.cells import CellResult
 from faults.campaign.plan import load_campaign
 from faults.campaign.releases import parse_profiles, release_spec
 from hicache_runtime.config import load_config
@@ -137,3 +139,45 @@ def test_campaign_output_marks_cells_that_are_no_evidence_about_a_release() -> N
     page = markdown(result)
     assert "## Cells that are no evidence about a release" in page
     assert "`wallclock-lru` synthetic" in page
+
+
+def _matrix_cell(profile: str, cell: str, observed: str) -> CellResult:
+    topology, _mode, fault = cell.split("/", 2)
+    clean = observed == "healthy"
+    return CellResult(id=f"{profile}/{cell}", expect="healthy", observed=observed,
+                      passed=clean, outcome="healthy" if clean else "crash", wall_s=1.0,
+                      verdict=None if clean else observed, row=f"{topology} {fault}",
+                      column=profile)
+
+
+def test_a_matrix_becomes_verified_release_data_only_where_a_release_switch_exposes_it(
+        tmp_path: Path) -> None:
+    from faults.campaign.affected import affected, write_affected
+    from faults.campaign.releases import ReleaseMatrix
+    from signatures.loader import load_catalog
+
+    profiles = ["sglang-0.5.13", "sglang-0.5.23"]
+    cells = [_matrix_cell("sglang-0.5.13", "pp2/fixed/stage-lag:pp=1,ms=10",
+                          "pp-sync-send-leak"),
+             _matrix_cell("sglang-0.5.23", "pp2/fixed/stage-lag:pp=1,ms=10", "healthy"),
+             _matrix_cell("sglang-0.5.13", "tp2/fixed/chunked-abort:chunk=0", "healthy"),
+             _matrix_cell("sglang-0.5.23", "tp2/fixed/chunked-abort:chunk=0", "healthy")]
+    matrix = ReleaseMatrix(campaign="default", profiles=profiles, started_at="t", wall_s=1.0,
+                           cells=cells)
+    doc = affected(matrix, load_catalog(), "cmd")
+    leak = doc["signatures"]["pp-sync-send-leak"]
+    assert leak["reproduces"] == ["sglang-0.5.13"]
+    assert leak["row"] == "pp2 stage-lag:pp=1,ms=10"
+    assert leak["clean"] == ["sglang-0.5.23"]
+    # collective-shape-mismatch is exposed by a synthetic switch no profile turns on: its
+    # fault running clean says nothing about a release, and nothing else saw it
+    assert "collective-shape-mismatch" not in doc["signatures"]
+    out = tmp_path / "affected.yaml"
+    bad = tmp_path / "not-a-matrix.json"
+    bad.write_text('{"name": "x"}')
+    with pytest.raises(ConfigError, match="not a release matrix"):
+        write_affected(bad, out)
+    good = tmp_path / "m.json"
+    good.write_text(matrix.model_dump_json())
+    assert write_affected(good, out) == (out, 1)
+    assert out.read_text().startswith("# Generated")

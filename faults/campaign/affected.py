@@ -22,6 +22,7 @@ import yaml
 from faults.campaign.plan import faults_label
 from faults.campaign.releases import RELEASE_MATRIX_KIND, ReleaseMatrix
 from hicache_runtime.contracts.errors import ConfigError
+from hicache_runtime.contracts.legacy import REGISTRY, Fidelity, LegacySwitch
 from signatures.models import Catalog
 
 MAX_MATRIX_BYTES = 32 << 20
@@ -37,14 +38,25 @@ def signature_row(cell: str) -> str:
     return f"{topology} {faults_label([] if faults == 'none' else [faults])}"
 
 
+def _release_exposed(cell: str) -> bool:
+    """Whether the switches of a catalog campaign cell all run what a release ran."""
+    mode = cell.split("/", 2)[1]
+    if mode == "fixed":
+        return True
+    return all(REGISTRY[LegacySwitch(m)].fidelity is Fidelity.RELEASE for m in mode.split("+"))
+
+
 def affected(matrix: ReleaseMatrix, catalog: Catalog, command: str) -> dict[str, Any]:
     """The ``affected.yaml`` document for ``matrix``."""
     found = matrix.reproduces()
     rows = {c.row for c in matrix.cells}
     out: dict[str, Any] = {}
     for sig in catalog.signatures:
-        row = signature_row(sig.campaign.cell) if sig.campaign is not None else None
-        if row not in rows:
+        cell = sig.campaign.cell if sig.campaign is not None else None
+        row = signature_row(cell) if cell is not None else None
+        if row not in rows or (cell is not None and not _release_exposed(cell)):
+            # a grafted or synthetic switch exposes it: no profile turns that switch on, so
+            # its fault running clean on a profile says nothing about the release
             row = None
         if sig.id not in found and row is None:
             continue  # the matrix neither ran its fault nor saw it: nothing verified
