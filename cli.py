@@ -418,6 +418,9 @@ def campaign(
     storage_url: Annotated[str | None, typer.Option(
         help="The Redis or Mooncake store of cells with storage.backend redis or mooncake (a "
              "spec may not name one).")] = None,
+    resume: Annotated[Path | None, typer.Option(
+        help="Append each cell's result to this file as it ends; run again with the same "
+             "file to finish an interrupted run (done cells are not run again).")] = None,
     shard: Annotated[str | None, typer.Option(
         help="Run only shard I of N (e.g. 2/4): a deterministic subset balanced by each "
              "cell's estimated cost; 'hicache campaign merge' joins the shards' --json "
@@ -499,7 +502,8 @@ def campaign(
         raise typer.Exit(EXIT_OK)
     with render.campaign_progress(len(cells), enabled=not json_out) as hook:
         result = run_campaign(camp, bundle_root=bundle_dir, only=only, seeds=seed_list,
-                              hook=hook, storage_url=storage_url, shard=shard_of)
+                              hook=hook, storage_url=storage_url, shard=shard_of,
+                              resume=resume)
     if junit is not None:
         junit.write_text(junit_xml(result), encoding="utf-8")
     if markdown is not None:

@@ -573,15 +573,17 @@ def campaign_summary(result: Any) -> None:
     if roots:
         con.print(f"bundles under {esc(', '.join(roots))}", soft_wrap=True)
     for c in result.cells:
-        if not c.passed:
-            if c.skipped is not None:
-                con.print(f"  [{STYLE_WARN}]{esc(c.id)}[/]: {esc(c.detail)}", soft_wrap=True)
-                continue
-            con.print(f"  [{STYLE_BAD}]{esc(c.id)}[/]: {esc(c.detail)}"
-                      + (f" [{STYLE_DIM}]{esc(c.error)}[/]" if c.error else ""), soft_wrap=True)
-            if c.bundle:
-                con.print(f"    bundle {esc(c.bundle)}  (hicache inject --replay "
-                          f"{esc(c.bundle)} --shrink)", soft_wrap=True)
+        if c.skipped is not None:
+            con.print(f"  [{STYLE_WARN}]{esc(c.id)}[/]: {esc(c.detail)}", soft_wrap=True)
+    for key, group in result.failure_groups():  # one line per way of failing
+        c = group[0]
+        more = f" and {len(group) - 1} more cell(s) that failed alike ({esc(key)})" \
+            if len(group) > 1 else ""
+        con.print(f"  [{STYLE_BAD}]{esc(c.id)}[/]{more}: {esc(c.detail)}"
+                  + (f" [{STYLE_DIM}]{esc(c.error)}[/]" if c.error else ""), soft_wrap=True)
+        if c.bundle:
+            con.print(f"    bundle {esc(c.bundle)}  (hicache inject --replay "
+                      f"{esc(c.bundle)} --shrink)", soft_wrap=True)
     if result.properties:
         campaign_properties(result)
 

@@ -22,7 +22,7 @@ from signatures.models import Catalog
 
 CLEAN_FACTOR = 0.85
 """A verdict's confidence times this when its fault ran clean on the stated release."""
-_VERSION = re.compile(r"v?(\d+)\.(\d+)(?:\.(\d+))?")
+_VERSION = re.compile(r"^v?(\d{1,6})\.(\d{1,6})(?:\.(\d{1,6}))?")
 
 
 def _key(version: str) -> tuple[int, int, int] | None:

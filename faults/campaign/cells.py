@@ -83,6 +83,8 @@ class CellResult(BaseModel):
     row: str = ""
     column: str = ""
     """Where the campaign's matrix shows it (``plan.matrix_place``)."""
+    fingerprint: str | None = None
+    """The doctor's fingerprint of a failed run: cells that failed alike share it."""
     not_a_release: dict[str, str] = {}
     """The cell's switches that no release ran as the runtime does, each with its fidelity
     (``grafted`` or ``synthetic``): its failure is a reproduction, not evidence about a
@@ -149,6 +151,16 @@ class CampaignResult(BaseModel):
     def failed(self) -> int:
         return len(self.cells) - self.passed - self.skipped
 
+    def failure_groups(self) -> list[tuple[str, list[CellResult]]]:
+        """The cells that did not behave, grouped by what failed: the doctor's fingerprint
+        (else what was observed), largest group first; 40 failures of one mechanism are one
+        group with a representative bundle (its first cell's)."""
+        groups: dict[str, list[CellResult]] = {}
+        for c in self.cells:
+            if not c.passed and c.skipped is None:
+                groups.setdefault(c.fingerprint or f"{c.outcome}: {c.observed}", []).append(c)
+        return sorted(groups.items(), key=lambda kv: -len(kv[1]))
+
 
 CellHook = Callable[[CellSpec, CellResult | None], None]
 """Called with (cell, None) when a cell starts and (cell, result) when it ends."""
@@ -177,10 +189,11 @@ def seed_bases(cells: list[CellSpec]) -> dict[str, CellSpec]:
 
 def run_campaign(spec: CampaignSpec, *, bundle_root: Path, only: str | None = None,
                  seeds: list[int] | None = None, hook: CellHook | None = None,
-                 storage_url: str | None = None,
-                 shard: tuple[int, int] | None = None) -> CampaignResult:
+                 storage_url: str | None = None, shard: tuple[int, int] | None = None,
+                 resume: Path | None = None) -> CampaignResult:
     """Run the selected cells (``shard``: only the I-th of N balanced subsets of them,
-    ``faults/campaign/shards.py``)."""
+    ``faults/campaign/shards.py``; ``resume``: append each result to that log and take the
+    results a previous run of the same cells left there, ``faults/campaign/resume.py``)."""
     from hicache_runtime.launch.run import ReferenceMemo  # torch: imported once a cell runs
 
     started = datetime.now(UTC).isoformat(timespec="seconds")
@@ -194,14 +207,27 @@ def run_campaign(spec: CampaignSpec, *, bundle_root: Path, only: str | None = No
             from faults.campaign.shards import shard as shard_of
 
             chosen = shard_of(spec, chosen, *shard)
-        for cell in chosen:
-            if hook is not None:
-                hook(cell, None)
-            result = run_cell(spec, cell, Path(work), bundle_root, memo=memo,
-                              storage_url=storage_url)
-            if hook is not None:
-                hook(cell, result)
-            results.append(result)
+        log = None
+        if resume is not None:
+            from faults.campaign.resume import ResumeLog
+
+            log = ResumeLog(resume, spec.name, [c.id for c in chosen])
+        try:
+            for cell in chosen:
+                if hook is not None:
+                    hook(cell, None)
+                result = log.done.get(cell.id) if log is not None else None
+                if result is None:
+                    result = run_cell(spec, cell, Path(work), bundle_root, memo=memo,
+                                      storage_url=storage_url)
+                    if log is not None:
+                        log.append(result)
+                if hook is not None:
+                    hook(cell, result)
+                results.append(result)
+        finally:
+            if log is not None:
+                log.close()
     return CampaignResult(name=spec.name, started_at=started,
                           wall_s=round(time.monotonic() - t0, 2), cells=results,
                           properties=property_results(spec, results),
@@ -291,6 +317,8 @@ class DiagnosedRun(BaseModel):
     signature: str | None = None
     """The doctor's top signature for the bundle (None when healthy or nothing fit)."""
     confidence: float | None = None
+    fingerprint: str | None = None
+    """The doctor's fingerprint of the failure (equal ids: the same failure)."""
     leaked_pages: int | None = None
     """Pages the judged run's ranks held at drain (None: no rank got to its drain)."""
     leaks_complete: bool = False
@@ -353,6 +381,7 @@ def _diagnosed(summary: RunSummary, prefix: str = "") -> DiagnosedRun:
             top = diagnosis.verdicts[0] if diagnosis.verdicts else None
             done.signature = top.signature if top else None
             done.confidence = top.confidence if top else None
+            done.fingerprint = diagnosis.fingerprint.id if diagnosis.fingerprint else None
     return done
 
 
@@ -402,6 +431,7 @@ def run_cell(spec: CampaignSpec, cell: CellSpec, work: Path, bundle_root: Path, 
     result = CellResult(**_identity(cell), observed=done.observed, passed=False,
                         outcome=done.outcome, output_match=done.output_match,
                         verdict=done.signature, confidence=done.confidence, bundle=bundle,
+                        fingerprint=done.fingerprint,
                         error=done.error, faults_fired=done.faults_fired,
                         wall_s=round(time.monotonic() - t0, 2),
                         leaked_pages=done.leaked_pages, leaks=done.leaks)

@@ -106,12 +106,20 @@ def markdown(result: CampaignResult) -> str:
         lines += [f"- {md_code(c.id)}: " + ", ".join(f"{md_code(k)} {v}"
                                                      for k, v in c.not_a_release.items())
                   for c in weak]
-    failures = [c for c in result.cells if not c.passed and c.skipped is None]
-    if failures:
-        lines += ["", "## Cells that did not behave", ""]
-        for c in failures:
-            lines.append(f"- {md_code(c.id)}: {md_escape(c.detail)}"
-                         + (f" — {md_escape(c.error)}" if c.error else ""))
+    groups = result.failure_groups()
+    if groups:
+        lines += ["", "## Cells that did not behave", "",
+                  "One line per way of failing (the doctor's fingerprint), its first cell "
+                  "standing for the rest.", ""]
+        for key, group in groups:
+            c = group[0]
+            more = (f" (and {len(group) - 1} more: "
+                    + ", ".join(md_code(x.id) for x in group[1:6])
+                    + (", ..." if len(group) > 6 else "") + f"; {md_code(key)})"
+                    if len(group) > 1 else "")
+            lines.append(f"- {md_code(c.id)}{more}: {md_escape(c.detail)}"
+                         + (f" — {md_escape(c.error)}" if c.error else "")
+                         + (f" — bundle {md_code(c.bundle)}" if c.bundle else ""))
     if result.properties:
         lines += _markdown_properties(result)
     return "\n".join(lines) + "\n"

@@ -97,3 +97,24 @@ def test_merged_shards_equal_the_unsharded_run(tmp_path: Path) -> None:
     assert [(c.id, c.observed, c.passed) for c in merged.cells] == \
         [(c.id, c.observed, c.passed) for c in whole.cells]
     assert "<testcase" in (tmp_path / "all.xml").read_text()
+
+
+def test_failing_cells_are_listed_once_per_way_of_failing() -> None:
+    from faults.campaign.reports import markdown
+
+    def failed(cid: str, fp: str | None, observed: str) -> CellResult:
+        return CellResult(id=cid, expect="healthy", observed=observed, passed=False,
+                          outcome="crash", wall_s=1.0, fingerprint=fp, detail="expected "
+                          "healthy", bundle=f"/b/{cid.replace('/', '-')}")
+
+    result = CampaignResult(name="c", started_at="t", wall_s=1.0, cells=[
+        failed("a/seed0", "fp-1", "write-ack-pop-empty"), _result(None, ["ok"], []).cells[0],
+        failed("a/seed1", "fp-1", "write-ack-pop-empty"),
+        failed("b/seed0", None, "no-signature"), failed("a/seed2", "fp-1",
+                                                        "write-ack-pop-empty")])
+    groups = result.failure_groups()
+    assert [(k, [c.id for c in g]) for k, g in groups] == [
+        ("fp-1", ["a/seed0", "a/seed1", "a/seed2"]), ("crash: no-signature", ["b/seed0"])]
+    page = markdown(result)
+    assert "`a/seed0` (and 2 more: `a/seed1`, `a/seed2`; `fp-1`)" in page
+    assert page.count("— bundle ") == 2

@@ -86,8 +86,13 @@ def test_a_burst_under_shortest_queue_spreads_over_every_group(tmp_path: Path) -
     """Sessions start six at once, a burst every 10 steps, faster than the board is re-read:
     only the speculative count keeps a burst off the group that looked emptiest."""
     trace = tmp_path / "t.jsonl"
+    # Requests of 32 tokens each: no group finishes one while a burst is being routed, so a
+    # queue that looks shorter is shorter because of the routing, not because work drained
+    # (with 8-token requests a group slowed less than the controller finished one mid-burst,
+    # and the burst rightly went on to it: 4 of 6).
     cfg = mr_config(**{"topology.dp": 3, "topology.dp_policy": "shortest-queue",
                        "workload.requests": 30, "workload.burst_sessions": 6,
+                       "workload.max_new_tokens": 32,
                        "workload.arrival_gap_steps": 10, "observability.trace_path": trace})
     res = launch_dp(cfg, bundle_root=tmp_path / "bundles")
     try:
