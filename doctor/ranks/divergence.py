@@ -21,7 +21,8 @@ from hicache_runtime.contracts.events import Ev
 
 #: Which fact a divergence of each kind supports (read by :mod:`doctor.facts.derive`).
 DRAIN_KINDS = (Ev.WRITE_DRAIN, Ev.LOAD_DRAIN)
-PREFIX_KINDS = (Ev.REQ_ADMIT, Ev.MATCH, Ev.PREFETCH_HIT, Ev.PREFETCH_SETTLE, Ev.BATCH)
+PREFIX_KINDS = (Ev.REQ_ADMIT, Ev.MATCH, Ev.PREFETCH_HIT, Ev.PREFETCH_SETTLE, Ev.BATCH,
+                Ev.PREFETCH_PARTIAL)
 EVICT_KINDS = (Ev.EVICT, Ev.EVICT_HOST)
 
 

@@ -42,10 +42,11 @@ DECISIONS: dict[str, tuple[str | None, tuple[str, ...]]] = {
     Ev.PREFETCH_HIT: ("rid", ("agreed",)),
     Ev.PREFETCH_SETTLE: ("rid", ("completed", "hit_pages")),
     Ev.CHUNK_SIZE: ("rid", ("history", "size")),
+    Ev.PREFETCH_PARTIAL: ("rid", ("pages",)),
 }
 NOTABLE = frozenset({
     Ev.REQ_ABORT, Ev.PREFETCH_SUBMIT, Ev.PREFETCH_ACK, Ev.PREFETCH_SETTLE, Ev.PREFETCH_HIT,
-    Ev.PREFETCH_REVOKE, Ev.WRITE_SKIP, Ev.FAULT, Ev.CONSENSUS,
+    Ev.PREFETCH_REVOKE, Ev.PREFETCH_PARTIAL, Ev.WRITE_SKIP, Ev.FAULT, Ev.CONSENSUS,
     Ev.INTEGRITY, Ev.STORAGE, Ev.VOTE, Ev.WORKER_DIED, Ev.PP_RECV,
     Ev.HOST_CAPACITY, Ev.PREFETCH_LATE_WRITE, Ev.ABORT_APPLIED,
 })
@@ -54,7 +55,7 @@ NOTABLE = frozenset({
 _SAMPLE_ATTRS = {"pending_sends": "pending_sends"}
 #: Decisions about one request: comparable across ranks only if its arrival is traced.
 REQUEST_KEYED = frozenset({Ev.REQ_ADMIT, Ev.MATCH, Ev.PREFETCH_HIT, Ev.PREFETCH_SETTLE,
-                           Ev.CHUNK_SIZE})
+                           Ev.CHUNK_SIZE, Ev.PREFETCH_PARTIAL})
 #: Events drawn on the incident page's per-rank timeline (with their time and step).
 TIMELINE = frozenset({
     Ev.BATCH, Ev.COLLECTIVE_ENTER, Ev.COLLECTIVE_EXIT, Ev.FAULT, Ev.REQ_ABORT,

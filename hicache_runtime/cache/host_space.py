@@ -51,6 +51,24 @@ class HostSpace:
             return self.alloc_host(num_tokens) if num_tokens else None
         return self.alloc_host_agreed(num_tokens, site)
 
+    def take_prefix(self, num_tokens: int, page_size: int, at_least: int
+                    ) -> tuple[torch.Tensor, int] | None:
+        """A release's prefetch into a full L2 (0.5.23 ``hybrid_cache_controller.py``
+        ``allocate_storage_hit`` L796-829, 0.5.20 ``_try_alloc_storage_hit`` L2733-2746): once
+        the full allocation failed (after its eviction), the page-aligned part of
+        ``num_tokens`` that fits now, if it is at least ``at_least`` tokens; rank-local like
+        every release's, so ranks whose pools differ take different lengths. None under an
+        agreed allocation (the proposed protocols take all or nothing) or when too little
+        fits. Returns the slots and their token count."""
+        if self.agreed:
+            return None
+        fit = min(num_tokens, self.host.available_tokens)
+        fit -= fit % page_size
+        if fit <= 0 or fit < at_least:
+            return None
+        slots = self.host.alloc(fit)
+        return (slots, fit) if slots is not None else None
+
     def alloc_host_agreed(self, num_tokens: int, site: str) -> torch.Tensor | None:
         """Host slots for ``num_tokens`` if *every* rank got them, else None everywhere (the
         two-phase reserve -> vote -> commit/abort proposed in #31425, over TP and PP: a

@@ -284,6 +284,14 @@ class PrefetchRevoke(Payload):
     in_flight: OptInt = None
 
 
+class PrefetchPartial(Payload):
+    """A release's prefetch into a full L2: ``pages`` of the agreed ``hit_pages`` fitted."""
+
+    rid: str
+    hit_pages: Int
+    pages: Int
+
+
 class PrefetchDiscard(Payload):
     rid: str
     pool: str
@@ -441,7 +449,8 @@ PAYLOADS: dict[str, type[Payload]] = {
     Ev.BACKUP_SUBMIT: BackupSubmit, Ev.BACKUP_ACK: BackupAck,
     Ev.PREFETCH_SUBMIT: PrefetchSubmit, Ev.PREFETCH_HIT: PrefetchHit,
     Ev.PREFETCH_ACK: PrefetchAck, Ev.PREFETCH_SETTLE: PrefetchSettle,
-    Ev.PREFETCH_REVOKE: PrefetchRevoke, Ev.PREFETCH_DISCARD: PrefetchDiscard,
+    Ev.PREFETCH_REVOKE: PrefetchRevoke, Ev.PREFETCH_PARTIAL: PrefetchPartial,
+    Ev.PREFETCH_DISCARD: PrefetchDiscard,
     Ev.PREFETCH_LATE_WRITE: PrefetchLateWrite, Ev.STORAGE: Storage, Ev.VOTE: Vote,
     Ev.COLLECTIVE_ENTER: CollectiveEnter, Ev.COLLECTIVE_EXIT: CollectiveExit,
     Ev.FAULT: FaultFired, Ev.WORKER_DIED: WorkerDied, Ev.INTEGRITY: Integrity,

@@ -46,6 +46,7 @@ class Ev:
     PREFETCH_ACK = "l3.prefetch.ack"
     PREFETCH_SETTLE = "l3.prefetch.settle"
     PREFETCH_REVOKE = "l3.prefetch.revoke"
+    PREFETCH_PARTIAL = "l3.prefetch.partial"
     PREFETCH_DISCARD = "l3.prefetch.discard"
     PREFETCH_LATE_WRITE = "l3.prefetch.late_write"
     STORAGE = "l3.storage"

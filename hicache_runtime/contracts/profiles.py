@@ -29,13 +29,15 @@ class HostAlloc(str, Enum):
 
     PER_RANK = "per-rank"
     """Each rank allocates from its own pool, evicts once and retries, and acts on its own
-    outcome: every release (0.5.23 ``unified_radix_cache.py`` ``_execute_kv_backup`` L1737-1762
-    and ``hybrid_cache_controller.py`` ``allocate_storage_hit`` L796-829; 0.5.20
+    outcome; a prefetch that does not fit takes the page-aligned prefix that does (at least
+    the prefetch threshold): every release (0.5.23 ``unified_radix_cache.py``
+    ``_execute_kv_backup`` L1737-1762 and ``hybrid_cache_controller.py``
+    ``allocate_storage_hit`` L796-829; 0.5.20
     ``_execute_kv_backup`` L1577-1589 and ``_try_alloc_storage_hit`` L2684-2760). Ranks stay
     alike only while their pools do."""
     AGREED = "agreed"
-    """Reserve, vote over every TP and PP rank, then commit or abort together: PR #31425's
-    proposal, in no release (``cache/host_space.py`` ``alloc_host_agreed``)."""
+    """Reserve, vote over every TP and PP rank, then commit or abort together, all or nothing:
+    PR #31425's proposal, in no release (``cache/host_space.py`` ``alloc_host_agreed``)."""
 
 
 @dataclass(frozen=True)
@@ -71,9 +73,10 @@ class Profile:
 #: The policies every release's tree runs differently from this runtime (cited in
 #: ``docs/legacy-switches.md``, "Profiles"); none of them is modelled yet.
 _POLICIES_0523 = (
-    "prefetch into a full L2: upstream falls back to the page-aligned prefix that fits (at "
-    "least the prefetch threshold; hybrid_cache_controller.py allocate_storage_hit L796-829); "
-    "here a prefetch that does not fit is revoked whole (host_full)",
+    "prefetch into a full L2 with sidecar pools: upstream trims the pools' pages with the KV's "
+    "(allocate_storage_hit L796-829); here such a prefetch is revoked whole (without sidecar "
+    "pools the partial fallback is modelled: the page-aligned prefix that fits, at least the "
+    "prefetch threshold, taken per rank)",
     "timeout prefetch policy: upstream's clock starts at the first blocked admission poll and "
     "never expires once the KV has landed (unified_radix_cache.py L2259-2283), budget base + "
     "per_ki_token x requested tokens / 1024 (1.0 s, 0.25 s); here the clock starts at "
@@ -85,8 +88,9 @@ _POLICIES_0523 = (
     "(evict_policy.py), all over a logical clock; here LRU only",
 )
 _POLICIES_0520 = (
-    "prefetch into a full L2: upstream falls back to the page-aligned prefix that fits "
-    "(unified_radix_cache.py _try_alloc_storage_hit L2733-2746); here revoked whole",
+    "prefetch into a full L2 with sidecar pools: revoked whole here; upstream trims them with "
+    "the KV (unified_radix_cache.py _try_alloc_storage_hit L2733-2746; without sidecar pools "
+    "the partial fallback is modelled)",
     "timeout prefetch policy: upstream's clock starts at op creation, budget base + agreed hit "
     "pages x per-page (L2056-2061)",
     "write_through_selective: upstream skips every chunked insert and counts the request's own "
@@ -99,7 +103,8 @@ _HIRADIX = (
     "run the same operations in the same order, and wallclock-lru's trigger is this runtime's "
     "own (synthetic), so the profile keeps the logical clock",
     "prefetch into a full L2: upstream falls back to the page-aligned part of the requested "
-    "span that fits, before the L3 query; here revoked whole",
+    "span that fits, before the L3 query; here the fallback comes after the query, on the "
+    "agreed hit (0.5.20's order)",
 )
 
 

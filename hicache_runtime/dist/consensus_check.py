@@ -183,4 +183,5 @@ DECISION_ATTRS: dict[str, tuple[str, ...]] = {
     Ev.PREFETCH_SETTLE: ("rid", "completed", "inserted"),
     Ev.REQ_ADMIT: ("rid", "prefix", "device_hit", "host_hit", "storage_hit"),
     Ev.CHUNK_SIZE: ("rid", "history", "size"),
+    Ev.PREFETCH_PARTIAL: ("rid", "pages"),
 }

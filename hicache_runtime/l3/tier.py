@@ -64,6 +64,11 @@ class HostAllocator(Protocol):
         unless all got them; a vote named ``site``) or this rank's own; ``rank_local`` forces
         the latter."""
 
+    def take_prefix(self, num_tokens: int, page_size: int, at_least: int
+                    ) -> tuple[torch.Tensor, int] | None:
+        """After a failed full allocation: the page-aligned part that fits (at least
+        ``at_least`` tokens), as releases allocate; None under an agreed allocation."""
+
 
 @dataclass(frozen=True)
 class L2Side:
@@ -194,9 +199,17 @@ class L3Tier:
         slots = self.allocator.take(
             tokens, "prefetch_alloc",
             rank_local=LegacySwitch.LOCAL_PREFETCH_PROGRESS in self.legacy)
-        if slots is None:
-            self._revoke(op, "host_full")
-            return
+        if slots is None:  # a release falls back to the prefix that fits; proposed revokes
+            # (with sidecar pools the trimmed op's pool pages are not modelled: revoked whole)
+            part = None if op.pool_hit_pages else self.allocator.take_prefix(
+                tokens, self.ps, self.threshold)
+            if part is None:
+                self._revoke(op, "host_full")
+                return
+            slots, tokens = part
+            self.tracer.emit(Ev.PREFETCH_PARTIAL, rid=op.rid, hit_pages=op.hit_pages,
+                             pages=tokens // self.ps)
+            op.hit_pages = tokens // self.ps  # the IO thread reads only these pages
         op.host_slots = slots
         self.occupied -= op.reserved - tokens
         op.reserved = tokens

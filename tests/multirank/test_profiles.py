@@ -48,3 +48,45 @@ def test_release_matrix_of_a_failed_host_allocation_on_one_rank(tmp_path: Path) 
     assert "| `tp2 host-alloc-fail:tp=1` | " in page
     assert f"`{release.verdict}`: `sglang-0.5.23`" in page
     assert "<testcase" in junit_xml(result.as_campaign())
+
+
+def _prefetch_events(path: Path) -> dict[str, int]:
+    import json
+
+    seen: dict[str, int] = {}
+    for line in path.read_text().splitlines():
+        e = json.loads(line)
+        if e["kind"] == "l3.prefetch.partial":
+            seen["partial"] = seen.get("partial", 0) + 1
+        elif e["kind"] == "l3.prefetch.revoke" and e["attrs"]["reason"] == "host_full":
+            seen["host_full"] = seen.get("host_full", 0) + 1
+    return seen
+
+
+@pytest.mark.parametrize("profile", ["sglang-0.5.23", "proposed"])
+def test_a_prefetch_into_a_full_l2_takes_the_prefix_that_fits_on_a_release(
+        tmp_path: Path, profile: str) -> None:
+    """0.5.23 (``allocate_storage_hit`` L796-829): a prefetch whose agreed hit does not fit
+    in L2 takes the page-aligned prefix that does, per rank; the ranks' pools are alike, so
+    they take the same length and the run stays healthy. Proposed takes all or nothing."""
+    from hicache_runtime.contracts.bundle import RunOutcome
+    from hicache_runtime.launch.run import run
+    from tests.multirank.conftest import mr_config
+
+    cfg = mr_config(**{"profile": profile, "topology.tp": 2, "workload.requests": 48,
+                       "cache.device_tokens": 256, "cache.host_tokens": 384,
+                       "storage.backend": "file", "storage.path": tmp_path / "l3",
+                       "observability.trace_path": tmp_path / "t.jsonl"})
+    warm = run(cfg.with_overrides(**{"observability.trace_path": None}), compare=False,
+               bundle_root=tmp_path / "b")
+    assert warm.outcome is RunOutcome.HEALTHY, warm.error
+    s = run(cfg, bundle_root=tmp_path / "b")
+    assert s.outcome is RunOutcome.HEALTHY, s.error
+    assert s.output_match is True
+    seen = [_prefetch_events(tmp_path / f"t.rank{r}.jsonl") for r in (0, 1)]
+    assert seen[0] == seen[1], "both ranks decide alike"
+    if profile == "proposed":
+        assert "partial" not in seen[0]
+        assert seen[0].get("host_full", 0) > 0
+    else:
+        assert seen[0].get("partial", 0) > 0, seen[0]
