@@ -457,11 +457,11 @@ def campaign(
         raise ConfigError("--profile", "give --profile (one profile for every cell) or "
                                        "--profiles (the release matrix), not both")
     if profile is not None:
-        from hicache_runtime.contracts.profiles import PROFILES
+        from hicache_runtime.contracts.profiles import unknown
 
-        if profile not in PROFILES:
-            raise ConfigError("--profile", f"unknown profile {profile[:64]!r}",
-                              hint=f"known: {', '.join(PROFILES)}")
+        problem = unknown(profile)
+        if problem is not None:
+            raise ConfigError("--profile", problem)
         camp = camp.model_copy(update={"defaults": {**camp.defaults, "profile": profile}})
     shard_of = None
     if shard is not None:
@@ -555,14 +555,8 @@ def _release_matrix(camp: Any, profiles: str, *, only: str | None, seeds: str | 
     """``hicache campaign --profiles``: the release matrix (``faults/campaign/releases.py``)."""
     import render
     from faults.campaign.cells import select
-    from faults.campaign.releases import (
-        markdown as matrix_markdown,
-    )
-    from faults.campaign.releases import (
-        parse_profiles,
-        release_spec,
-        run_release_matrix,
-    )
+    from faults.campaign.releases import markdown as matrix_markdown
+    from faults.campaign.releases import parse_profiles, release_spec, run_release_matrix
     from faults.campaign.reports import junit_xml
 
     if seeds is not None or html_dir is not None:

@@ -785,6 +785,8 @@ def profile_detail(r: dict[str, Any]) -> None:
 def release_matrix(result: Any) -> None:
     """``hicache campaign --profiles``: cells by profiles, then where each signature
     reproduces."""
+    from faults.campaign.releases import cell_mark
+
     con = console()
     table = Table(title=f"release matrix of {esc(result.campaign)} ({result.wall_s:.0f} s)",
                   title_justify="left")
@@ -796,14 +798,9 @@ def release_matrix(result: Any) -> None:
         marks = []
         for p in result.profiles:
             c = at.get((row, p))
-            if c is None:
-                marks.append("")
-            elif c.skipped is not None:
-                marks.append(f"[{STYLE_DIM}]skipped[/]")
-            elif c.passed:
-                marks.append("[green]clean[/]")
-            else:
-                marks.append(f"[red]{esc(c.verdict or c.outcome)}[/]")
+            mark = cell_mark(c) if c is not None else ""
+            style = STYLE_DIM if mark == "skipped" else STYLE_OK if mark == "clean" else STYLE_BAD
+            marks.append(f"[{style}]{esc(mark)}[/]" if mark else "")
         table.add_row(esc(row), *marks)
     con.print(_fit(con, table, {"cell": 16}))
     found = result.reproduces()

@@ -27,6 +27,7 @@ from hicache_runtime.contracts.errors import ConfigError, validation_problem
 from hicache_runtime.contracts.l3_backends import NO_BACKEND
 from hicache_runtime.contracts.legacy import LegacySwitch
 from hicache_runtime.contracts.profiles import DEFAULT_PROFILE, PROFILES, HostAlloc
+from hicache_runtime.contracts.profiles import unknown as unknown_profile
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -289,10 +290,9 @@ class RuntimeConfig(BaseModel):
         if not isinstance(data, dict):
             return data
         name = data.get("profile", DEFAULT_PROFILE)
-        if not isinstance(name, str) or name not in PROFILES:
-            shown = short_repr(name)
-            raise ValueError(_at("profile", f"unknown profile {shown} (known: "
-                                 f"{', '.join(PROFILES)})"))
+        problem = unknown_profile(name)
+        if problem is not None:
+            raise ValueError(_at("profile", problem))
         chosen = PROFILES[name]
         data = dict(data)
         asked = data.get("legacy") or ()

@@ -22,7 +22,8 @@ import yaml
 from faults.campaign.plan import faults_label
 from faults.campaign.releases import RELEASE_MATRIX_KIND, ReleaseMatrix
 from hicache_runtime.contracts.errors import ConfigError
-from hicache_runtime.contracts.legacy import REGISTRY, Fidelity, LegacySwitch
+from hicache_runtime.contracts.legacy import parse_legacy
+from hicache_runtime.contracts.profiles import synthetic
 from signatures.models import Catalog
 
 MAX_MATRIX_BYTES = 32 << 20
@@ -41,9 +42,7 @@ def signature_row(cell: str) -> str:
 def _release_exposed(cell: str) -> bool:
     """Whether the switches of a catalog campaign cell all run what a release ran."""
     mode = cell.split("/", 2)[1]
-    if mode == "fixed":
-        return True
-    return all(REGISTRY[LegacySwitch(m)].fidelity is Fidelity.RELEASE for m in mode.split("+"))
+    return mode == "fixed" or not synthetic(parse_legacy(mode.split("+")))
 
 
 def affected(matrix: ReleaseMatrix, catalog: Catalog, command: str) -> dict[str, Any]:

@@ -45,7 +45,8 @@ from hicache_runtime.contracts.bundle import (
     label_bundle,
     load_manifest,
 )
-from hicache_runtime.contracts.legacy import REGISTRY, Fidelity, parse_legacy
+from hicache_runtime.contracts.legacy import REGISTRY, parse_legacy
+from hicache_runtime.contracts.profiles import synthetic
 
 if TYPE_CHECKING:
     from hicache_runtime.launch.run import ReferenceMemo, RunSummary
@@ -395,10 +396,9 @@ def _fired(bundle: Path) -> list[FiredFaultRecord]:
 def _identity(cell: CellSpec) -> dict[str, Any]:
     """What every result of ``cell`` says about which cell it is."""
     row, column = matrix_place(cell)
-    weak = {s.value: REGISTRY[s].fidelity.value for s in parse_legacy(cell.legacy)
-            if REGISTRY[s].fidelity is not Fidelity.RELEASE}
+    weak = {s.value: REGISTRY[s].fidelity.value for s in synthetic(parse_legacy(cell.legacy))}
     return {"id": cell.id, "expect": cell.expect, "faults": list(cell.faults), "row": row,
-            "column": column, "not_a_release": dict(sorted(weak.items()))}
+            "column": column, "not_a_release": weak}
 
 
 def run_cell(spec: CampaignSpec, cell: CellSpec, work: Path, bundle_root: Path, *,

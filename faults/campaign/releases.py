@@ -25,7 +25,7 @@ from doctor.report.markdown import md_code, md_escape
 from faults.campaign.cells import CampaignResult, CellHook, CellResult, run_campaign
 from faults.campaign.plan import HEALTHY, CampaignSpec
 from hicache_runtime.contracts.errors import ConfigError
-from hicache_runtime.contracts.profiles import PROFILES
+from hicache_runtime.contracts.profiles import unknown
 
 RELEASE_MATRIX_KIND = "hicache-release-matrix"
 RELEASE_MATRIX_SCHEMA_VERSION = "1.0"
@@ -65,11 +65,9 @@ class ReleaseMatrix(BaseModel):
 def parse_profiles(text: str) -> list[str]:
     """``--profiles a,b``: known profile names, in order, each once."""
     names = list(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
-    unknown = [n for n in names if n not in PROFILES]
-    if unknown or not names:
-        shown = ", ".join(repr(n[:64]) for n in unknown[:3]) or "none"
-        raise ConfigError("--profiles", f"unknown or no profile ({shown})",
-                          hint=f"known: {', '.join(PROFILES)}")
+    problem = next(filter(None, map(unknown, names)), None) if names else unknown("")
+    if problem is not None:
+        raise ConfigError("--profiles", f"unknown or no profile: {problem}")
     return names
 
 
@@ -119,7 +117,7 @@ def markdown(result: ReleaseMatrix) -> str:
         marks = []
         for p in result.profiles:
             c = at.get((row, p))
-            marks.append("" if c is None else md_escape(_mark(c)))
+            marks.append("" if c is None else md_escape(cell_mark(c)))
         lines.append(f"| {md_code(row, table=True)} | " + " | ".join(marks) + " |")
     found = result.reproduces()
     if found:
@@ -129,7 +127,8 @@ def markdown(result: ReleaseMatrix) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _mark(c: CellResult) -> str:
+def cell_mark(c: CellResult) -> str:
+    """A matrix cell: ``skipped``, ``clean`` or what the doctor named (else the outcome)."""
     if c.skipped is not None:
         return "skipped"
     if c.passed:

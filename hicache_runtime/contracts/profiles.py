@@ -140,13 +140,21 @@ PROFILES: Mapping[str, Profile] = _profiles(
 DEFAULT_PROFILE = "sglang-0.5.23"
 
 
+def unknown(name: object) -> str | None:
+    """Why ``name`` is no profile (naming the known ones), or None."""
+    if isinstance(name, str) and name in PROFILES:
+        return None
+    shown = repr(name)
+    shown = shown if len(shown) <= 66 else shown[:63] + "..."
+    return f"unknown profile {shown} (known: {', '.join(PROFILES)})"
+
+
 def profile(name: str) -> Profile:
-    """The profile called ``name``; ``KeyError`` names the known ones."""
-    try:
-        return PROFILES[name]
-    except KeyError:
-        shown = name if len(name) <= 64 else name[:61] + "..."
-        raise KeyError(f"unknown profile {shown!r} (known: {', '.join(PROFILES)})") from None
+    """The profile called ``name``; ``KeyError`` says why there is none."""
+    problem = unknown(name)
+    if problem is not None:
+        raise KeyError(problem)
+    return PROFILES[name]
 
 
 def synthetic(switches: frozenset[LegacySwitch]) -> list[LegacySwitch]:
