@@ -240,16 +240,17 @@ def run(
         help="Tokens generated per request.", show_default=_dflt("workload.max_new_tokens"))]
     = None,
     storage: Annotated[str | None, typer.Option(
-        help="L3 backend: none | file | redis | mooncake.",
+        help="L3 backend: none, or a backend's name (an unknown name lists the known "
+             "ones, installed plug-ins included).",
         show_default=_dflt("storage.backend"))]
     = None,
     storage_path: Annotated[Path | None, typer.Option(
         help="Directory of the file backend.",
         show_default="a private per-user directory under $TMPDIR")] = None,
     storage_url: Annotated[str | None, typer.Option(
-        help="Redis URL (redis://127.0.0.1:6379/0), or the Mooncake master "
-             "(mooncake://HOST:RPC_PORT with ?metadata=http://HOST:PORT/metadata; without it "
-             "--storage mooncake starts a private store for the run).")] = None,
+        help="The server of a backend that keeps its store in one (redis://HOST:PORT/DB, "
+             "mooncake://HOST:RPC_PORT?metadata=http://HOST:PORT/metadata); without it a "
+             "backend that can start a private store for the run does (mooncake).")] = None,
     storage_optional: Annotated[bool, typer.Option(
         help="Start even if the L3 backend is unreachable (it reconnects later).")] = False,
     prefetch_policy: Annotated[str | None, typer.Option(
@@ -370,13 +371,14 @@ def _check_machine(cfg: Any) -> None:
 
 def _execute(cfg: Any, compare: bool, progress: bool) -> Any:
     import render
-    from hicache_runtime.l3.backends.mooncake_master import private_store
+    from hicache_runtime.l3.registry import private_store
     from hicache_runtime.launch.run import run
 
     with private_store(cfg) as (cfg, store):
         if store is not None:  # on stderr: with --json, stdout stays one JSON object
-            print(f"L3: started a private Mooncake store for this run at {store.url} (stopped "
-                  "when the run ends; --storage-url uses your own)", file=sys.stderr)
+            print(f"L3: started a private {cfg.storage.backend} store for this run at "
+                  f"{store.url} (stopped when the run ends; --storage-url uses your own)",
+                  file=sys.stderr)
         with render.run_progress("running", enabled=progress and sys.stderr.isatty()) as update:
             return run(cfg, compare=compare, progress=update)
 
@@ -416,8 +418,8 @@ def campaign(
     bundle_dir: Annotated[Path, typer.Option(help="Where the cells' crash bundles go.")]
     = Path("hicache-bundles"),
     storage_url: Annotated[str | None, typer.Option(
-        help="The Redis or Mooncake store of cells with storage.backend redis or mooncake (a "
-             "spec may not name one).")] = None,
+        help="The store of cells whose backend keeps it in a server (redis, mooncake); a "
+             "spec may not name one.")] = None,
     resume: Annotated[Path | None, typer.Option(
         help="Append each cell's result to this file as it ends; run again with the same "
              "file to finish an interrupted run (done cells are not run again).")] = None,
@@ -488,11 +490,12 @@ def campaign(
         from faults.campaign.shards import shard as shard_cells
 
         cells = shard_cells(camp, cells, *shard_of)
-    redis_cells = needs_store(camp, cells)
-    if redis_cells and storage_url is None and not list_cells:
-        raise ConfigError("--storage-url", f"{len(redis_cells)} cell(s) use a Redis store "
-                          f"({redis_cells[0]}, ...), which only the command line names",
-                          hint="hicache campaign SPEC --storage-url redis://host:port/db")
+    store_cells = needs_store(camp, cells)
+    if store_cells and storage_url is None and not list_cells:
+        (backend, example), first = store_cells[0]
+        raise ConfigError("--storage-url", f"{len(store_cells)} cell(s) use a {backend} "
+                          f"store ({first}, ...), which only the command line names",
+                          hint=f"hicache campaign SPEC --storage-url {example}")
     if list_cells:
         if json_out:  # each cell with the settings it runs with (campaign defaults + its own)
             print(json.dumps([{**c.model_dump(), "settings": {**camp.defaults, **c.config}}

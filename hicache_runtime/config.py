@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -184,14 +183,15 @@ class StorageConfig(BaseModel):
             raise ValueError(_at("storage.backend", problem))
         return name
 
-    @field_validator("url")
-    @classmethod
-    def _redis_url(cls, url: str | None) -> str | None:
-        if url is not None and not url.startswith("mooncake://"):  # the backend parses those
-            problem = redis_url_problem(url)
+    @model_validator(mode="after")
+    def _url_fits_backend(self) -> StorageConfig:
+        # The backend's own check (``StorageBackend.url_problem``): importing a backend module
+        # is cheap (client libraries load lazily), and no backend is named anywhere here.
+        if self.backend != NO_BACKEND:
+            problem = l3_backends.url_problem(self.backend, self.url)
             if problem:
-                raise ValueError(_at("storage.url", f"{problem}; use redis://host:port/db"))
-        return url
+                raise ValueError(_at("storage.url", problem))
+        return self
 
 
 class SchedulerConfig(BaseModel):
@@ -323,8 +323,6 @@ class RuntimeConfig(BaseModel):
             raise ValueError(_at("scheduler.enable_dynamic_chunking", "needs pipeline "
                                  "parallelism (pp > 1): chunk sizes are sized to even out "
                                  "the stages"))
-        if self.storage.backend == "redis" and not self.storage.url:
-            raise ValueError(_at("storage.url", "the redis backend needs redis://host:port/db"))
         if self.storage.single_writer and t.tp > 1 and not m.kv_replicated:
             raise ValueError(_at("storage.single_writer", "needs model.kv_replicated with tp > 1 "
                                  "(head-sharded pages differ per TP rank)"))
@@ -429,33 +427,6 @@ def _short_field(field: str) -> str:
     """A field path as named in an error: keys come from files, so bound and flatten them."""
     field = " ".join(field.split())
     return field if len(field) <= 80 else field[:77] + "..."
-
-
-_REDIS_SCHEMES = ("redis", "rediss", "unix")
-
-
-def redis_url_problem(url: str) -> str | None:
-    """What is wrong with a Redis URL, or None: parsed here so a malformed one is a one-line
-    error at the boundary, never an exception from deep in a client library."""
-    if len(url) > 2048:
-        return "the URL is longer than 2048 characters"
-    if not url.isprintable() or any(c.isspace() for c in url):
-        return "the URL holds spaces or control characters"
-    try:
-        parts = urlsplit(url)
-        port = parts.port  # raises for a non-numeric or out-of-range port
-    except ValueError as exc:
-        return f"not a URL ({exc})"
-    if parts.scheme not in _REDIS_SCHEMES:
-        return f"scheme {parts.scheme or 'missing'!r} is not one of {', '.join(_REDIS_SCHEMES)}"
-    if parts.scheme == "unix":
-        return None if parts.path else "a unix:// URL needs a socket path"
-    if port == 0:
-        return "port 0 is not a server port"
-    db = parts.path.strip("/")
-    if db and not (db.isdigit() and len(db) <= 6):
-        return f"the database {short_repr(db)} is not a number"
-    return None
 
 
 # --- what one run may ask of this machine --------------------------------------------------

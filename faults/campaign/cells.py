@@ -47,6 +47,7 @@ from hicache_runtime.contracts.bundle import (
 )
 from hicache_runtime.contracts.legacy import REGISTRY, parse_legacy
 from hicache_runtime.contracts.profiles import synthetic
+from hicache_runtime.l3.registry import takes_url
 
 if TYPE_CHECKING:
     from hicache_runtime.launch.run import ReferenceMemo, RunSummary
@@ -288,10 +289,12 @@ class CampaignMemo:
 def cell_config(spec: CampaignSpec, cell: CellSpec, work: Path, bundle_root: Path,
                 storage_url: str | None = None) -> RuntimeConfig:
     """The runtime config of a cell: campaign defaults, then the cell's overrides; the places
-    it writes (bundles, the file store) are the campaign's, and a Redis or Mooncake store is
-    the one the command line named (``storage_url``), never one from the spec."""
+    it writes (bundles, the file store) are the campaign's, and a store kept in a server
+    (Redis, Mooncake) is the one the command line named (``storage_url``), never one from the
+    spec."""
     data: dict[str, object] = {**spec.defaults, **cell.config}
-    if data.get("storage.backend") in ("redis", "mooncake") and storage_url is not None:
+    backend = data.get("storage.backend")
+    if storage_url is not None and isinstance(backend, str) and takes_url(backend):
         data["storage.url"] = storage_url
     data.update({"topology.tp": cell.tp, "topology.pp": cell.pp, "seed": cell.seed,
                  "faults": tuple(parse_faults(cell.faults)),
@@ -339,9 +342,10 @@ def run_and_diagnose(cfg: RuntimeConfig, *, warm: bool, compare: bool, bundle_ro
     """Run ``cfg`` (after a fault-free, switch-free warm-up run when ``warm``) and, if it left
     a bundle, let the doctor name its signature. ``memo``: warm-ups and cache-disabled
     reference runs to reuse (a campaign's)."""
-    from hicache_runtime.l3.backends.mooncake_master import private_store
+    from hicache_runtime.l3.registry import private_store
 
-    # A mooncake cell without a URL gets a store of its own, shared by its warm-up run.
+    # A cell whose backend can start a store (mooncake) and names none gets one of its own,
+    # shared by its warm-up run.
     with private_store(cfg) as (cfg, _):
         return _run_and_diagnose(cfg, warm=warm, compare=compare, bundle_root=bundle_root,
                                  memo=memo)

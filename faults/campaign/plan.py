@@ -54,6 +54,7 @@ from hicache_runtime.config import (
     location_keys,
 )
 from hicache_runtime.config_files import load_file, parse_text, short_repr
+from hicache_runtime.contracts import l3_backends
 from hicache_runtime.contracts.errors import ConfigError, InvalidFaultSpec, first_problem
 from hicache_runtime.contracts.legacy import LegacySwitch, parse_legacy
 
@@ -350,8 +351,9 @@ def _validate(data: Any, where: str) -> CampaignSpec:
             check_expectation(expect, known, f"{where}: matrix {i}, expect.{key}")
     for cell in cells:
         settings = cell_settings(spec, cell)
-        if settings.get("storage.backend") == "redis":  # its server comes from --storage-url
-            settings["storage.url"] = PLACEHOLDER_REDIS
+        example = _url_from_command_line(settings.get("storage.backend"))
+        if example:  # its server comes from --storage-url; any good URL stands in for it
+            settings["storage.url"] = example
         try:
             check_run_limits(load_config(settings))
         except ConfigError as exc:
@@ -359,14 +361,29 @@ def _validate(data: Any, where: str) -> CampaignSpec:
     return spec
 
 
-PLACEHOLDER_REDIS = "redis://127.0.0.1:6379/0"
-"""Stands in for the ``--storage-url`` a Redis cell will run with, while a spec is checked."""
+def _url_from_command_line(backend: object) -> str:
+    """A URL of ``backend`` (``url_example``) when only the command line may name its server
+    (``url_required``), else ""."""
+    if not isinstance(backend, str) or backend == "none":
+        return ""
+    try:
+        cls = l3_backends.load(backend)
+    except ConfigError:  # an unknown name is the config check's to report
+        return ""
+    return str(cls.url_example) if cls.url_required else ""
 
 
-def needs_store(spec: CampaignSpec, cells: list[CellSpec]) -> list[str]:
-    """The ids of ``cells`` that run against a Redis store, which only the command line may
-    name (a Mooncake cell without one starts a private store)."""
-    return [c.id for c in cells if cell_settings(spec, c).get("storage.backend") == "redis"]
+def needs_store(spec: CampaignSpec, cells: list[CellSpec]) -> list[tuple[tuple[str, str], str]]:
+    """``((backend, example URL), cell id)`` of each of ``cells`` whose backend's server only
+    the command line may name (``url_required``: Redis); a backend that can start a private
+    store (Mooncake) gets one when none is named."""
+    out = []
+    for c in cells:
+        backend = cell_settings(spec, c).get("storage.backend")
+        example = _url_from_command_line(backend)
+        if example:
+            out.append(((str(backend), example), c.id))
+    return out
 
 
 def cell_settings(spec: CampaignSpec, cell: CellSpec) -> dict[str, Any]:

@@ -47,6 +47,7 @@ from hicache_runtime.config import (
 from hicache_runtime.contracts.bundle import Manifest
 from hicache_runtime.contracts.errors import ConfigError, DumpFormatError, first_problem, printable
 from hicache_runtime.contracts.run_files import MANIFEST
+from hicache_runtime.l3.registry import backend_for_url, takes_url
 
 MAX_MANIFEST_BYTES = 4 << 20
 """A genuine manifest is a few KB (a wrong-output one with many mismatches, a few hundred)."""
@@ -210,19 +211,28 @@ def guard_config(raw: dict[str, Any], *, storage_url: str | None = None) -> Guar
                                                "URL does not apply")
         storage = "none (no L3)"
     elif storage_url is not None:
-        backend = "mooncake" if storage_url.startswith("mooncake://") else "redis"
+        backend = backend_for_url(storage_url)
+        if backend is None:
+            raise ConfigError("--storage-url", f"{redact(storage_url)} uses no known L3 "
+                                               "backend's URL scheme")
         changes.update({"storage.backend": backend, "storage.url": storage_url})
         storage = f"{backend} at {redact(storage_url)} (from --storage-url)"
     else:
         changes.update({"storage.backend": "file", "storage.url": None})
         storage = "a private file store under the output directory"
-        if st.backend in ("redis", "mooncake"):
-            used, target = {"redis": ("Redis", "a Redis server"),
-                            "mooncake": ("a Mooncake store", "one")}[st.backend]
-            notes.append(f"the bundle's run used {used} at {redact(st.url or '')}; not "
-                         f"contacted (pass --storage-url to replay against {target})")
+        if _takes_url(st.backend):
+            notes.append(f"the bundle's run used a {st.backend} store at "
+                         f"{redact(st.url or '')}; not contacted (pass --storage-url to "
+                         "replay against one)")
     return GuardedConfig(cfg=cfg.with_overrides(**changes), notes=tuple(notes),
                          storage=storage)
+
+
+def _takes_url(backend: str) -> bool:
+    try:
+        return takes_url(backend)
+    except ConfigError:  # a plug-in this machine cannot load: its store is not used anyway
+        return False
 
 
 def _check_caps(cfg: RuntimeConfig) -> None:

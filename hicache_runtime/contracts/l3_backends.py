@@ -8,18 +8,23 @@ in the plug-in's ``pyproject.toml``::
     [project.entry-points."hicache.l3_backends"]
     dictstore = "dictstore_plugin:DictBackend"
 
-Only names and ``module:Class`` strings live here, torch-free: the config checks a name without
-importing any backend, and entry points are read only when a name is neither registered nor
-built in. ``hicache_runtime.l3.registry`` imports the class when a rank builds its backend.
+Only names and ``module:Class`` strings live here, torch-free, and entry points are read only
+when a name is neither registered nor built in. :func:`load` imports the class a name stands
+for: the config does so to check ``storage.url`` with the backend's own rule
+(:func:`url_problem`), cheap since backend modules import their client libraries lazily; a
+plug-in's module is imported when a config names it. ``hicache_runtime.l3.registry`` builds a
+rank's backend from the class.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import re
 import threading
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import Any
 
 from hicache_runtime.contracts.errors import ConfigError
 
@@ -78,6 +83,36 @@ def target(name: str) -> str:
     if message is not None or found is None:
         raise ConfigError("storage.backend", message or f"unknown L3 backend {name!r}")
     return found
+
+
+def load(name: str) -> Any:
+    """The backend class ``name`` stands for, imported now (a backend module imports its
+    client library lazily, so this is cheap and torch-free).
+
+    Raises :class:`ConfigError` (field ``storage.backend``) for an unknown name and for a
+    backend whose module or class cannot be loaded.
+    """
+    found = target(name)
+    module, _, attr = found.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError("storage.backend", f"L3 backend {name!r} ({found}) cannot be "
+                          f"loaded: {exc}") from exc
+
+
+def url_problem(name: str, url: str | None) -> str | None:
+    """What is wrong with ``storage.url`` for backend ``name`` (the backend's own check:
+    ``StorageBackend.url_problem``), or None. A missing URL is a problem only for a backend
+    whose server only the user may name (``url_required``)."""
+    cls = load(name)
+    if url is None:
+        if getattr(cls, "url_required", False):
+            example = getattr(cls, "url_example", "") or "a URL"
+            return f"the {name} backend needs its server's URL ({example})"
+        return None
+    problem: str | None = cls.url_problem(url)
+    return problem
 
 
 def _lookup(name: str) -> str | None:

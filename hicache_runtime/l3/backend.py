@@ -38,7 +38,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from hicache_runtime.contracts.errors import CorruptPage
 from hicache_runtime.contracts.events import Ev
@@ -46,6 +46,8 @@ from hicache_runtime.l3 import envelope
 from hicache_runtime.l3.keys import KeyScheme
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from hicache_runtime.config import StorageConfig
     from hicache_runtime.telemetry.tracer import Tracer
 
@@ -55,6 +57,18 @@ RawPage = tuple[bytes, bytes]
 """A sealed object in two parts: (envelope header, payload). Reads give (the first
 ``HEADER_SIZE`` bytes, everything after them), unverified; writes get a header from
 ``envelope.seal_parts``. Two parts, so no backend copies a page just to prepend a header."""
+
+
+class PrivateStore(Protocol):
+    """A throwaway server of a backend (``StorageBackend.throwaway``): ``with`` starts it and
+    stops it; ``url`` is what ``storage.url`` names it by."""
+
+    @property
+    def url(self) -> str: ...
+
+    def __enter__(self) -> PrivateStore: ...
+
+    def __exit__(self, *exc: object) -> None: ...
 
 
 @dataclass
@@ -127,6 +141,45 @@ class StorageBackend(ABC):
     """
 
     name: ClassVar[str] = "abstract"
+
+    # --- what a backend states about itself ----------------------------------------------
+    # The config, the CLI, campaigns and replays read these instead of naming backends, so a
+    # backend is one module (and, for a built-in, one line in ``contracts/l3_backends.py``).
+
+    url_schemes: ClassVar[tuple[str, ...]] = ()
+    """The schemes ``storage.url`` may use with this backend. Empty: it takes no URL. A
+    backend that takes one keeps its store in a server outside the run: a campaign's
+    ``--storage-url`` applies to its cells and a replay does not contact the bundle's."""
+    url_example: ClassVar[str] = ""
+    """A URL of this backend, shown in errors and hints and used to check a campaign spec
+    before the command line names the real one."""
+    url_required: ClassVar[bool] = False
+    """Only the user may name its server: no private store is started without a URL."""
+
+    @classmethod
+    def url_problem(cls, url: str) -> str | None:
+        """What is wrong with ``url`` for this backend, or None. A URL comes from files and
+        command lines: this is the boundary, so a bad one is a one-line error here and never
+        an exception from a client library. Backends with a URL add their own checks."""
+        if not cls.url_schemes:
+            return f"the {cls.name} backend takes no URL"
+        if len(url) > 2048:
+            return "the URL is longer than 2048 characters"
+        if not url.isprintable() or any(c.isspace() for c in url):
+            return "the URL holds spaces or control characters"
+        scheme = url.partition(":")[0] if ":" in url else ""
+        if scheme not in cls.url_schemes:
+            return (f"scheme {scheme[:20] or 'missing'!r} is not one of "
+                    f"{', '.join(cls.url_schemes)}")
+        return None
+
+    @classmethod
+    def throwaway(cls, workdir: Path | None = None) -> PrivateStore | None:
+        """A private store of this backend on this machine, not started (``with`` starts it
+        and stops it, and its ``url`` names it), or None when the backend has no server to
+        start. Tests, and runs without a URL, use it; ``workdir`` keeps its files (a fresh
+        temporary directory when None)."""
+        return None
 
     def __init__(self, scheme: KeyScheme, *, tracer: Tracer | None = None) -> None:
         self.scheme = scheme

@@ -9,8 +9,8 @@ Tests and embedding code may add names with :func:`register_backend`.
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 from hicache_runtime.contracts import l3_backends
@@ -19,10 +19,12 @@ from hicache_runtime.l3.faulty import wrap_faults
 from hicache_runtime.l3.keys import KeyScheme
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from faults.injector import FaultInjector
-    from hicache_runtime.config import StorageConfig
+    from hicache_runtime.config import RuntimeConfig, StorageConfig
     from hicache_runtime.contracts.topology import RankInfo
-    from hicache_runtime.l3.backend import StorageBackend
+    from hicache_runtime.l3.backend import PrivateStore, StorageBackend
     from hicache_runtime.telemetry.tracer import Tracer
 
 
@@ -34,6 +36,14 @@ class BackendFactory(Protocol):
                     max_payload_bytes: int = ...) -> StorageBackend: ...
 
     def unavailable(self, cfg: StorageConfig) -> str | None: ...
+
+    url_schemes: tuple[str, ...]
+    url_example: str
+    url_required: bool
+
+    def url_problem(self, url: str) -> str | None: ...
+
+    def throwaway(self, workdir: Path | None = None) -> PrivateStore | None: ...
 
 
 def known_backends() -> list[str]:
@@ -52,14 +62,40 @@ def backend_class(name: str) -> BackendFactory:
     Raises :class:`ConfigError` (field ``storage.backend``) for an unknown name, listing the
     known ones, and for a backend whose module or class cannot be loaded.
     """
-    target = l3_backends.target(name)
-    module, _, attr = target.partition(":")
-    try:
-        cls: BackendFactory = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError("storage.backend", f"L3 backend {name!r} ({target}) cannot be "
-                          f"loaded: {exc}") from exc
+    cls: BackendFactory = l3_backends.load(name)
     return cls
+
+
+def takes_url(name: str) -> bool:
+    """Whether backend ``name`` keeps its store in a server a URL names (``url_schemes``)."""
+    return name != l3_backends.NO_BACKEND and bool(backend_class(name).url_schemes)
+
+
+def backend_for_url(url: str) -> str | None:
+    """The backend whose URL scheme ``url`` uses (the first by name), or None."""
+    scheme = url.partition(":")[0] if ":" in url else ""
+    for name in known_backends():
+        try:
+            if scheme in backend_class(name).url_schemes:
+                return name
+        except ConfigError:  # a plug-in that cannot load names no scheme
+            continue
+    return None
+
+
+@contextlib.contextmanager
+def private_store(cfg: RuntimeConfig) -> Iterator[tuple[RuntimeConfig, PrivateStore | None]]:
+    """``cfg`` with a private store of its backend when it takes a URL and names none (started
+    here, stopped on exit, yielded with the config), else ``cfg`` unchanged and ``None``. A
+    backend whose server only the user may name (``url_required``) gets none."""
+    st = cfg.storage
+    cls = None if st.backend == l3_backends.NO_BACKEND or st.url else backend_class(st.backend)
+    store = None if cls is None or cls.url_required else cls.throwaway()
+    if store is None:
+        yield cfg, None
+        return
+    with store:
+        yield cfg.with_overrides(**{"storage.url": store.url}), store
 
 
 def unavailable(cfg: StorageConfig) -> str | None:

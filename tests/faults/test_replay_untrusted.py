@@ -165,7 +165,7 @@ def test_crafted_bundle_writes_only_under_the_output_dir_and_contacts_nothing(
     # what ran was shown first, with what the bundle asked for and did not get
     for shown in ("topology  tp=1 pp=1", "workload  6 requests", "; stage-lag:rid=chat*,ms=1",
                   "storage   a private file store", f"output    {Path('hicache-bundles')}",
-                  f"trace file {victim} is not written", "Redis at redis://***@127.0.0.1",
+                  f"trace file {victim} is not written", "a redis store at redis://***@127.0.0.1",
                   "not contacted"):
         assert shown in res.stderr, res.stderr
     assert "secret" not in res.stderr + res.stdout

@@ -192,7 +192,7 @@ def test_cli_without_url_runs_on_a_private_store(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-2000:]
     summary = json.loads(res.stdout)
     assert (summary["outcome"], summary["output_match"]) == ("healthy", True)
-    said = re.search(r"started a private Mooncake store for this run at "
+    said = re.search(r"started a private mooncake store for this run at "
                      r"mooncake://127\.0\.0\.1:(\d+)\?metadata=", res.stderr)
     assert said, res.stderr[-2000:]
     with pytest.raises(ConnectionRefusedError):  # stopped with the run

@@ -89,7 +89,7 @@ def test_replaying_a_mooncake_bundle_uses_a_file_store_or_the_given_master() -> 
     raw = {"storage": {"backend": "mooncake", "url": url}, "cache": {"host_tokens": 768}}
     plain = guard_config(raw)
     assert plain.cfg.storage.backend == "file"
-    assert any("used a Mooncake store at mooncake://127.0.0.1:50051" in n for n in plain.notes)
+    assert any("used a mooncake store at mooncake://127.0.0.1:50051" in n for n in plain.notes)
     given = guard_config(raw, storage_url=url.replace("50051", "50061"))
     assert (given.cfg.storage.backend, given.cfg.storage.url) == (
         "mooncake", url.replace("50051", "50061"))

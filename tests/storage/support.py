@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from hicache_runtime.kv.pools import HostKVPool, KVShape
+from hicache_runtime.l3.backend import StorageBackend
 from hicache_runtime.l3.keys import KeyScheme, chain_hashes
 
 SCHEME = KeyScheme("_tiny-test_0_1")
+
+MakeBackend = Callable[..., StorageBackend]
+"""A factory of one backend's instances on one medium (``new_backend(scheme=SCHEME)``)."""
 
 
 def hashes(n: int, seed: int = 0, page_size: int = 4) -> list[str]:

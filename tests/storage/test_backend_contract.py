@@ -1,4 +1,6 @@
-"""The StorageBackend contract, checked on every backend (file, and Redis on a real server)."""
+"""The StorageBackend contract, checked on every backend the registry knows (``conftest.py``:
+file, Redis and Mooncake on real throwaway servers, and the test backends of
+``extra_backends/``)."""
 
 from __future__ import annotations
 
@@ -7,20 +9,9 @@ import threading
 import torch
 
 from hicache_runtime.l3.backend import StorageBackend
-from hicache_runtime.l3.backends.file import FileBackend
 from hicache_runtime.l3.keys import KeyScheme
 from hicache_runtime.l3.pages import PageCodec
-from tests.storage.support import hashes, payload_for, small_pool
-
-
-def sibling(backend: StorageBackend, scheme: KeyScheme) -> StorageBackend:
-    """Another rank's backend on the same medium."""
-    if isinstance(backend, FileBackend):
-        return FileBackend(backend.root, scheme)
-    from hicache_runtime.l3.backends.redis import RedisBackend
-
-    assert isinstance(backend, RedisBackend)
-    return RedisBackend(backend.url, scheme)
+from tests.storage.support import MakeBackend, hashes, payload_for, small_pool
 
 
 def test_exists_counts_the_leading_contiguous_run(backend: StorageBackend) -> None:
@@ -59,11 +50,12 @@ def test_set_skips_existing_objects(backend: StorageBackend) -> None:
     assert backend.stats().set_skipped == 2
 
 
-def test_clear_removes_only_this_ranks_objects(backend: StorageBackend) -> None:
+def test_clear_removes_only_this_ranks_objects(backend: StorageBackend,
+                                               new_backend: MakeBackend) -> None:
     keys = hashes(4)
     backend.batch_set(keys, [payload_for(k) for k in keys])
     # Another rank (a PP stage) writing into the same medium, with a longer suffix.
-    other = sibling(backend, KeyScheme(backend.scheme.suffix + "_2_1"))
+    other = new_backend(KeyScheme(backend.scheme.suffix + "_2_1"))
     other.batch_set(keys, [b"other"] * 4)
     backend.clear()
     assert backend.batch_exists(keys) == 0

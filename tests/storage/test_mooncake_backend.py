@@ -27,17 +27,6 @@ from hicache_runtime.l3.keys import KeyScheme
 from hicache_runtime.l3.registry import make_backend
 from tests.storage.support import SCHEME, hashes, payload_for
 
-# The contract every backend keeps, run here against Mooncake through the ``backend`` fixture
-# below (the one in conftest.py is file and Redis).
-from tests.storage.test_backend_contract import (  # noqa: F401
-    test_closed_backend_fails_soft,
-    test_concurrent_backup_prefetch_and_query_threads,
-    test_exists_counts_the_leading_contiguous_run,
-    test_get_returns_payloads_and_holes_in_order,
-    test_host_pages_round_trip_through_the_backend,
-    test_set_skips_existing_objects,
-)
-
 MISSING = None if mc.mooncake_installed() and mooncake_binary("mooncake_master") else \
     "the Mooncake client is not installed (pip install -e '.[mooncake]' in the checkout)"
 needs_mooncake = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")

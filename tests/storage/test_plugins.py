@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache_runtime.config import load_config
+from hicache_runtime.config import StorageConfig, load_config
 from hicache_runtime.contracts import l3_backends
 from hicache_runtime.contracts.errors import ConfigError
 from hicache_runtime.contracts.topology import RankInfo
@@ -123,11 +123,15 @@ def test_without_the_plugin_the_name_is_unknown() -> None:
         load_config({"storage.backend": "dictstore"})
 
 
-def test_config_accepts_the_plugin_name_without_importing_it(installed: Path) -> None:
+def test_config_accepts_the_plugin_name_and_asks_the_plugin_about_urls(
+        installed: Path) -> None:
     assert {"dictstore", "file", "redis"} <= set(known_backends())
     cfg = load_config({"storage.backend": "dictstore"})
     assert cfg.storage.backend == "dictstore"
-    assert PLUGIN not in sys.modules, "a config check imports no backend"
+    # The plug-in declares no URL scheme (the base class's default): a URL is refused in its
+    # words, by the class the name stands for.
+    with pytest.raises(ConfigError, match=r"storage\.url: the dictstore backend takes no URL"):
+        load_config({"storage.backend": "dictstore", "storage.url": "redis://127.0.0.1:1/0"})
     with pytest.raises(ConfigError, match=r"unknown L3 backend 'dictstor' \(known: .*dictstore"):
         load_config({"storage.backend": "dictstor"})
 
@@ -151,6 +155,10 @@ def test_make_backend_builds_and_uses_the_plugin(installed: Path) -> None:
 def test_a_plugin_cannot_shadow_a_builtin_and_a_broken_one_is_a_config_error(
         installed: Path) -> None:
     assert backend_class("file").__module__ == "hicache_runtime.l3.backends.file"
-    cfg = load_config({"storage.backend": "broken"})  # the name is declared...
+    # The name is declared but its module is not there: the config check, which asks the
+    # class about URLs, says so before any run starts.
     with pytest.raises(ConfigError, match=r"L3 backend 'broken' .* cannot be loaded"):
-        make_backend(cfg.storage, RankInfo(), model="m")  # ...its module is not there
+        load_config({"storage.backend": "broken"})
+    cfg = StorageConfig.model_construct(backend="broken")  # a config built past the check
+    with pytest.raises(ConfigError, match=r"L3 backend 'broken' .* cannot be loaded"):
+        make_backend(cfg, RankInfo(), model="m")

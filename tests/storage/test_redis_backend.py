@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 import redis
 
-from hicache_runtime.config import StorageConfig
+from hicache_runtime.config import StorageConfig, load_config
 from hicache_runtime.contracts.errors import ConfigError, StorageUnavailable
 from hicache_runtime.l3.backend import StorageBackend
 from hicache_runtime.l3.backends.redis import RedisBackend
@@ -87,7 +87,12 @@ def test_bad_url_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"storage\.url"):
         RedisBackend("http://nowhere", SCHEME)
     with pytest.raises(ConfigError, match=r"storage\.url"):
-        RedisBackend.from_config(StorageConfig(backend="redis"), SCHEME)
+        RedisBackend.from_config(StorageConfig.model_construct(backend="redis"), SCHEME)
+    with pytest.raises(ConfigError, match=r"storage\.url: the redis backend needs its server's "
+                                          r"URL \(redis://"):
+        load_config({"storage.backend": "redis"})
+    with pytest.raises(ConfigError, match=r"scheme 'http' is not one of redis, rediss, unix"):
+        load_config({"storage.backend": "redis", "storage.url": "http://nowhere"})
 
 
 def test_degraded_start_connects_when_the_server_appears(redis_server: LocalRedisServer) -> None:

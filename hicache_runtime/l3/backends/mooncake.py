@@ -49,7 +49,10 @@ from hicache_runtime.l3.keys import KeyScheme
 from hicache_runtime.l3.outage import Outage
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from hicache_runtime.config import StorageConfig
+    from hicache_runtime.l3.backends.mooncake_master import LocalMooncakeStore
     from hicache_runtime.telemetry.tracer import Tracer
 
 log = logging.getLogger(__name__)
@@ -89,6 +92,24 @@ class MooncakeBackend(StorageBackend):
     """Pages in a Mooncake Store. See the module docstring for semantics and outages."""
 
     name = "mooncake"
+    url_schemes = (mc.SCHEME,)
+    url_example = "mooncake://127.0.0.1:50051?metadata=http://127.0.0.1:8080/metadata"
+
+    @classmethod
+    def url_problem(cls, url: str) -> str | None:
+        try:
+            mc.parse_url(url)
+        except ConfigError as exc:
+            return str(exc).partition(": ")[2]  # without the field, which the caller names
+        return None
+
+    @classmethod
+    def throwaway(cls, workdir: Path | None = None) -> LocalMooncakeStore:
+        """``mooncake_master`` and one segment holder on 127.0.0.1 (what a run without
+        ``storage.url`` gets)."""
+        from hicache_runtime.l3.backends.mooncake_master import LocalMooncakeStore
+
+        return LocalMooncakeStore(workdir=workdir)
 
     def __init__(self, url: str, scheme: KeyScheme, *, required: bool = True,
                  reconnect_backoff_s: float = 0.5, max_backoff_s: float = 5.0,

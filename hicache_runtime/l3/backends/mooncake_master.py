@@ -26,7 +26,6 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,7 +34,7 @@ from hicache_runtime.l3.backends.mooncake_client import INSTALL_HINT
 from hicache_runtime.l3.backends.redis_server import free_port
 
 if TYPE_CHECKING:
-    from hicache_runtime.config import RuntimeConfig
+    pass
 
 DEFAULT_SEGMENT_MIB = 256
 _PORT_TRIES = 8
@@ -240,14 +239,3 @@ def _kill(proc: subprocess.Popen[bytes] | None) -> None:
         if proc.poll() is None:
             proc.kill()
         proc.wait(timeout=10)
-
-
-@contextlib.contextmanager
-def private_store(cfg: RuntimeConfig) -> Iterator[tuple[RuntimeConfig, LocalMooncakeStore | None]]:
-    """``cfg`` with a private local store for a ``mooncake`` backend without a URL (started
-    here, stopped on exit, with the store), else ``cfg`` unchanged and ``None``."""
-    if cfg.storage.backend != "mooncake" or cfg.storage.url:
-        yield cfg, None
-        return
-    with LocalMooncakeStore() as store:
-        yield cfg.with_overrides(**{"storage.url": store.url}), store

@@ -38,6 +38,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from hicache_runtime.config_files import short_repr
 from hicache_runtime.contracts.errors import ConfigError, CorruptPage, StorageUnavailable
 from hicache_runtime.l3 import envelope
 from hicache_runtime.l3.backend import RawPage, StorageBackend
@@ -45,7 +46,10 @@ from hicache_runtime.l3.keys import KeyScheme
 from hicache_runtime.l3.outage import Outage
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from hicache_runtime.config import StorageConfig
+    from hicache_runtime.l3.backends.redis_server import LocalRedisServer
     from hicache_runtime.telemetry.tracer import Tracer
 
 log = logging.getLogger(__name__)
@@ -64,6 +68,35 @@ class RedisBackend(StorageBackend):
     """Pages in a Redis database. See the module docstring for outage handling."""
 
     name = "redis"
+    url_schemes = ("redis", "rediss", "unix")
+    url_example = "redis://127.0.0.1:6379/0"
+    url_required = True  # a Redis server is the user's to name; tests start their own
+
+    @classmethod
+    def url_problem(cls, url: str) -> str | None:
+        problem = super().url_problem(url)
+        if problem is not None:
+            return f"{problem}; use redis://host:port/db"
+        try:
+            parts = urlsplit(url)
+            port = parts.port  # raises for a non-numeric or out-of-range port
+        except ValueError as exc:
+            return f"not a URL ({exc}); use redis://host:port/db"
+        if parts.scheme == "unix":
+            return None if parts.path else "a unix:// URL needs a socket path"
+        if port == 0:
+            return "port 0 is not a server port"
+        db = parts.path.strip("/")
+        if db and not (db.isdigit() and len(db) <= 6):
+            return f"the database {short_repr(db)} is not a number"
+        return None
+
+    @classmethod
+    def throwaway(cls, workdir: Path | None = None) -> LocalRedisServer:
+        """A ``redis-server`` on a free port of 127.0.0.1, keeping nothing on disk."""
+        from hicache_runtime.l3.backends.redis_server import LocalRedisServer
+
+        return LocalRedisServer(workdir=workdir)
 
     def __init__(self, url: str, scheme: KeyScheme, *, required: bool = True,
                  reconnect_backoff_s: float = 0.5, max_backoff_s: float = 5.0,
