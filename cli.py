@@ -248,9 +248,10 @@ def run(
         help="Directory of the file backend.",
         show_default="a private per-user directory under $TMPDIR")] = None,
     storage_url: Annotated[str | None, typer.Option(
-        help="The server of a backend that keeps its store in one (redis://HOST:PORT/DB, "
-             "mooncake://HOST:RPC_PORT?metadata=http://HOST:PORT/metadata); without it a "
-             "backend that can start a private store for the run does (mooncake).")] = None,
+        help="The server of a backend that keeps its store in one: redis://HOST:PORT/DB, "
+             "or mooncake://HOST:RPC_PORT ?metadata=http://HOST:PORT/metadata (one word). "
+             "Without it, a backend that can start a private store for the run does "
+             "(mooncake).")] = None,
     storage_optional: Annotated[bool, typer.Option(
         help="Start even if the L3 backend is unreachable (it reconnects later).")] = False,
     prefetch_policy: Annotated[str | None, typer.Option(

@@ -16,7 +16,7 @@ from functools import cache
 from pydantic import BaseModel
 
 from faults import points
-from faults.kinds import CRASHABLE_POINTS, KINDS, KindEntry
+from faults.kinds import KINDS, Kind, crashable_points
 from faults.points import FaultPoint
 from faults.spec import FaultSpec
 
@@ -61,7 +61,7 @@ class FaultListing(BaseModel):
 
 def describe_faults() -> FaultListing:
     point_doc = _member_docs(points, FaultPoint)
-    kinds = [KindInfo(kind=k.value, summary=e.does,
+    kinds = [KindInfo(kind=k, summary=e.does,
                       params=[ParamInfo(name=p.name, description=p.describe())
                               for p in sorted(e.params, key=lambda p: p.name)],
                       point=e.fixed_point.value if e.fixed_point else None,
@@ -71,7 +71,7 @@ def describe_faults() -> FaultListing:
     selectors = [ParamInfo(name=s, description=SELECTOR_FORM.get(s, fields[s].description or ""))
                  for s in SELECTORS]
     pts = [PointInfo(point=p.value, summary=_point_summary(point_doc.get(p.name, ""), p),
-                     crashable=p in CRASHABLE_POINTS) for p in FaultPoint]
+                     crashable=p in crashable_points()) for p in FaultPoint]
     return FaultListing(syntax=SYNTAX, kinds=kinds, selectors=selectors, points=pts)
 
 
@@ -80,11 +80,11 @@ def markdown_table() -> str:
     rows = ["| kind | parameters | acts at | what it does |", "|---|---|---|---|"]
     for entry in KINDS.values():
         params = "<br>".join(f"`{p.name}` {p.describe()}" for p in entry.params) or "-"
-        rows.append(f"| `{entry.kind.value}` | {params} | {_acts_at(entry)} | {entry.does} |")
+        rows.append(f"| `{entry.name}` | {params} | {_acts_at(entry)} | {entry.does} |")
     return "\n".join(rows)
 
 
-def _acts_at(entry: KindEntry) -> str:
+def _acts_at(entry: Kind) -> str:
     if entry.point_param:
         return "`point`: " + ", ".join(f"`{p.value}`" for p in entry.points)
     if entry.by_mode:
@@ -95,7 +95,7 @@ def _acts_at(entry: KindEntry) -> str:
 
 def _point_summary(doc: str, point: FaultPoint) -> str:
     """A point's docstring and the kinds that act there."""
-    kinds = [k.value for k, e in KINDS.items() if point in e.points]
+    kinds = [k for k, e in KINDS.items() if point in e.points]
     return f"{doc.rstrip('.')} ({', '.join(kinds)})." if kinds else doc
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from faults.kinds import KINDS, FaultKind
+from faults.kinds import KINDS
 from faults.points import FaultPoint
 from faults.spec import FaultSpec
 from hicache_runtime.contracts.events import Ev, EventSink
@@ -41,7 +41,9 @@ class FiredFault:
     rid: str | None
     thread: str
     fatal: bool = False
-    """Its kind is the failure itself (``KindEntry.survivable`` is False)."""
+    """Its kind is the failure itself (``Kind.survivable`` is False)."""
+    effect: str | None = None
+    """What it did (``FaultEffect``; the kind's ``effect``): how the doctor reads it."""
 
     def as_dict(self) -> dict[str, object]:
         return dict(self.__dict__)
@@ -80,7 +82,7 @@ class FaultInjector:
         return point in self._by_point
 
     def fire(self, point: FaultPoint, *, step: int, rid: str | None = None,
-             kinds: set[FaultKind] | None = None, pool: str | None = None,
+             kinds: set[str] | None = None, pool: str | None = None,
              chunk: int | None = None) -> list[FaultSpec]:
         """The specs that fire at this visit of ``point`` (usually zero or one). ``pool``
         names the storage objects a storage call touches ("kv" or a sidecar pool); ``chunk``
@@ -110,14 +112,18 @@ class FaultInjector:
                     continue
                 self._fired_count[idx] += 1
                 out.append(spec)
-                self.fired.append(FiredFault(spec.compact(), spec.kind.value, point.value,
+                kind = KINDS[spec.kind]
+                self.fired.append(FiredFault(spec.compact(), spec.kind, point.value,
                                              self.rank.rank, step, rid, thread,
-                                             fatal=not KINDS[spec.kind].survivable))
+                                             fatal=not kind.survivable,
+                                             effect=kind.effect(spec).value))
         if self.tracer is not None:
             for spec in out:
-                self.tracer.emit_durable(Ev.FAULT, kind=spec.kind.value, point=point.value,
-                                 spec=spec.compact(), rid=rid,
-                                 fatal=not KINDS[spec.kind].survivable)
+                kind = KINDS[spec.kind]
+                self.tracer.emit_durable(Ev.FAULT, kind=spec.kind, point=point.value,
+                                         spec=spec.compact(), rid=rid,
+                                         fatal=not kind.survivable,
+                                         effect=kind.effect(spec).value)
         return out
 
     def write_journal(self) -> None:

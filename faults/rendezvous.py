@@ -21,7 +21,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Protocol
 
-from faults.kinds import FaultKind
+from faults.kinds import KINDS
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -45,7 +45,7 @@ class KeyStore(Protocol):
 
 def needs_prefetch_rendezvous(specs: Iterable[FaultSpec], world_size: int) -> bool:
     """Whether a run arms a fault that times itself on the peers' prefetch IO."""
-    return world_size > 1 and any(s.kind is FaultKind.MID_PREFETCH_ABORT for s in specs)
+    return world_size > 1 and any(KINDS[s.kind].prefetch_rendezvous for s in specs)
 
 
 class PrefetchIORendezvous:

@@ -25,7 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from faults.kinds import DEFAULT_LAG_MS, KINDS, PARAM_NAMES, FaultKind
+from faults.kinds import DEFAULT_LAG_MS, KINDS, FaultKind
 from faults.points import FaultPoint
 from hicache_runtime.contracts.errors import InvalidFaultSpec, validation_problem
 
@@ -35,7 +35,8 @@ class FaultSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False)
 
-    kind: FaultKind
+    kind: str
+    """A registered kind's name (``faults.kinds.KINDS``; the built-ins: ``FaultKind``)."""
     rank: int | None = Field(None, ge=0, description="global rank")
     tp: int | None = Field(None, ge=0, description="tensor-parallel rank")
     pp: int | None = Field(None, ge=0, description="pipeline stage")
@@ -53,6 +54,13 @@ class FaultSpec(BaseModel):
     chunk: int | None = Field(None, ge=0)
     point: FaultPoint | None = None
     pool: str | None = None
+
+    @field_validator("kind")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        if name not in KINDS:
+            raise ValueError(_unknown_kind(name))
+        return str(name)
 
     @field_validator("steps")
     @classmethod
@@ -122,8 +130,12 @@ class FaultSpec(BaseModel):
                 parts.append(f"{name}={value:g}" if isinstance(value, float) else f"{name}={value}")
         if self.point is not None:
             parts.append(f"point={self.point.value}")
-        return self.kind.value + (":" + ",".join(parts) if parts else "")
+        return self.kind + (":" + ",".join(parts) if parts else "")
 
+
+PARAM_FIELDS = ("ms", "mode", "pages", "at", "batch", "chunk", "point", "pool")
+"""The kind-specific parameter fields: a kind's ``Param`` names one of them, and says what it
+means for that kind."""
 
 _PAIR_RE = re.compile(r"^\s*([a-z_]+)\s*=\s*(.*?)\s*$")
 
@@ -178,24 +190,25 @@ def parse_fault(text: str) -> FaultSpec:
             fields[key] = value
     if problems:
         raise InvalidFaultSpec(f"{_quote(text)}: " + "; ".join(problems),
-                               hint=f"{kind.value} takes {', '.join(keys)} "
+                               hint=f"{kind} takes {', '.join(keys)} "
                                     "(hicache faults list says what each means)")
     return _validate(fields, text)
 
 
-def _kind(name: str) -> FaultKind:
-    try:
-        return FaultKind(name)
-    except ValueError:
-        known = [k.value for k in FaultKind]
-        raise InvalidFaultSpec(f"unknown fault kind {_quote(name)}{_nearest(name, known)}",
-                               hint=f"known kinds: {', '.join(known)}") from None
+def _kind(name: str) -> str:
+    if name not in KINDS:
+        raise InvalidFaultSpec(_unknown_kind(name), hint=f"known kinds: {', '.join(KINDS)}")
+    return name
 
 
-def _pair_problem(kind: FaultKind, keys: tuple[str, ...], key: str, value: str) -> str | None:
+def _unknown_kind(name: str) -> str:
+    return f"unknown fault kind {_quote(name)}{_nearest(name, list(KINDS))}"
+
+
+def _pair_problem(kind: str, keys: tuple[str, ...], key: str, value: str) -> str | None:
     """What is wrong with one ``key=value`` of a ``kind`` spec, before the model sees it."""
     if key not in keys:
-        return f"{kind.value} has no key {_quote(key)}{_nearest(key, keys)}"
+        return f"{kind} has no key {_quote(key)}{_nearest(key, keys)}"
     if not value:
         return f"{key}= has no value"
     if key == "step" and not (value.isdigit() and len(value) <= 18):
@@ -207,7 +220,7 @@ def _pair_problem(kind: FaultKind, keys: tuple[str, ...], key: str, value: str) 
     if key == "point":
         acts = KINDS[kind].param("point").choices
         if value not in acts:
-            return (f"{kind.value} cannot act at {_quote(value)}{_nearest(value, acts)} "
+            return (f"{kind} cannot act at {_quote(value)}{_nearest(value, acts)} "
                     f"(it acts at {_either(acts)})")
     return None
 
@@ -271,21 +284,21 @@ def _param_problem(spec: FaultSpec) -> str | None:
     """What makes a spec's kind-specific parameters wrong for its kind (per ``KINDS``)."""
     entry = KINDS[spec.kind]
     allowed = {p.name for p in entry.params}
-    extra = {f for f in PARAM_NAMES if getattr(spec, f) is not None} - allowed
+    extra = {f for f in PARAM_FIELDS if getattr(spec, f) is not None} - allowed
     if extra:
         names = ", ".join(sorted(allowed)) or "none"
-        return f"{spec.kind.value} takes no {', '.join(sorted(extra))} (it takes: {names})"
+        return f"{spec.kind} takes no {', '.join(sorted(extra))} (it takes: {names})"
     for param in entry.params:
         value = getattr(spec, param.name)
         if value is None:
             if param.default is None:
-                return f"{spec.kind.value} needs {param.name}=<one of {'|'.join(param.choices)}>"
+                return f"{spec.kind} needs {param.name}=<one of {'|'.join(param.choices)}>"
             continue
         shown = value.value if isinstance(value, Enum) else value
         if param.choices and shown not in param.choices:
             if param.type is FaultPoint:
-                return f"{spec.kind.value} cannot act at {shown}"
-            return (f"{spec.kind.value} {param.name} must be {_either(param.choices)}, "
+                return f"{spec.kind} cannot act at {shown}"
+            return (f"{spec.kind} {param.name} must be {_either(param.choices)}, "
                     f"not {shown!r}")
     return None
 

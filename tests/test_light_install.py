@@ -28,7 +28,7 @@ IMPORT_NAME = {"pyyaml": "yaml", "markdown-it-py": "markdown_it", "google-re2": 
 #: (tests/test_layers.py holds the layering).
 TRIAGE_CODE = ("doctor", "signatures", "hicache_runtime/contracts", "hicache_runtime/config.py",
                "hicache_runtime/config_files.py", "hicache_runtime/telemetry/perfetto.py",
-               "faults/kinds.py", "faults/points.py", "faults/spec.py", "faults/describe.py",
+               "faults/kinds", "faults/points.py", "faults/spec.py", "faults/describe.py",
                "cli.py", "render.py")
 
 #: Tests under tests/doctor and tests/signatures that need torch themselves: they make what

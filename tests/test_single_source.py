@@ -25,9 +25,9 @@ from typer.testing import CliRunner
 from faults.campaign.plan import cell_id, load_campaign
 from faults.describe import SELECTORS, markdown_table
 from faults.injector import points_of
-from faults.kinds import KINDS, PARAM_NAMES, FaultKind
+from faults.kinds import KINDS, FaultKind
 from faults.points import FaultPoint
-from faults.spec import FaultSpec, parse_fault, parse_faults
+from faults.spec import PARAM_FIELDS, FaultSpec, parse_fault, parse_faults
 from hicache_runtime.config import load_config
 from hicache_runtime.contracts.legacy import REGISTRY, Exposure, Fidelity, LegacySwitch, SwitchEntry
 from signatures.loader import load_catalog
@@ -216,12 +216,12 @@ def test_fixture_recipe_is_a_registry_recipe(case: Any, tmp_path: Path) -> None:
 
 def test_every_kind_parameter_is_a_spec_field_of_its_type() -> None:
     fields = FaultSpec.model_fields
-    assert set(fields) == {"kind", *SELECTORS, *PARAM_NAMES}
+    assert set(fields) == {"kind", *SELECTORS, *PARAM_FIELDS}
     for entry in KINDS.values():
         for param in entry.params:
             assert param.type in typing.get_args(fields[param.name].annotation), param
             for choice in param.choices:  # every accepted value parses
-                parse_fault(f"{entry.kind.value}:{param.name}={choice}")
+                parse_fault(f"{entry.name}:{param.name}={choice}")
 
 
 @pytest.mark.parametrize("kind", list(FaultKind), ids=lambda k: k.value)

@@ -16,10 +16,12 @@ from doctor.facts.factset import FactSet, witness
 from doctor.model.builder import Evidence
 from doctor.model.evidence import SourceRef
 from hicache_runtime.contracts.events import Ev
+from hicache_runtime.contracts.fault_effects import FaultEffect, effect_of
 from signatures.fact_names import Fact
 
 INJECTED_EXCEPTION = "InjectedFault"
-RANK_KILL = "rank-kill"
+_DID = {FaultEffect.CRASH: "raised an injected crash", FaultEffect.HANG: "was made to hang",
+        FaultEffect.KILL: "was killed (SIGKILL)"}
 
 
 @dataclass(frozen=True)
@@ -28,14 +30,16 @@ class InjectedFailure:
 
     rank: int
     kind: str
+    effect: FaultEffect | None
+    """What it did (the event's ``effect``; for older bundles, what its kind did then)."""
     spec: str
     point: str
     step: int | None
     source: SourceRef | None
 
     def describe(self) -> str:
-        what = {"crash": "raised an injected crash", "hang": "was made to hang",
-                RANK_KILL: "was killed (SIGKILL)"}.get(self.kind, f"failed by {self.kind}")
+        what = _DID.get(self.effect, f"failed by {self.kind}") if self.effect \
+            else f"failed by {self.kind}"
         at = f" at {self.point}" if self.point else ""
         step = f", step {self.step}" if self.step is not None else ""
         who = f"rank {self.rank}" if self.rank >= 0 else "a rank"
@@ -58,7 +62,7 @@ def injected_failures(ev: Evidence) -> list[InjectedFailure]:
             if key in seen:
                 continue
             seen.add(key)
-            out.append(InjectedFailure(r.rank, _text(attrs.get("kind")), key[1],
+            out.append(InjectedFailure(r.rank, _text(attrs.get("kind")), effect_of(attrs), key[1],
                                        _text(attrs.get("point")),
                                        step if isinstance(step, int) else None, src))
     return out
@@ -67,7 +71,7 @@ def injected_failures(ev: Evidence) -> list[InjectedFailure]:
 def killed_on_purpose(ev: Evidence) -> set[int]:
     """Ranks an injected ``rank-kill`` fired on: their SIGKILL is the test's, not the OOM
     killer's."""
-    return {f.rank for f in injected_failures(ev) if f.kind == RANK_KILL}
+    return {f.rank for f in injected_failures(ev) if f.effect is FaultEffect.KILL}
 
 
 def fact_injected(ev: Evidence, facts: FactSet) -> None:

@@ -36,6 +36,7 @@ from doctor.model.evidence import RankEvidence, SourceRef
 from doctor.model.findings import Divergence
 from doctor.ranks.divergence import DRAIN_KINDS, EVICT_KINDS, PREFIX_KINDS
 from hicache_runtime.contracts.events import Ev
+from hicache_runtime.contracts.fault_effects import FaultEffect, effect_of
 from signatures.fact_names import Fact
 from signatures.matching import Witness
 
@@ -205,8 +206,7 @@ def _holes(ev: Evidence, divs: list[Divergence], facts: FactSet) -> None:
         for kind, attrs, src, _step in r.events:
             if kind == Ev.PREFETCH_SETTLE:
                 _counted_past_a_hole(r.rank, attrs, src, facts)
-            if kind == Ev.FAULT and attrs.get("kind") == "storage-shortfall" \
-                    and "mode=holes" in str(attrs.get("spec", "")):
+            if kind == Ev.FAULT and effect_of(attrs) is FaultEffect.STORAGE_HOLES:
                 holes_fault = holes_fault or witness(
                     f"rank {r.rank}: fault {attrs.get('spec')} fired", src, r.rank)
     if holes_fault is not None and (ev.outcome == "wrong-output" or ev.mismatches):

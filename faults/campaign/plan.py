@@ -44,8 +44,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from faults.kinds import SURVIVABLE
-from faults.spec import FaultKind, check_topology, parse_faults
+from faults.kinds import KINDS
+from faults.spec import check_topology, parse_faults
 from hicache_runtime.config import (
     LOCATION_KEYS,
     RuntimeConfig,
@@ -88,10 +88,6 @@ _PROPERTY_MEANING = {
                              "reserved, on any rank",
 }
 
-#: Faults that *are* the failure (a process killed, raised out of, or stopped for good): no
-#: protocol survives them, so a property campaign cannot hold them to "no crash, no hang".
-#: The default campaign and the doctor's tests cover them. ``faults.kinds.KINDS`` marks them.
-FAILURE_FAULTS = frozenset(set(FaultKind) - SURVIVABLE)
 
 
 class CellSpec(BaseModel):
@@ -249,8 +245,8 @@ def _not_fixed(legacy: list[list[str]], expects: list[str], faults: list[list[st
         return "every cell of a property campaign expects healthy"
     for specs in faults:
         for spec in parse_faults(specs):
-            if spec.kind in FAILURE_FAULTS:
-                return (f"{spec.kind.value} is the failure itself: no cell survives it "
+            if not KINDS[spec.kind].survivable:
+                return (f"{spec.kind} is the failure itself: no cell survives it "
                         "(a property campaign holds cells to no crash and no hang)")
     return ""
 

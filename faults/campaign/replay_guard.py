@@ -35,7 +35,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from faults.spec import FaultKind, FaultSpec
+from faults.kinds import KINDS
+from faults.spec import FaultSpec
 from hicache_runtime.config import (
     LOCATION_KEYS,
     Limits,
@@ -244,7 +245,7 @@ def _check_caps(cfg: RuntimeConfig) -> None:
 
 def _check_kinds(faults: Any) -> None:
     """Name an unknown fault kind plainly (the model's message lists every kind)."""
-    known = {k.value for k in FaultKind}
+    known = set(KINDS)
     for i, spec in enumerate(faults if isinstance(faults, list | tuple) else ()):
         kind = spec.get("kind") if isinstance(spec, dict) else None
         if isinstance(kind, str) and kind not in known:
@@ -253,7 +254,7 @@ def _check_kinds(faults: Any) -> None:
 
 
 def _check_fault(i: int, spec: FaultSpec) -> None:
-    where = f"faults[{i}] ({spec.kind.value})"
+    where = f"faults[{i}] ({spec.kind})"
     if spec.rid is not None and not RID_GLOB_RE.fullmatch(spec.rid):
         raise ConfigError("bundle", f"{where}: rid glob {printable(spec.rid)!r} may hold only "
                                     "1-64 letters, digits and _ . - * ? [ ] !")

@@ -36,13 +36,10 @@ from pydantic import BaseModel, Field
 from faults.campaign.cells import DiagnosedRun
 from faults.campaign.plan import cell_from_config
 from faults.campaign.replay import ReplayCase, TrialRecord, load_case, run_trial
-from faults.spec import FaultKind, FaultSpec, parse_faults
+from faults.kinds import KINDS
+from faults.spec import FaultSpec, parse_faults
 from hicache_runtime.config import RuntimeConfig
 from hicache_runtime.contracts.errors import ConfigError
-
-#: Faults whose firings carry a meaningful scheduler step (a ``steps=`` pin is sound).
-_STEPPED = frozenset({FaultKind.STAGE_LAG, FaultKind.HOST_ALLOC_FAIL, FaultKind.RANK_KILL,
-                      FaultKind.CRASH, FaultKind.HANG, FaultKind.DMA_LAG})
 
 Trial = Callable[[RuntimeConfig, str], tuple[TrialRecord, DiagnosedRun]]
 TrialHook = Callable[[TrialRecord, int, int], None]
@@ -232,7 +229,7 @@ def _pin_rank(spec: FaultSpec, fired: list) -> list[FaultSpec]:
 
 
 def _pin_steps(spec: FaultSpec, fired: list) -> list[FaultSpec]:
-    if spec.kind not in _STEPPED or spec.steps is not None or not fired:
+    if not KINDS[spec.kind].stepped or spec.steps is not None or not fired:
         return []
     steps = [f.step for f in fired]
     return [spec.model_copy(update={"steps": (min(steps), max(steps))})]

@@ -42,7 +42,7 @@ from hicache_runtime.contracts.run_files import (
     rank_dir_name,
 )
 
-BUNDLE_SCHEMA_VERSION = "1.3"
+BUNDLE_SCHEMA_VERSION = "1.4"
 BUNDLE_KIND = "hicache-crash-bundle"
 
 
@@ -100,6 +100,8 @@ class FiredFaultRecord(BaseModel):
     fatal: bool = False
     """The fault is the failure itself (a crash, a hang, a killed rank: its kind is not
     survivable): the rank failed on purpose, and what its peers show follows from it."""
+    effect: str | None = None
+    """Added in bundle 1.4: what the firing did (``FaultEffect``), as the fault event says."""
 
 
 class CellOrigin(BaseModel):

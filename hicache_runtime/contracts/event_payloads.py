@@ -424,6 +424,9 @@ class FaultFired(Payload):
     spec: str
     rid: str | None
     fatal: StrictBool
+    effect: str | None = None
+    """Added in bundle 1.4: what the firing did (``contracts.fault_effects.FaultEffect``);
+    the doctor reads a fault by it, never by the kind's name."""
 
 
 class WorkerDied(Payload):

@@ -29,8 +29,6 @@ fire at fixed places of the step, and the step watchdog is fed whenever a step m
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -39,11 +37,10 @@ from typing import TYPE_CHECKING, TypedDict, cast
 
 import torch
 
-from faults.kinds import COMPUTE_LAG_TOKENS
+from faults.kinds import KINDS, StepVisit
 from faults.points import FaultPoint
-from faults.spec import FaultKind
 from hicache_runtime.cache.accounting import check_at_drain
-from hicache_runtime.contracts.errors import InjectedFault, InvariantViolation
+from hicache_runtime.contracts.errors import InvariantViolation
 from hicache_runtime.contracts.events import Ev
 from hicache_runtime.contracts.legacy import LegacySwitch
 from hicache_runtime.engine.rank import RankRuntime
@@ -69,18 +66,9 @@ def act_at(faults: FaultInjector | None, point: FaultPoint, step: int, tokens: i
     the forward about to run computes (``model.forward``; the start-up profile's is step 0)."""
     if faults is None or not faults.armed(point):
         return
+    visit = StepVisit(point, step, tokens, journal=faults.write_journal)
     for spec in faults.fire(point, step=step):
-        if spec.kind is FaultKind.STAGE_LAG:
-            time.sleep(spec.lag_s)
-        elif spec.kind is FaultKind.COMPUTE_LAG:
-            time.sleep(spec.lag_s * tokens / COMPUTE_LAG_TOKENS)
-        elif spec.kind is FaultKind.CRASH:
-            raise InjectedFault(f"injected crash at {point.value} (step {step})")
-        elif spec.kind is FaultKind.HANG:
-            threading.Event().wait()
-        elif spec.kind is FaultKind.RANK_KILL:
-            faults.write_journal()  # a killed rank reports nothing else of what fired
-            os.kill(os.getpid(), signal.SIGKILL)
+        KINDS[spec.kind].on_step(spec, visit)
 
 
 @dataclass
@@ -263,9 +251,9 @@ class Engine:
                 continue
             index = self.chunks_run.get(req.rid, 0)
             self.chunks_run[req.rid] = index + 1
-            if req.done or not faults.fire(FaultPoint.PREFILL_CHUNK, step=self.step,
-                                           rid=req.rid, kinds={FaultKind.CHUNKED_ABORT},
-                                           chunk=index):
+            fired = [] if req.done else faults.fire(FaultPoint.PREFILL_CHUNK, step=self.step,
+                                                    rid=req.rid, chunk=index)
+            if not any(KINDS[s.kind].aborts(s) for s in fired):
                 continue
             if self._abort_arrived(req.rid, "fault", self.step + 1):
                 self.intents.append(req.rid)

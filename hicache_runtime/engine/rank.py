@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from faults.injector import FaultInjector
+from faults.kinds import KINDS
 from faults.points import FaultPoint
 from faults.rendezvous import PrefetchIORendezvous, needs_prefetch_rendezvous
 from hicache_runtime.cache.hicache import HiCache
@@ -204,7 +205,8 @@ def _host_pool(cfg: RuntimeConfig, shape: KVShape, sync: RankSync,
     alloc_fault = None
     if faults is not None and faults.armed(FaultPoint.HOST_ALLOC):
         def alloc_fault(n: int) -> bool:
-            return bool(faults.fire(FaultPoint.HOST_ALLOC, step=tracer.step))
+            fired = faults.fire(FaultPoint.HOST_ALLOC, step=tracer.step)
+            return any(KINDS[s.kind].fails_alloc(s) for s in fired)
     return HostKVPool(shape, tokens, cfg.cache.page_size, pin=torch.cuda.is_available(),
                       alloc_fault=alloc_fault, layout=cfg.cache.mem_layout)
 
@@ -215,7 +217,7 @@ def _copy_engine(cfg: RuntimeConfig, device: torch.device, tracer: Tracer,
     if faults is not None and faults.armed(FaultPoint.COPY_COMPLETE):
         def lag() -> float:
             fired = faults.fire(FaultPoint.COPY_COMPLETE, step=tracer.step)
-            return max((s.lag_s for s in fired), default=0.0)
+            return max((KINDS[s.kind].copy_delay_s(s) for s in fired), default=0.0)
     if device.type == "cuda":
         return CudaCopyEngine(cfg.cache.page_size, device, tracer, lag)
     return CpuCopyEngine(cfg.cache.page_size, tracer, lag)

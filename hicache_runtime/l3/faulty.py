@@ -1,19 +1,20 @@
 """Storage fault injection: a backend wrapper acting at the ``storage.*`` fault points.
 
-What each armed fault does when it fires on a call (``faults/spec.py`` has the specs):
+What a fired fault does here is its kind's (``faults.kinds``), through the storage hooks of
+:class:`~faults.kinds.base.Kind`, applied in this order on each call:
 
-* ``storage-shortfall`` ``mode=short`` (at ``storage.exists``): the existence answer is
-  ``pages`` (default 1) pages shorter, never below 0;
-* ``storage-shortfall`` ``mode=holes`` (at ``storage.get``): entries ``at`` .. ``at+pages-1``
-  (page offsets within the batch, default ``at=0``, ``pages=1``) come back ``None`` while later
-  pages still load;
-* ``storage-latency``: sleeps ``ms`` (default 20) before every exists/get/set;
-* ``storage-error``: get → all ``None``, set → all ``False`` (the medium is not touched);
-  with ``mode=raise`` the call raises :class:`InjectedFault` instead (a client library that
-  throws), which the L3 threads must survive;
-* ``storage-corrupt`` (at ``storage.get``): one byte of one page's stored payload is flipped in
-  memory **before** the envelope check, so the checksum must reject it: that page is a miss,
-  counted as corrupt, and the stored object is left alone.
+* ``before_storage``: before the call (``storage-latency`` sleeps ``ms``; ``storage-error``
+  with ``mode=raise`` raises :class:`InjectedFault`, as a client library that throws, which
+  the L3 threads must survive);
+* ``fails_storage`` (get, set): the call fails soft without touching the medium: every page a
+  miss, every write ``False`` (``storage-error``);
+* ``corrupts_reads`` (get): one byte of one page's stored payload is flipped in memory
+  **before** the envelope check, so the checksum must reject it: that page is a miss, counted
+  as corrupt, and the stored object is left alone (``storage-corrupt``);
+* ``shortens_exists`` (exists): the leading count the caller sees (``storage-shortfall``
+  ``mode=short``: ``pages`` fewer, never below 0);
+* ``blanks`` (get): offsets of the batch that come back ``None`` while later pages still load
+  (``storage-shortfall`` ``mode=holes``: ``at`` .. ``at+pages-1``).
 
 Zero cost when off: :func:`wrap_faults` returns the backend itself when no storage point is
 armed on this rank, so the runtime never pays for a wrapper it does not need.
@@ -29,9 +30,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from faults.kinds import KINDS, StorageOp
 from faults.points import FaultPoint
-from faults.spec import FaultKind
-from hicache_runtime.contracts.errors import InjectedFault
 from hicache_runtime.l3.backend import RawPage, StorageBackend, StorageCallInfo, StorageStats
 
 if TYPE_CHECKING:
@@ -70,22 +70,19 @@ class FaultyBackend(StorageBackend):
     # --- the interface ----------------------------------------------------------------------
 
     def batch_exists(self, keys: Sequence[str], info: StorageCallInfo | None = None) -> int:
-        fired = self._fire(FaultPoint.STORAGE_EXISTS, info)
+        fired = self._fire(FaultPoint.STORAGE_EXISTS, "exists", info)
         n = self.inner.batch_exists(keys, info)
         for spec in fired:
-            if spec.kind is FaultKind.STORAGE_SHORTFALL:
-                n = max(0, n - (spec.pages or 1))
+            n = KINDS[spec.kind].shortens_exists(spec, n)
         return n
 
     def batch_get(self, keys: Sequence[str],
                   info: StorageCallInfo | None = None) -> list[bytes | None]:
-        fired = self._fire(FaultPoint.STORAGE_GET, info)
-        kinds = {s.kind for s in fired}
-        _maybe_raise(fired, "get")
-        if FaultKind.STORAGE_ERROR in kinds:
+        fired = self._fire(FaultPoint.STORAGE_GET, "get", info)
+        if any(KINDS[s.kind].fails_storage(s, "get") for s in fired):
             self._count(get_calls=1, gets=len(keys), misses=len(keys))
             return [None] * len(keys)
-        if FaultKind.STORAGE_CORRUPT in kinds:
+        if any(KINDS[s.kind].corrupts_reads(s) for s in fired):
             obj = self.inner.scheme.object_keys(keys)
             t0 = time.perf_counter()
             raws: list[tuple[bytes, bytes] | None] = \
@@ -96,23 +93,19 @@ class FaultyBackend(StorageBackend):
         else:
             out = self.inner.batch_get(keys, info)
         for spec in fired:
-            if spec.kind is FaultKind.STORAGE_SHORTFALL:
-                start = spec.at or 0
-                stop = min(len(out), start + (spec.pages or 1))
-                blanked = [p for p in out[start:stop] if p is not None]
-                out[start:stop] = [None] * (stop - start)
-                # The inner backend counted these as hits; the caller sees misses.
-                self._count(hits=-len(blanked), misses=len(blanked),
-                            bytes_read=-sum(len(p) for p in blanked))
+            for i in KINDS[spec.kind].blanks(spec, len(out)):
+                blanked = out[i]
+                out[i] = None
+                if blanked is not None:  # the inner backend counted a hit; the caller sees a miss
+                    self._count(hits=-1, misses=1, bytes_read=-len(blanked))
         return out
 
     def batch_set(self, keys: Sequence[str], values: Sequence[bytes],
                   info: StorageCallInfo | None = None) -> list[bool]:
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
-        fired = self._fire(FaultPoint.STORAGE_SET, info)
-        _maybe_raise(fired, "set")
-        if any(s.kind is FaultKind.STORAGE_ERROR for s in fired):
+        fired = self._fire(FaultPoint.STORAGE_SET, "set", info)
+        if any(KINDS[s.kind].fails_storage(s, "set") for s in fired):
             self._count(set_calls=1, sets=len(keys), set_failures=len(keys))
             return [False] * len(keys)
         return self.inner.batch_set(keys, values, info)
@@ -152,7 +145,8 @@ class FaultyBackend(StorageBackend):
 
     # --- internals ----------------------------------------------------------------------------
 
-    def _fire(self, point: FaultPoint, info: StorageCallInfo | None) -> list[FaultSpec]:
+    def _fire(self, point: FaultPoint, op: StorageOp,
+              info: StorageCallInfo | None) -> list[FaultSpec]:
         step = info.step if info is not None and info.step is not None else self._step()
         rid = info.rid if info is not None else None
         pool = info.pool if info is not None else "kv"
@@ -160,8 +154,7 @@ class FaultyBackend(StorageBackend):
         if fired:
             self._count(injected=len(fired))
         for spec in fired:
-            if spec.kind is FaultKind.STORAGE_LATENCY:
-                time.sleep(spec.lag_s)
+            KINDS[spec.kind].before_storage(spec, op)
         return fired
 
     def _corrupt_one(self, raws: list[RawPage | None]) -> list[RawPage | None]:
@@ -178,10 +171,3 @@ class FaultyBackend(StorageBackend):
         out = list(raws)
         out[page] = (header, bytes(flipped))
         return out
-
-
-def _maybe_raise(fired: list[FaultSpec], op: str) -> None:
-    """``storage-error:mode=raise``: the call raises instead of failing soft."""
-    for spec in fired:
-        if spec.kind is FaultKind.STORAGE_ERROR and spec.mode == "raise":
-            raise InjectedFault(f"injected storage error: batch_{op} raised ({spec.compact()})")

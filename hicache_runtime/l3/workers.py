@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from faults.kinds import KINDS
 from faults.points import FaultPoint
-from faults.spec import FaultKind
 from hicache_runtime.contracts.errors import WorkerDied
 from hicache_runtime.contracts.events import Ev
 from hicache_runtime.contracts.legacy import LegacySwitch
@@ -361,9 +361,8 @@ class StorageWorkers:
     def _maybe_abort(self, op: PrefetchOperation, index: int) -> None:
         if self.faults is None or self.request_abort is None:
             return
-        fired = self.faults.fire(FaultPoint.PREFETCH_BATCH, step=self.tracer.step, rid=op.rid,
-                                 kinds={FaultKind.MID_PREFETCH_ABORT})
-        if any(s.batch is None or s.batch == index for s in fired):
+        fired = self.faults.fire(FaultPoint.PREFETCH_BATCH, step=self.tracer.step, rid=op.rid)
+        if any(KINDS[s.kind].aborts(s, batch=index) for s in fired):
             if self.rendezvous is not None:  # the peers are past this op (faults.rendezvous)
                 self.rendezvous.wait_for_peers(op.rid)
             # The abort must land while this op is in flight: wait until it was applied.

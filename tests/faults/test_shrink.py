@@ -31,8 +31,8 @@ def _judge(min_requests: int, needed: str):
     def trial(cfg: RuntimeConfig, change: str) -> tuple[TrialRecord, DiagnosedRun]:
         runs.append(cfg)
         shows = cfg.workload.requests >= min_requests and any(
-            f.kind.value == needed for f in cfg.faults)
-        fired = [FiredFaultRecord(spec=f.compact(), kind=f.kind.value, point="p", rank=1,
+            f.kind == needed for f in cfg.faults)
+        fired = [FiredFaultRecord(spec=f.compact(), kind=f.kind, point="p", rank=1,
                                   step=step, thread="t")
                  for f in cfg.faults for step in (5, 9)][: 2 * len(cfg.faults)]
         obs = DiagnosedRun(outcome="hang" if shows else "healthy",
@@ -93,7 +93,7 @@ def test_pins_count_rank_and_steps() -> None:
 
 def _result(cfg: RuntimeConfig, change: str, shows: bool) -> tuple[TrialRecord, DiagnosedRun]:
     """What a run of ``cfg`` reports when it did (``shows``) or did not fail the same way."""
-    fired = [FiredFaultRecord(spec=f.compact(), kind=f.kind.value, point="p", rank=1, step=5,
+    fired = [FiredFaultRecord(spec=f.compact(), kind=f.kind, point="p", rank=1, step=5,
                               thread="t") for f in cfg.faults]
     obs = DiagnosedRun(outcome="hang" if shows else "healthy",
                        output_match=None if shows else True, bundle=change if shows else None,

@@ -387,7 +387,7 @@ def test_the_property_campaign_runs_every_page_major_layout() -> None:
     for layout in ("page_first", "page_first_direct"):
         ours = [c for c in cells if c.config.get("cache.mem_layout") == layout]
         assert {(c.tp, c.pp) for c in ours} == {(1, 1), (2, 2)}, layout
-        kinds = {parse_fault(f).kind.value for c in ours for f in c.faults}
+        kinds = {parse_fault(f).kind for c in ours for f in c.faults}
         assert {"dma-lag", "storage-corrupt"} <= kinds, layout
         assert {c.seed for c in ours} == {0, 1, 2, 3, 4}
 
