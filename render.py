@@ -766,6 +766,10 @@ def profile_detail(r: dict[str, Any]) -> None:
     head = r["name"] + (" (the default)" if r["default"] else "")
     con.print(f"[bold]{esc(head)}[/]: {esc(r['summary'])}", soft_wrap=True)
     para(con, r["host_alloc"], "host pages:")
+    policies = r["policies"]
+    para(con, f"timeout clock {policies['prefetch_timeout_clock']}, budget by "
+              f"{policies['prefetch_timeout_budget']}; write_through_selective counts "
+              f"{policies['write_through_hit_counting']}", "policies:")
     if r["switches"]:
         con.print("switches on:")
         for s in r["switches"]:

@@ -25,7 +25,15 @@ from hicache_runtime.contracts import l3_backends
 from hicache_runtime.contracts.errors import ConfigError, validation_problem
 from hicache_runtime.contracts.l3_backends import NO_BACKEND
 from hicache_runtime.contracts.legacy import LegacySwitch
-from hicache_runtime.contracts.profiles import DEFAULT_PROFILE, PROFILES, HostAlloc
+from hicache_runtime.contracts.profiles import (
+    DEFAULT_PROFILE,
+    PROFILES,
+    HitCounting,
+    HostAlloc,
+    Policies,
+    TimeoutBudget,
+    TimeoutClock,
+)
 from hicache_runtime.contracts.profiles import unknown as unknown_profile
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -126,6 +134,9 @@ class CacheConfig(BaseModel):
     host_alloc: HostAlloc | None = None
     """How write-backups and prefetches take host pages: ``per-rank`` (every release) or
     ``agreed`` (the vote of #31425, the ``proposed`` profile); None: the profile's."""
+    hit_counting: HitCounting | None = None
+    """Which inserts count as hits for ``write_through_selective``: ``skip-chunked`` (0.5.5 to
+    0.5.20) or ``past-own-inserts`` (0.5.23); None: the profile's."""
     mem_layout: Literal["layer_first", "page_first", "page_first_direct"] = "layer_first"
     """Host pool memory layout (SGLang ``--hicache-mem-layout``): ``layer_first`` (each layer
     of a page is its own block), ``page_first`` (a page holds every layer, token by token) or
@@ -173,6 +184,12 @@ class StorageConfig(BaseModel):
     reconnect_backoff_max_s: float = Field(5.0, gt=0)
     required: bool = True
     """False: start even if the backend is unreachable (it fails soft and reconnects)."""
+    prefetch_timeout_clock: TimeoutClock | None = None
+    """When the ``timeout`` policy's clock starts: ``submission`` (0.5.5 to 0.5.20) or
+    ``first-blocked-poll`` (0.5.23); None: the profile's."""
+    prefetch_timeout_budget: TimeoutBudget | None = None
+    """What its budget grows with: ``hit-tokens`` (0.5.5 to 0.5.20) or ``requested-tokens``
+    (0.5.23); None: the profile's."""
 
     @field_validator("backend")
     @classmethod
@@ -304,6 +321,14 @@ class RuntimeConfig(BaseModel):
     def host_alloc(self) -> HostAlloc:
         """How host pages are taken (the profile's unless set)."""
         return self.cache.host_alloc or PROFILES[self.profile].host_alloc
+
+    @property
+    def policies(self) -> Policies:
+        """The release policies this run follows: the profile's, each unless set."""
+        chosen = PROFILES[self.profile].policies
+        return Policies(self.storage.prefetch_timeout_clock or chosen.timeout_clock,
+                        self.storage.prefetch_timeout_budget or chosen.timeout_budget,
+                        self.cache.hit_counting or chosen.hit_counting)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RuntimeConfig:

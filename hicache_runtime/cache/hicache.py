@@ -36,7 +36,7 @@ from hicache_runtime.config import CacheConfig, WritePolicy
 from hicache_runtime.contracts.errors import InvariantViolation
 from hicache_runtime.contracts.events import Ev
 from hicache_runtime.contracts.legacy import LegacySwitch
-from hicache_runtime.contracts.profiles import HostAlloc
+from hicache_runtime.contracts.profiles import DEFAULT_PROFILE, PROFILES, HitCounting, HostAlloc
 from hicache_runtime.dist.protocols import DrainCounts, RankSync
 from hicache_runtime.kv.host_pins import HostPins
 from hicache_runtime.kv.radix_tree import RadixTree, TreeNode
@@ -137,7 +137,7 @@ class HiCache(PrefixCache):
     def cache_finished_req(self, req: Req) -> None:
         """Insert the request's computed pages, free duplicates and spare slots, unlock."""
         n = self.tree.align(req.kv_len)
-        self._insert(req, n)
+        self._insert(req, n, chunk=False)
         self.device.free(req.kv_slots[n:])
         self.unlock(req.last_node)
         req.reset_kv()
@@ -148,7 +148,7 @@ class HiCache(PrefixCache):
         n = self.tree.align(req.kv_len)
         if n <= req.prefix_len:
             return
-        self._insert(req, n)
+        self._insert(req, n, chunk=True)
         m = self.tree.match(req.fill_ids[:n])
         if m.device_indices.numel() != n:
             raise InvariantViolation(
@@ -159,8 +159,16 @@ class HiCache(PrefixCache):
         self.lock(m.last_device_node)
         req.last_node, req.prefix_len = m.last_device_node, n
 
-    def _insert(self, req: Req, n: int) -> None:
-        res = self.tree.insert(req.fill_ids[:n], req.kv_slots[:n])
+    def _insert(self, req: Req, n: int, *, chunk: bool) -> None:
+        """Insert ``req``'s first ``n`` tokens (``chunk``: after one chunk of a chunked prefill,
+        not its last insert), counting hits as the profile's release does."""
+        counting = self.cfg.hit_counting or PROFILES[DEFAULT_PROFILE].policies.hit_counting
+        if counting is HitCounting.SKIP_CHUNKED:
+            counted_from = None if chunk else 0
+        else:
+            counted_from = req.inserted_len
+        res = self.tree.insert(req.fill_ids[:n], req.kv_slots[:n], counted_from=counted_from)
+        req.inserted_len = max(req.inserted_len, n)
         if res.prefix_len > req.prefix_len:
             self.device.free(req.kv_slots[req.prefix_len : res.prefix_len])
         self.tracer.emit(Ev.INSERT, rid=req.rid, tokens=n, existing=res.prefix_len,

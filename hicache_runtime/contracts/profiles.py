@@ -2,9 +2,11 @@
 
 A profile is the set of protocols a release shipped, as far as this runtime models them: the
 legacy switches whose pre-fix code the release still ran (from the switch registry: a switch is
-in ``sglang-X`` when X is in its ``broken_in`` and its fidelity is ``release``), and how host
-(L2) pages are allocated. Everything else a release did differently is listed with the profile
-(:attr:`Profile.not_modelled`), so a result is never read as more than it is.
+in ``sglang-X`` when X is in its ``broken_in`` and its fidelity is ``release``), how host
+(L2) pages are allocated, and the tree policies this runtime models (:class:`Policies`: the
+``timeout`` prefetch clock and budget, ``write_through_selective`` hit counting). Everything
+else a release did differently is listed with the profile (:attr:`Profile.not_modelled`), so
+a result is never read as more than it is.
 
 The releases read line by line are the wheels of 0.5.5, 0.5.13, 0.5.16, 0.5.20 and 0.5.23
 (``docs/legacy-switches.md`` cites each file and line). ``proposed`` is no release: the fixed
@@ -40,6 +42,61 @@ class HostAlloc(str, Enum):
     PR #31425's proposal, in no release (``cache/host_space.py`` ``alloc_host_agreed``)."""
 
 
+class TimeoutClock(str, Enum):
+    """When the ``timeout`` prefetch policy's clock starts."""
+
+    SUBMISSION = "submission"
+    """When the prefetch is created: 0.5.5 to 0.5.20 (``PrefetchOperation.start_time``, set
+    in its ``__init__``; 0.5.16 ``cache_controller.py`` L206; 0.5.20 L2056-2061)."""
+    FIRST_BLOCKED_POLL = "first-blocked-poll"
+    """At the first admission poll that finds the prefetch unfinished; a prefetch whose pages
+    have all landed never expires (0.5.23 ``unified_radix_cache.py``
+    ``_start_storage_prefetch_wait`` L2259-2270, ``_prefetch_deadline_expired`` L2272-2283)."""
+
+
+class TimeoutBudget(str, Enum):
+    """What the ``timeout`` policy's budget grows with: ``base + per_ki_token x tokens /
+    1024``."""
+
+    HIT_TOKENS = "hit-tokens"
+    """The pages L3 holds (the agreed hit): 0.5.5 ``hiradix_cache.py``
+    ``_prefetch_timeout_check_linear_func`` L565-571, 0.5.16 L1483-1487 (there capped at
+    ``prefetch_timeout_max``, default 30 s), 0.5.20 L2056-2061."""
+    REQUESTED_TOKENS = "requested-tokens"
+    """The span asked for, in whole pages (0.5.23 L2265-2268, with ``prefetch_timeout_per_page
+    = page_size / 1024 x per_ki_token``, ``storage_attachment.py`` L291-293)."""
+
+
+class HitCounting(str, Enum):
+    """Which inserts count as hits for ``write_through_selective``."""
+
+    SKIP_CHUNKED = "skip-chunked"
+    """A chunk's insert counts nothing; the request's final insert counts every node it walks,
+    its own chunks' included (0.5.5 ``hiradix_cache.py`` ``_inc_hit_count`` L266-270, 0.5.16
+    L970-974; 0.5.20 ``unified_tree_core.py`` L1010-1029)."""
+    PAST_OWN_INSERTS = "past-own-inserts"
+    """Every insert counts the nodes that end past what the request itself inserted before
+    (0.5.23 ``unified_tree_core.py`` ``_finish_insert_walk_node`` L1368-1375 and
+    ``_should_backup_after_insert`` L1430-1440; ``cache_inserted_len``,
+    ``unified_radix_cache.py`` L1185 and L1255)."""
+
+
+@dataclass(frozen=True)
+class Policies:
+    """The policies a release's tree runs that this runtime models."""
+
+    timeout_clock: TimeoutClock
+    timeout_budget: TimeoutBudget
+    hit_counting: HitCounting
+
+
+RELEASE_POLICIES_0520 = Policies(TimeoutClock.SUBMISSION, TimeoutBudget.HIT_TOKENS,
+                                 HitCounting.SKIP_CHUNKED)
+"""0.5.5 to 0.5.20."""
+RELEASE_POLICIES_0523 = Policies(TimeoutClock.FIRST_BLOCKED_POLL,
+                                 TimeoutBudget.REQUESTED_TOKENS, HitCounting.PAST_OWN_INSERTS)
+
+
 @dataclass(frozen=True)
 class Profile:
     """One named profile."""
@@ -49,6 +106,7 @@ class Profile:
     """The SGLang version, or None for ``proposed``."""
     summary: str
     host_alloc: HostAlloc
+    policies: Policies
     not_modelled: tuple[str, ...] = ()
     """What the release did that this runtime does not reproduce under this profile."""
 
@@ -70,20 +128,13 @@ class Profile:
                 if self.release in e.broken_in and not e.in_profiles}
 
 
-#: The policies every release's tree runs differently from this runtime (cited in
-#: ``docs/legacy-switches.md``, "Profiles"); none of them is modelled yet.
+#: The policies a release's tree runs that this runtime does not model (cited in
+#: ``docs/legacy-switches.md``, "Profiles"); those it models are the profile's ``policies``.
 _POLICIES_0523 = (
     "prefetch into a full L2 with sidecar pools: upstream trims the pools' pages with the KV's "
     "(allocate_storage_hit L796-829); here such a prefetch is revoked whole (without sidecar "
     "pools the partial fallback is modelled: the page-aligned prefix that fits, at least the "
     "prefetch threshold, taken per rank)",
-    "timeout prefetch policy: upstream's clock starts at the first blocked admission poll and "
-    "never expires once the KV has landed (unified_radix_cache.py L2259-2283), budget base + "
-    "per_ki_token x requested tokens / 1024 (1.0 s, 0.25 s); here the clock starts at "
-    "submission",
-    "write_through_selective: upstream counts a node's hits on inserts past the request's own "
-    "inserted length (unified_tree_core.py L1371-1373); here a request's own chunk re-inserts "
-    "count too",
     "eviction: upstream offers lru, lfu, fifo, mru, filo, priority, slru and tlru "
     "(evict_policy.py), all over a logical clock; here LRU only",
 )
@@ -91,12 +142,12 @@ _POLICIES_0520 = (
     "prefetch into a full L2 with sidecar pools: revoked whole here; upstream trims them with "
     "the KV (unified_radix_cache.py _try_alloc_storage_hit L2733-2746; without sidecar pools "
     "the partial fallback is modelled)",
-    "timeout prefetch policy: upstream's clock starts at op creation, budget base + agreed hit "
-    "pages x per-page (L2056-2061)",
-    "write_through_selective: upstream skips every chunked insert and counts the request's own "
-    "chunk nodes at its final insert (unified_tree_core.py L1010-1029)",
     "eviction: upstream offers lru, lfu, fifo, mru, filo, priority, slru; here LRU only",
 )
+_TIMEOUT_CAP = (
+    "timeout prefetch policy: the budget is capped at prefetch_timeout_max and its defaults "
+    "are 2.0 s + 0.1 s per 1024 tokens, at most 30 s (hicache_storage.py "
+    "PrefetchTimeoutConfig); here it is uncapped, 1.0 s + 0.25 s unless configured")
 _HIRADIX = (
     "the default tree is HiRadixCache, whose every eviction policy orders by time.monotonic() "
     "(radix_cache.py TreeNode.__init__); the wall clock alone changes no decision while ranks "
@@ -117,24 +168,27 @@ def _profiles(*profiles: Profile) -> Mapping[str, Profile]:
 
 PROFILES: Mapping[str, Profile] = _profiles(
     Profile("sglang-0.5.5", "0.5.5", "HiRadixCache with per-stage ack drains and TP-only "
-            "prefetch votes, before PP-aware HiCache", HostAlloc.PER_RANK, (
+            "prefetch votes, before PP-aware HiCache", HostAlloc.PER_RANK,
+            RELEASE_POLICIES_0520, (
                 *_HIRADIX,
                 "0.5.5 releases an incomplete prefetch's tail twice (_page_transfer L642-644 and "
                 "prefetch_io_aux_func L655-658; HostKVCache.free does not check)",
             )),
     Profile("sglang-0.5.13", "0.5.13", "HiRadixCache with PP0's counts chained down the "
             "pipeline (#27285), the empty-set skip still in, TP-only prefetch votes",
-            HostAlloc.PER_RANK, _HIRADIX),
+            HostAlloc.PER_RANK, RELEASE_POLICIES_0520, (*_HIRADIX, _TIMEOUT_CAP)),
     Profile("sglang-0.5.16", "0.5.16", "HiRadixCache with every rank entering the ack "
             "exchange (#26923), bounded PP sends (#28916), PP-MIN host sizing (#29258); "
-            "prefetch still voted over TP only", HostAlloc.PER_RANK, _HIRADIX),
+            "prefetch still voted over TP only", HostAlloc.PER_RANK, RELEASE_POLICIES_0520,
+            (*_HIRADIX, _TIMEOUT_CAP)),
     Profile("sglang-0.5.20", "0.5.20", "the unified radix tree on a logical clock; every "
-            "protocol fix this runtime models is in", HostAlloc.PER_RANK, _POLICIES_0520),
+            "protocol fix this runtime models is in", HostAlloc.PER_RANK,
+            RELEASE_POLICIES_0520, _POLICIES_0520),
     Profile("sglang-0.5.23", "0.5.23", "the release the default runtime stands for",
-            HostAlloc.PER_RANK, _POLICIES_0523),
+            HostAlloc.PER_RANK, RELEASE_POLICIES_0523, _POLICIES_0523),
     Profile("proposed", None, "no release: the fixed protocols plus the all-rank host "
             "allocation vote of #31425 (open), so that one rank's failed allocation cannot "
-            "make the trees diverge", HostAlloc.AGREED, _POLICIES_0523),
+            "make the trees diverge", HostAlloc.AGREED, RELEASE_POLICIES_0523, _POLICIES_0523),
 )
 
 DEFAULT_PROFILE = "sglang-0.5.23"
@@ -171,6 +225,9 @@ def describe(p: Profile) -> dict[str, object]:
     return {
         "name": p.name, "release": p.release, "summary": p.summary,
         "default": p.name == DEFAULT_PROFILE, "host_alloc": p.host_alloc.value,
+        "policies": {"prefetch_timeout_clock": p.policies.timeout_clock.value,
+                     "prefetch_timeout_budget": p.policies.timeout_budget.value,
+                     "write_through_hit_counting": p.policies.hit_counting.value},
         "switches": [{"switch": s.value, "fixed_by": list(REGISTRY[s].fixes)}
                      for s in sorted(p.switches, key=lambda s: s.value)],
         "left_out": {s.value: why for s, why in sorted(p.left_out.items(),

@@ -136,8 +136,10 @@ def build_rank(cfg: RuntimeConfig, rank: RankInfo | None = None, *,
                 storage = _storage_workers(cfg, rank, model, host_pool, sync, tracer, faults,
                                            aborts)
         tree = RadixTree(cfg.cache.page_size, _lru_clock(cfg), tracer)
-        # the cache sees its own section only: the profile's host allocation goes in with it
-        cache_cfg = cfg.cache.model_copy(update={"host_alloc": cfg.host_alloc})
+        # the cache sees its own section only: the profile's host allocation and hit
+        # counting go in with it
+        cache_cfg = cfg.cache.model_copy(update={
+            "host_alloc": cfg.host_alloc, "hit_counting": cfg.policies.hit_counting})
         cache = HiCache(cache_cfg, device_pool, host_pool, engine, sync, tracer, tree,
                         cfg.legacy, storage)
     scheduler = Scheduler(cfg.scheduler, cache, tracer, num_slots=cfg.topology.pp)
@@ -164,7 +166,12 @@ def _storage_workers(cfg: RuntimeConfig, rank: RankInfo, model: TinyTransformer,
     assert backend is not None
     # A peer waits in an L3 vote for at most this plus one storage call (see ``l3_ops``).
     budget = cfg.observability.protocol_timeout_s * _IO_BUDGET_FRACTION
-    return StorageWorkers(cfg.storage, backend, codec, host_pool, sync, tracer, rank,
+    # the L3 tier sees the storage section only: the profile's timeout policy goes in with it
+    policies = cfg.policies
+    storage_cfg = cfg.storage.model_copy(update={
+        "prefetch_timeout_clock": policies.timeout_clock,
+        "prefetch_timeout_budget": policies.timeout_budget})
+    return StorageWorkers(storage_cfg, backend, codec, host_pool, sync, tracer, rank,
                           cfg.legacy, faults, aborts.request, sidecars, io_budget_s=budget,
                           rendezvous=_prefetch_rendezvous(cfg, rank))
 

@@ -138,12 +138,15 @@ class RadixTree:
 
     # --- mutation ------------------------------------------------------------------------------
 
-    def insert(self, key: list[int], value: torch.Tensor) -> InsertResult:
+    def insert(self, key: list[int], value: torch.Tensor,
+               counted_from: int | None = 0) -> InsertResult:
         """Insert ``key`` with device slots ``value`` (same length, page-aligned).
 
         Existing device-resident nodes keep their slots (the caller's are duplicates); evicted
         nodes on the path are revived with the caller's slots; the unmatched tail becomes a new
-        leaf. Hit counts of already-present nodes go up (selective write-through)."""
+        leaf. Hit counts (selective write-through) go up by one for each present node and the
+        new leaf that end past ``counted_from`` tokens; ``None`` counts none (the release's
+        hit-counting policy decides, ``contracts/profiles.py`` ``HitCounting``)."""
         n_key = self.align(len(key))
         key, value = key[:n_key], value[:n_key]
         self.root.last_access = self.clock()
@@ -158,13 +161,15 @@ class RadixTree:
                 revived.append(child)
             elif not revived:
                 prefix_len += n
-                child.hit_count += 1
+                if counted_from is not None and done + n > counted_from:
+                    child.hit_count += 1
                 matched.append(child)
             node, done = child, done + n
         new_node = None
         if done < len(key):
             new_node = self._add_child(node, key[done:], value[done:].clone())
-            new_node.hit_count = 1  # its first insert counts as a hit (selective write-through)
+            # its first insert counts as a hit, unless this insert counts none
+            new_node.hit_count = int(counted_from is not None)
             node = new_node
         return InsertResult(prefix_len, node, new_node, revived, matched)
 

@@ -56,6 +56,9 @@ class Req:
     """Aborted while its batch was in the pipeline; finished when that batch returns."""
     storage_pending: int = 0
     """Tokens its settled L3 prefetch hung into the tree, not yet counted as storage hits."""
+    inserted_len: int = 0
+    """Tokens this request has inserted into the tree so far (page-aligned; upstream 0.5.23's
+    ``cache_inserted_len``): its later inserts count no hit on them (``past-own-inserts``)."""
 
     @property
     def fill_ids(self) -> list[int]:

@@ -58,6 +58,9 @@ class PrefetchOperation:
     """Tokens this op holds in ``prefetch_tokens_occupied``."""
     step: int
     start_time: float = field(default_factory=time.monotonic)
+    wait_start: float | None = None
+    """When an admission poll first found it unfinished (the ``first-blocked-poll`` clock of
+    the ``timeout`` policy); None before."""
     hashes: list[str] = field(default_factory=list)
     local_hit_pages: int = 0
     hit_pages: int = 0

@@ -31,6 +31,12 @@ from hicache_runtime.config import PrefetchPolicy, StorageConfig
 from hicache_runtime.contracts.errors import InvariantViolation
 from hicache_runtime.contracts.events import Ev
 from hicache_runtime.contracts.legacy import LegacySwitch
+from hicache_runtime.contracts.profiles import (
+    DEFAULT_PROFILE,
+    PROFILES,
+    TimeoutBudget,
+    TimeoutClock,
+)
 from hicache_runtime.dist.protocols import DrainCounts
 from hicache_runtime.kv.pools import ALL_PAGES
 from hicache_runtime.l3.keys import extend_chain
@@ -267,9 +273,26 @@ class L3Tier:
         if not self.sync.rank.is_first_stage and \
                 LegacySwitch.LOCAL_PREFETCH_PROGRESS not in self.legacy:
             return False  # PP0 evaluates the wall-clock deadline; the vote carries it down
+        if done:  # landed: a deadline would salvage nothing (0.5.23 L2273-2276)
+            return True
+        return self._deadline_passed(op)
+
+    def _deadline_passed(self, op: PrefetchOperation) -> bool:
+        """The ``timeout`` policy's deadline, as the profile's release has it
+        (``contracts/profiles.py``: ``TimeoutClock``, ``TimeoutBudget``)."""
+        policies = PROFILES[DEFAULT_PROFILE].policies  # a tier built without a run config
+        budget_by = self.cfg.prefetch_timeout_budget or policies.timeout_budget
+        tokens = (len(op.tokens) // self.ps * self.ps
+                  if budget_by is TimeoutBudget.REQUESTED_TOKENS else op.hit_pages * self.ps)
         budget = self.cfg.prefetch_timeout_base_s + \
-            len(op.tokens) / 1024 * self.cfg.prefetch_timeout_per_ki_token_s
-        return done or time.monotonic() - op.start_time > budget
+            tokens / 1024 * self.cfg.prefetch_timeout_per_ki_token_s
+        now = time.monotonic()
+        if (self.cfg.prefetch_timeout_clock or policies.timeout_clock) \
+                is TimeoutClock.FIRST_BLOCKED_POLL:
+            if op.wait_start is None:
+                op.wait_start = now  # this poll is the first to find it unfinished
+            return now - op.wait_start > budget
+        return now - op.start_time > budget
 
     def _settle(self, op: PrefetchOperation, req: Req) -> None:
         if LegacySwitch.LOCAL_PREFETCH_PROGRESS in self.legacy:
