@@ -254,6 +254,13 @@ def run(
              "(mooncake).")] = None,
     storage_optional: Annotated[bool, typer.Option(
         help="Start even if the L3 backend is unreachable (it reconnects later).")] = False,
+    storage_format: Annotated[str | None, typer.Option(
+        help="envelope (checksummed; the default) or upstream: the raw page files SGLang's "
+             "file backend reads and writes, to share a store with a deployment (name its "
+             "model with --storage-model).")] = None,
+    storage_model: Annotated[str | None, typer.Option(
+        help="The model name in object keys: SGLang's served model name (default: an id of "
+             "this run's model).")] = None,
     prefetch_policy: Annotated[str | None, typer.Option(
         help="best_effort | wait_complete | timeout",
         show_default=_dflt("storage.prefetch_policy"))] = None,
@@ -314,6 +321,8 @@ def run(
         "observability.watchdog_timeout_s": ("--watchdog-timeout", watchdog_timeout),
         "storage.backend": ("--storage", storage), "storage.path": ("--storage-path", storage_path),
         "storage.url": ("--storage-url", storage_url),
+        "storage.format": ("--storage-format", storage_format),
+        "storage.model_name": ("--storage-model", storage_model),
         "storage.prefetch_policy": ("--prefetch-policy", prefetch_policy),
         "model.sidecars": ("--sidecar-pools", tuple(
             p.strip() for p in sidecar_pools.split(",") if p.strip()) if sidecar_pools else None),

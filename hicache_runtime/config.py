@@ -23,7 +23,7 @@ from faults.spec import FaultSpec, check_topology
 from hicache_runtime.config_files import short_repr
 from hicache_runtime.contracts import l3_backends
 from hicache_runtime.contracts.errors import ConfigError, validation_problem
-from hicache_runtime.contracts.l3_backends import NO_BACKEND
+from hicache_runtime.contracts.l3_backends import NO_BACKEND, StorageFormat
 from hicache_runtime.contracts.legacy import LegacySwitch
 from hicache_runtime.contracts.profiles import (
     DEFAULT_PROFILE,
@@ -184,6 +184,13 @@ class StorageConfig(BaseModel):
     reconnect_backoff_max_s: float = Field(5.0, gt=0)
     required: bool = True
     """False: start even if the backend is unreachable (it fails soft and reconnects)."""
+    format: StorageFormat = StorageFormat.ENVELOPE
+    """How pages are stored: ``envelope`` (checksummed, self-describing; the default) or
+    ``upstream``, the raw page bytes SGLang's file backend reads and writes
+    (``l3/formats.py``; file backend, MHA-style pages without sidecar pools)."""
+    model_name: str | None = Field(None, pattern=r"^[A-Za-z0-9._/-]{1,200}$")
+    """The ``<model>`` part of object keys (``/`` becomes ``-``): SGLang's served model name,
+    to share a store with a deployment; None: an id of this run's model config."""
     prefetch_timeout_clock: TimeoutClock | None = None
     """When the ``timeout`` policy's clock starts: ``submission`` (0.5.5 to 0.5.20) or
     ``first-blocked-poll`` (0.5.23); None: the profile's."""
@@ -208,6 +215,9 @@ class StorageConfig(BaseModel):
             problem = l3_backends.url_problem(self.backend, self.url)
             if problem:
                 raise ValueError(_at("storage.url", problem))
+            if self.format not in l3_backends.load(self.backend).formats:
+                raise ValueError(_at("storage.format", f"the {self.backend} backend has no "
+                                     f"{self.format.value} page format"))
         return self
 
 
@@ -348,6 +358,10 @@ class RuntimeConfig(BaseModel):
             raise ValueError(_at("scheduler.enable_dynamic_chunking", "needs pipeline "
                                  "parallelism (pp > 1): chunk sizes are sized to even out "
                                  "the stages"))
+        if self.storage.format is StorageFormat.UPSTREAM and (m.sidecars or m.kv_replicated):
+            raise ValueError(_at("storage.format", "upstream pages are MHA pages without "
+                                 "sidecar pools (upstream's MLA page is one latent row per "
+                                 "token, its sidecars other objects)"))
         if self.storage.single_writer and t.tp > 1 and not m.kv_replicated:
             raise ValueError(_at("storage.single_writer", "needs model.kv_replicated with tp > 1 "
                                  "(head-sharded pages differ per TP rank)"))

@@ -23,6 +23,7 @@ import logging
 import re
 import threading
 from collections.abc import Mapping
+from enum import Enum
 from types import MappingProxyType
 from typing import Any
 
@@ -31,6 +32,16 @@ from hicache_runtime.contracts.errors import ConfigError
 log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "hicache.l3_backends"
+
+
+class StorageFormat(str, Enum):
+    """``storage.format``: how pages are stored (``l3/formats.py``)."""
+
+    ENVELOPE = "envelope"
+    """A checksummed envelope around a self-describing page payload (the default)."""
+    UPSTREAM = "upstream"
+    """The raw page bytes SGLang's file backend writes."""
+
 
 NO_BACKEND = "none"
 """``storage.backend`` for no L3; never a backend's name."""

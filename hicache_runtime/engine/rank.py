@@ -32,6 +32,7 @@ from hicache_runtime.engine.scheduler import Scheduler
 from hicache_runtime.kv.copy_engine import CopyEngine, CpuCopyEngine, CudaCopyEngine
 from hicache_runtime.kv.pools import DeviceKVPool, HostKVPool, KVShape
 from hicache_runtime.kv.radix_tree import RadixTree
+from hicache_runtime.l3.formats import StorageFormat, UpstreamPages
 from hicache_runtime.l3.keys import model_id
 from hicache_runtime.l3.pages import PageCodec, SidecarCodec, max_payload_bytes
 from hicache_runtime.l3.registry import make_backend
@@ -159,10 +160,13 @@ def _storage_workers(cfg: RuntimeConfig, rank: RankInfo, model: TinyTransformer,
     sidecars: dict[str, SidecarCodec] = {name: SidecarCodec.for_pool(host_pool, name, **offsets)
                 for name in cfg.model.sidecars}
     # store contents are untrusted: the backend never reads more than this rank's largest page
-    backend = make_backend(cfg.storage, rank, model=model_id(cfg.model),
+    upstream = None if cfg.storage.format is StorageFormat.ENVELOPE else \
+        UpstreamPages(codec.layout.header(codec.token_major), codec.payload_bytes)
+    backend = make_backend(cfg.storage, rank, model=cfg.storage.model_name or model_id(cfg.model),
                            required=cfg.storage.required, faults=faults, tracer=tracer,
                            step=lambda: tracer.step,
-                           max_payload_bytes=max_payload_bytes(codec, *sidecars.values()))
+                           max_payload_bytes=max_payload_bytes(codec, *sidecars.values()),
+                           upstream=upstream)
     assert backend is not None
     # A peer waits in an L3 vote for at most this plus one storage call (see ``l3_ops``).
     budget = cfg.observability.protocol_timeout_s * _IO_BUDGET_FRACTION

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from hicache_runtime.contracts.errors import CorruptPage
 from hicache_runtime.contracts.events import Ev
 from hicache_runtime.l3 import envelope
+from hicache_runtime.l3.formats import StorageFormat, UpstreamPages
 from hicache_runtime.l3.keys import KeyScheme
 
 if TYPE_CHECKING:
@@ -155,6 +156,8 @@ class StorageBackend(ABC):
     before the command line names the real one."""
     url_required: ClassVar[bool] = False
     """Only the user may name its server: no private store is started without a URL."""
+    formats: ClassVar[tuple[StorageFormat, ...]] = (StorageFormat.ENVELOPE,)
+    """The page formats it can store (``formats.py``); every backend has the envelope."""
 
     @classmethod
     def url_problem(cls, url: str) -> str | None:
@@ -188,6 +191,15 @@ class StorageBackend(ABC):
         self._stats_lock = threading.Lock()
         self._closed = False
         self._corrupt_logged = False
+        self.upstream: UpstreamPages | None = None
+        """Set by :meth:`store_upstream`: pages are upstream's raw bytes, not envelopes."""
+
+    def store_upstream(self, pages: UpstreamPages) -> None:
+        """Store and read pages in upstream's raw form from now on (``storage.format:
+        upstream``). Raises ``ValueError`` for a backend that has no upstream form."""
+        if StorageFormat.UPSTREAM not in self.formats:
+            raise ValueError(f"the {self.name} backend has no upstream page format")
+        self.upstream = pages
 
     # --- the interface ----------------------------------------------------------------------
 
@@ -232,6 +244,9 @@ class StorageBackend(ABC):
         t0 = time.perf_counter()
         if self._closed or not obj:
             ok = [False] * len(obj)
+        elif self.upstream is not None:
+            up = self.upstream
+            ok = self.write_sealed(obj, [(b"", up.to_raw(k, v)) for k, v in zip(obj, values)])
         else:
             ok = self.write_sealed(obj, [envelope.seal_parts(k, v) for k, v in zip(obj, values)])
         stored = sum(ok)
@@ -301,7 +316,8 @@ class StorageBackend(ABC):
                 out.append(None)
                 continue
             try:
-                payload = envelope.open_parts(key, raw[0], raw[1])
+                payload = envelope.open_parts(key, raw[0], raw[1]) if self.upstream is None \
+                    else self.upstream.from_raw(key, raw[0] + raw[1])
             except CorruptPage as exc:
                 corrupt.append(key)
                 self._report_corrupt(exc)

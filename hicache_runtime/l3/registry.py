@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from hicache_runtime.config import RuntimeConfig, StorageConfig
     from hicache_runtime.contracts.topology import RankInfo
     from hicache_runtime.l3.backend import PrivateStore, StorageBackend
+    from hicache_runtime.l3.formats import UpstreamPages
     from hicache_runtime.telemetry.tracer import Tracer
 
 
@@ -110,7 +111,8 @@ def unavailable(cfg: StorageConfig) -> str | None:
 def make_backend(cfg: StorageConfig, rank: RankInfo, *, model: str, required: bool = True,
                  faults: FaultInjector | None = None, tracer: Tracer | None = None,
                  step: Callable[[], int] | None = None,
-                 max_payload_bytes: int | None = None) -> StorageBackend | None:
+                 max_payload_bytes: int | None = None,
+                 upstream: UpstreamPages | None = None) -> StorageBackend | None:
     """Build this rank's L3 backend, or ``None`` when ``cfg.backend == "none"``.
 
     ``model`` is the ``<model>`` part of key suffixes (``keys.model_id(cfg.model)``). Keys are
@@ -130,6 +132,8 @@ def make_backend(cfg: StorageConfig, rank: RankInfo, *, model: str, required: bo
     bound = {} if max_payload_bytes is None else {"max_payload_bytes": max_payload_bytes}
     backend = backend_class(cfg.backend).from_config(cfg, scheme, required=required,
                                                      tracer=tracer, **bound)
+    if upstream is not None:  # ``storage.format: upstream``, on the backend the wrapper calls
+        backend.store_upstream(upstream)
     return wrap_faults(backend, faults, step)
 
 

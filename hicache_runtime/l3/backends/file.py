@@ -1,7 +1,9 @@
 """The embedded default L3 backend: one file per page in a directory (SGLang's ``HiCacheFile``).
 
 Each object is ``<dir>/<page hash><suffix>.bin`` holding one sealed page (envelope header +
-payload). Why this is safe under concurrency and crashes:
+payload), or with ``storage.format: upstream`` the raw page bytes SGLang writes
+(``formats.py``; no checksum, so the envelope's guarantees below do not hold for those).
+Why this is safe under concurrency and crashes:
 
 * Writes go to a uniquely named temporary file in the same directory, then ``os.replace`` it
   into place. A reader sees either no file or a complete one, never a torn write; two ranks or
@@ -39,6 +41,7 @@ from typing import TYPE_CHECKING
 from hicache_runtime.contracts.errors import CorruptPage, StorageUnavailable
 from hicache_runtime.l3 import envelope
 from hicache_runtime.l3.backend import RawPage, StorageBackend
+from hicache_runtime.l3.formats import StorageFormat
 from hicache_runtime.l3.keys import KeyScheme
 
 if TYPE_CHECKING:
@@ -110,6 +113,7 @@ class FileBackend(StorageBackend):
     temp-name counter (``itertools.count`` is atomic under the GIL)."""
 
     name = "file"
+    formats = (StorageFormat.ENVELOPE, StorageFormat.UPSTREAM)
 
     def __init__(self, root: Path, scheme: KeyScheme, *, fsync: bool = False,
                  max_payload_bytes: int = envelope.DEFAULT_MAX_PAYLOAD_BYTES,
@@ -176,7 +180,10 @@ class FileBackend(StorageBackend):
         out: list[RawPage | None] = []
         for key in object_keys:
             try:
-                out.append(_read_parts(self.path_of(key), key, self.max_payload_bytes))
+                path = self.path_of(key)
+                out.append(_read_parts(path, key, self.max_payload_bytes)
+                           if self.upstream is None
+                           else (b"", _read_exact(path, key, self.upstream.raw_bytes)))
             except FileNotFoundError:
                 out.append(None)
             except CorruptPage as exc:
@@ -301,11 +308,46 @@ def _read_parts(path: Path, key: str, limit: int) -> RawPage:
     anything else (a short or unparsable header is returned as read, for ``verify`` to reject
     with its usual message), ``FileNotFoundError`` when absent, ``OSError`` on I/O errors.
     """
+    fd, size = _open_page(path, key)
+    try:
+        envelope.check_size(key, size, limit)
+        header = os.pread(fd, envelope.HEADER_SIZE, 0)
+        try:
+            length, _crc, _version = envelope.parse_header(key, header)
+        except CorruptPage:
+            return header, b""  # ``verify`` rejects the header and says why
+        if size != envelope.HEADER_SIZE + length:
+            raise CorruptPage(f"{key}: file is {size} bytes, its header says "
+                              f"{envelope.HEADER_SIZE + length} (truncated or overlong)")
+        payload = os.pread(fd, length, envelope.HEADER_SIZE)
+        if len(payload) < length:  # a short read, or the file shrank under us
+            payload += _read_upto(fd, envelope.HEADER_SIZE + len(payload), length - len(payload))
+        return header, payload
+    finally:
+        os.close(fd)
+
+
+def _read_exact(path: Path, key: str, size: int) -> bytes:
+    """An upstream page file (raw bytes, no header): exactly ``size`` bytes, checked on the
+    open descriptor before anything is read, as :func:`_read_parts` does for envelopes.
+    Raises :class:`CorruptPage` for another size, a symlink or a special file."""
+    fd, found = _open_page(path, key)
+    try:
+        if found != size:
+            raise CorruptPage(f"{key}: an upstream page of {found} bytes; this rank's pages "
+                              f"are {size}")
+        return _read_upto(fd, 0, size)
+    finally:
+        os.close(fd)
+
+
+def _open_page(path: Path, key: str) -> tuple[int, int]:
+    """``(descriptor, size)`` of a page file that is a regular file; the caller closes it.
+    Raises ``FileNotFoundError`` when absent and :class:`CorruptPage` for a symlink, a FIFO
+    or another special file in the page's place (refused by the kernel or by ``fstat``)."""
     try:
         fd = os.open(path, _OPEN_FLAGS)
     except OSError as exc:
-        if isinstance(exc, FileNotFoundError):
-            raise
         if exc.errno in (errno.ELOOP, errno.ENXIO):
             raise CorruptPage(f"{key}: a symlink or special file is in the page's place")\
                 from None
@@ -314,21 +356,10 @@ def _read_parts(path: Path, key: str, limit: int) -> RawPage:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise CorruptPage(f"{key}: not a regular file (mode {st.st_mode:o})")
-        envelope.check_size(key, st.st_size, limit)
-        header = os.pread(fd, envelope.HEADER_SIZE, 0)
-        try:
-            length, _crc, _version = envelope.parse_header(key, header)
-        except CorruptPage:
-            return header, b""  # ``verify`` rejects the header and says why
-        if st.st_size != envelope.HEADER_SIZE + length:
-            raise CorruptPage(f"{key}: file is {st.st_size} bytes, its header says "
-                              f"{envelope.HEADER_SIZE + length} (truncated or overlong)")
-        payload = os.pread(fd, length, envelope.HEADER_SIZE)
-        if len(payload) < length:  # a short read, or the file shrank under us
-            payload += _read_upto(fd, envelope.HEADER_SIZE + len(payload), length - len(payload))
-        return header, payload
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return fd, st.st_size
 
 
 def _read_upto(fd: int, offset: int, want: int) -> bytes:
