@@ -24,6 +24,7 @@ from typing import BinaryIO
 
 from doctor.read.prefilter import TriggerIndex
 from doctor.read.text.lines import LineHandler
+from hicache_runtime.contracts.jsonl import LongLine, line_blocks
 
 CHUNK = 4 << 20
 HEAD_LINES = 500
@@ -91,37 +92,14 @@ class LogScanner:
 
     def scan(self, stream: BinaryIO) -> None:
         """Read ``stream`` to its end; never raises on content (I/O errors propagate)."""
-        carry = b""
-        skipping = False  # inside the rest of an over-long line
-        endings = LineEndings()
-        while True:
-            raw = stream.read(CHUNK)
-            chunk = endings(raw) if raw else endings.flush()
-            if not chunk:
-                if not raw:
-                    break
-                continue
-            if skipping:
-                nl = chunk.find(b"\n")
-                if nl < 0:
-                    continue
-                chunk, skipping = chunk[nl + 1:], False
-            buf = carry + chunk if carry else chunk
+        for block in line_blocks(stream, MAX_LINE, CHUNK, LineEndings()):
+            if isinstance(block, LongLine):  # keep its head as one line, drop the rest of it
+                self.long_lines += 1
+                block = block.head + b"\n"
             if not self._planned:
-                self.index.plan(buf)
+                self.index.plan(block)
                 self._planned = True
-            cut = buf.rfind(b"\n") + 1
-            if cut == 0:
-                carry = buf
-                if len(buf) >= MAX_LINE:  # keep its head as one line, drop the rest of it
-                    self.long_lines += 1
-                    self._scan(buf[:MAX_LINE] + b"\n", MAX_LINE + 1)
-                    carry, skipping = b"", True
-                continue
-            self._scan(buf, cut)
-            carry = buf[cut:]
-        if carry:
-            self._scan(carry + b"\n", len(carry) + 1)
+            self._scan(block, len(block))
         self.handler.finish()
 
     def _scan(self, buf: bytes, end: int) -> None:

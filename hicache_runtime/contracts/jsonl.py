@@ -1,4 +1,6 @@
-"""Bounded reading of line-oriented files that come from elsewhere (traces in crash bundles).
+"""Bounded reading of line-oriented files that come from elsewhere (traces in crash bundles,
+logs): one reader, :func:`line_blocks`, for every consumer (:func:`iter_lines` here, the
+doctor's log scanner).
 
 A line is only materialised when it is short: the stream is read in fixed chunks, and a line
 longer than ``max_line`` is skipped as it streams past (reported as ``None``), so a 1 GiB line, a
@@ -13,8 +15,9 @@ import json
 import os
 import stat
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 from hicache_runtime.contracts.errors import DumpFormatError
 
@@ -23,35 +26,73 @@ MAX_LINE = 1 << 20
 CHUNK = 1 << 20
 
 
-def iter_lines(stream: BinaryIO, max_line: int = MAX_LINE,
-               chunk: int = CHUNK) -> Iterator[tuple[int, bytes | None]]:
-    """``(line number, line without its newline)``; ``None`` for a line over ``max_line``.
+@dataclass(frozen=True)
+class LongLine:
+    """A line longer than the reader's limit: its first ``limit`` bytes; the rest was skipped
+    as it streamed past, never held."""
 
-    Memory is at most a chunk plus ``max_line`` whatever the input (a line over the limit is
-    dropped as soon as it passes the limit, and its rest is skipped without being kept)."""
+    head: bytes
+
+
+class Endings(Protocol):
+    """Rewrites the line boundaries of each chunk as they stream past (a reader of text from
+    elsewhere turns ``\r``, NEL and friends into ``\n``); ``flush`` gives what it held back at
+    the end of the stream."""
+
+    def __call__(self, chunk: bytes) -> bytes: ...
+
+    def flush(self) -> bytes: ...
+
+
+def line_blocks(stream: BinaryIO, max_line: int = MAX_LINE, chunk: int = CHUNK,
+                endings: Endings | None = None) -> Iterator[bytes | LongLine]:
+    """The stream as blocks of whole lines, each ending in ``\n`` (a last line without one gets
+    it), in order; an unfinished line that grows past ``max_line`` comes as a
+    :class:`LongLine` instead, and the rest of it is skipped unread into memory.
+
+    Memory is at most a chunk plus ``max_line`` whatever the input: a 1 GiB line, a sparse
+    multi-GB file or an endless stream of NUL bytes costs one chunk. A whole line longer than
+    ``max_line`` inside one chunk is left in its block (the caller bounds what it keeps)."""
     carry = b""
     skipping = False  # inside the rest of an over-long line
-    lineno = 0
     while True:
-        data = stream.read(chunk)
+        raw = stream.read(chunk)
+        data = raw if endings is None else (endings(raw) if raw else endings.flush())
         if not data:
-            break
+            if not raw:
+                break
+            continue
         if skipping:
             nl = data.find(b"\n")
             if nl < 0:
                 continue
             data, skipping = data[nl + 1:], False
+        buf = carry + data if carry else data
+        cut = buf.rfind(b"\n") + 1
+        if cut:
+            yield buf[:cut]
+        carry = buf[cut:]
+        if len(carry) > max_line:
+            yield LongLine(carry[:max_line])
+            carry, skipping = b"", True
+    if carry:
+        yield carry + b"\n"
+
+
+def iter_lines(stream: BinaryIO, max_line: int = MAX_LINE,
+               chunk: int = CHUNK) -> Iterator[tuple[int, bytes | None]]:
+    """``(line number, line without its newline)``; ``None`` for a line over ``max_line``.
+
+    Memory is at most a chunk plus ``max_line`` whatever the input (:func:`line_blocks`)."""
+    lineno = 0
+    for block in line_blocks(stream, max_line, chunk):
+        if isinstance(block, LongLine):
             lineno += 1
             yield lineno, None
-        parts = (carry + data if carry else data).split(b"\n")
-        carry = parts.pop()
-        for part in parts:
+            continue
+        for part in block[:-1].split(b"\n"):
             lineno += 1
             yield lineno, part if len(part) <= max_line else None
-        if len(carry) > max_line:
-            carry, skipping = b"", True
-    if skipping or carry:
-        yield lineno + 1, None if skipping else carry
 
 
 def open_regular(path: Path) -> BinaryIO:
