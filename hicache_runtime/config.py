@@ -215,9 +215,6 @@ class StorageConfig(BaseModel):
             problem = l3_backends.url_problem(self.backend, self.url)
             if problem:
                 raise ValueError(_at("storage.url", problem))
-            if self.format not in l3_backends.load(self.backend).formats:
-                raise ValueError(_at("storage.format", f"the {self.backend} backend has no "
-                                     f"{self.format.value} page format"))
         return self
 
 
@@ -358,6 +355,11 @@ class RuntimeConfig(BaseModel):
             raise ValueError(_at("scheduler.enable_dynamic_chunking", "needs pipeline "
                                  "parallelism (pp > 1): chunk sizes are sized to even out "
                                  "the stages"))
+        if self.storage.backend != NO_BACKEND:
+            problem = l3_backends.load(self.storage.backend).format_problem(
+                self.storage.format, c.mem_layout)
+            if problem:
+                raise ValueError(_at("storage.format", problem))
         if self.storage.format is StorageFormat.UPSTREAM and (m.sidecars or m.kv_replicated):
             raise ValueError(_at("storage.format", "upstream pages are MHA pages without "
                                  "sidecar pools (upstream's MLA page is one latent row per "

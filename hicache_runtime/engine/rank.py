@@ -159,10 +159,13 @@ def _storage_workers(cfg: RuntimeConfig, rank: RankInfo, model: TinyTransformer,
     codec = PageCodec.for_pool(host_pool, **offsets)
     sidecars: dict[str, SidecarCodec] = {name: SidecarCodec.for_pool(host_pool, name, **offsets)
                 for name in cfg.model.sidecars}
+    name = cfg.storage.model_name or model_id(cfg.model)
+    upstream = None if cfg.storage.format is StorageFormat.ENVELOPE else UpstreamPages(
+        codec.layout.header(codec.token_major), codec.payload_bytes,
+        key_prefix=name.replace("/", "-"),
+        rank_part=f"{rank.tp_rank}_{rank.pp_rank}" if rank.pp_size > 1 else f"{rank.tp_rank}")
     # store contents are untrusted: the backend never reads more than this rank's largest page
-    upstream = None if cfg.storage.format is StorageFormat.ENVELOPE else \
-        UpstreamPages(codec.layout.header(codec.token_major), codec.payload_bytes)
-    backend = make_backend(cfg.storage, rank, model=cfg.storage.model_name or model_id(cfg.model),
+    backend = make_backend(cfg.storage, rank, model=name,
                            required=cfg.storage.required, faults=faults, tracer=tracer,
                            step=lambda: tracer.step,
                            max_payload_bytes=max_payload_bytes(codec, *sidecars.values()),

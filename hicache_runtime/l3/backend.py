@@ -177,6 +177,14 @@ class StorageBackend(ABC):
         return None
 
     @classmethod
+    def format_problem(cls, fmt: StorageFormat, mem_layout: str) -> str | None:
+        """Why this backend cannot store ``fmt`` pages from a host pool of ``mem_layout``, or
+        None. Default: any format in :attr:`formats`."""
+        if fmt not in cls.formats:
+            return f"the {cls.name} backend has no {fmt.value} page format"
+        return None
+
+    @classmethod
     def throwaway(cls, workdir: Path | None = None) -> PrivateStore | None:
         """A private store of this backend on this machine, not started (``with`` starts it
         and stops it, and its ``url`` names it), or None when the backend has no server to

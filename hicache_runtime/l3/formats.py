@@ -2,15 +2,18 @@
 SGLang's own backends write (``storage.format: upstream``), so the tools can work on a store a
 deployment wrote and a deployment can read a store the runtime wrote.
 
-Upstream (``HiCacheFile``, every release read: 0.5.23 ``mem_cache/hicache_storage.py``
-``HiCacheFile.set`` L883-927 and ``get`` L846-881; the write side
+Upstream's file backend (``HiCacheFile``, every release read: 0.5.23
+``mem_cache/hicache_storage.py`` ``HiCacheFile.set`` L883-927 and ``get`` L846-881; the write side
 ``cache_controller.py`` ``_generic_page_set`` L1403-1408) stores one file per page,
 ``<page hash><suffix>.bin``, holding ``get_data_page(...).flatten()`` of the host pool with no
 header: K then V, each ``[layers, page_size, heads, head_dim]`` for a ``layer_first`` or
 ``page_first_direct`` pool, ``[page_size, layers, heads, head_dim]`` for ``page_first``
 (0.5.23 ``pool_host/mha.py`` ``get_data_page`` L713-725, ``init_kv_buffer`` L305-339). That is
 this project's page payload (``pages.py``) without its 32-byte layout header, so the two convert
-by dropping or adding that header.
+by dropping or adding that header. Upstream's Mooncake backend keeps the same bytes as two
+objects, K and V, named ``<model>_<page hash>_<tp rank>[_<pp rank>]_k`` / ``_v`` (0.5.23
+``storage/mooncake_store/mooncake_store.py`` L630-644, L1313-1335; from a ``page_first`` or
+``page_first_direct`` pool only, L1319-1323).
 
 What the raw format gives up, as upstream does: no checksum (a flipped byte is served), and no
 layout in the bytes (a reader with another host layout, dtype or head count reads garbage; the
@@ -39,6 +42,12 @@ class UpstreamPages:
 
     header: bytes
     payload_bytes: int
+    key_prefix: str = ""
+    """Upstream's Mooncake key prefix: the served model name, ``/`` made ``-`` (0.5.23
+    ``mooncake_store.py`` L456-474, ``_tag_keys`` L782-785)."""
+    rank_part: str = "0"
+    """Upstream's Mooncake rank part of a key: the TP rank, then ``_<pp rank>`` with PP
+    (L630-644)."""
 
     @property
     def raw_bytes(self) -> int:
@@ -53,6 +62,12 @@ class UpstreamPages:
             raise ValueError(f"{key}: the page is not in this rank's layout and pool order; "
                              "an upstream page carries no layout to tell")
         return payload[len(self.header):]
+
+    def kv_keys(self, object_key: str) -> tuple[str, str]:
+        """The two objects upstream's Mooncake backend keeps a page in: K and V
+        (``<prefix>_<page hash>_<rank part>_k`` and ``_v``, L1313-1335)."""
+        base = f"{self.key_prefix}_{object_key[:64]}_{self.rank_part}"
+        return base + "_k", base + "_v"
 
     def from_raw(self, key: str, raw: bytes) -> bytes:
         """The payload of an upstream page read from the store: this rank's header before its

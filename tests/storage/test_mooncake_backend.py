@@ -16,15 +16,19 @@ from pathlib import Path
 
 import pytest
 
-from hicache_runtime.config import StorageConfig
+from hicache_runtime.config import StorageConfig, load_config
 from hicache_runtime.contracts.errors import ConfigError, StorageUnavailable
+from hicache_runtime.contracts.outcome import RunOutcome
 from hicache_runtime.contracts.topology import RankInfo
 from hicache_runtime.l3 import envelope
 from hicache_runtime.l3.backend import StorageBackend
 from hicache_runtime.l3.backends import mooncake_client as mc
+from hicache_runtime.l3.backends.file import FileBackend
 from hicache_runtime.l3.backends.mooncake_master import LocalMooncakeStore, mooncake_binary
+from hicache_runtime.l3.formats import UpstreamPages
 from hicache_runtime.l3.keys import KeyScheme
 from hicache_runtime.l3.registry import make_backend
+from hicache_runtime.launch.run import run_single
 from tests.storage.support import SCHEME, hashes, payload_for
 
 MISSING = None if mc.mooncake_installed() and mooncake_binary("mooncake_master") else \
@@ -341,3 +345,61 @@ def test_a_store_that_fails_to_start_leaves_nothing_running(tmp_path: Path) -> N
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", bad.rpc_port), timeout=1).close()
     bad.close()
+
+
+# --- storage.format upstream: SGLang's own keys and objects --------------------------------------
+
+
+@needs_mooncake
+def test_upstream_pages_are_sglangs_k_and_v_objects(make: Callable[..., StorageBackend],
+                                                    store: LocalMooncakeStore,
+                                                    tmp_path: Path) -> None:
+    """A page is two objects under SGLang 0.5.23's names (``mooncake_store.py`` L1313-1335:
+    ``<model>_<hash>_<tp rank>_k`` and ``_v``), K and V raw; their concatenation is the page
+    file SGLang's file backend writes; a page with one half missing is not there
+    (``batch_exists`` L1594-1621 counts whole pages)."""
+    header = b"H" * 32
+    pages = UpstreamPages(header, 32 + 64, key_prefix="org-tiny", rank_part="1")
+    b = make()
+    b.store_upstream(pages)
+    b.clear()
+    keys = hashes(3, seed=31)
+    payloads = [header + bytes((i + j) % 256 for j in range(64)) for i in range(3)]
+    assert b.batch_set(keys, payloads) == [True] * 3
+    client = mc.open_client(mc.parse_url(store.url))
+    try:
+        k, v = client.get(f"org-tiny_{keys[0]}_1_k"), client.get(f"org-tiny_{keys[0]}_1_v")
+        assert (k, v) == (payloads[0][32:64], payloads[0][64:])
+        assert client.remove(f"org-tiny_{keys[1]}_1_v", True) == 0  # half a page
+    finally:
+        client.close()
+    assert b.batch_exists(keys) == 1
+    assert b.batch_get(keys) == [payloads[0], None, payloads[2]]
+    files = FileBackend(tmp_path, KeyScheme("_org-tiny_1_2"))
+    files.store_upstream(pages)
+    files.batch_set(keys[:1], payloads[:1])
+    assert files.path_for(keys[0]).read_bytes() == k + v
+    b.clear()
+    assert b.batch_exists(keys) == 0
+
+
+@needs_mooncake
+def test_a_run_reads_back_the_upstream_objects_it_wrote(store: LocalMooncakeStore,
+                                                       tmp_path: Path) -> None:
+    cfg = load_config({
+        "storage.backend": "mooncake", "storage.url": store.url, "storage.format": "upstream",
+        "storage.model_name": "org/tiny-llama", "cache.mem_layout": "page_first",
+        "workload.requests": 48, "cache.device_tokens": 512, "cache.host_tokens": 768,
+        "storage.io_batch_pages": 4, "observability.watchdog_timeout_s": 30.0})
+    first = run_single(cfg, compare=False, bundle_root=tmp_path)
+    assert first.outcome is RunOutcome.HEALTHY, first.error
+    again = run_single(cfg, bundle_root=tmp_path)
+    assert again.outcome is RunOutcome.HEALTHY, again.error
+    assert again.output_match is not False
+    assert again.cached_tokens.storage > 0
+
+
+def test_upstream_mooncake_needs_a_page_major_host_pool() -> None:
+    with pytest.raises(ConfigError, match="refuses layer_first"):
+        load_config({"storage.backend": "mooncake", "storage.url": URL,
+                     "storage.format": "upstream", "cache.mem_layout": "layer_first"})

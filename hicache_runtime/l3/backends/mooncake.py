@@ -45,6 +45,7 @@ from hicache_runtime.contracts.errors import ConfigError, CorruptPage, StorageUn
 from hicache_runtime.l3 import envelope
 from hicache_runtime.l3.backend import RawPage, StorageBackend
 from hicache_runtime.l3.backends import mooncake_client as mc
+from hicache_runtime.l3.formats import StorageFormat
 from hicache_runtime.l3.keys import KeyScheme
 from hicache_runtime.l3.outage import Outage
 
@@ -83,6 +84,11 @@ class _Arena:
         self.mem.close()
 
 
+def _escape(text: str) -> str:
+    """``text`` as a literal in the client's regular expressions."""
+    return "".join(c if c.isalnum() or c == "_" else f"\\{c}" for c in text)
+
+
 def _address(data: bytes) -> int:
     """Where the bytes of an (immutable) bytes object lie; valid while the caller holds it."""
     return int(ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0)
@@ -92,6 +98,7 @@ class MooncakeBackend(StorageBackend):
     """Pages in a Mooncake Store. See the module docstring for semantics and outages."""
 
     name = "mooncake"
+    formats = (StorageFormat.ENVELOPE, StorageFormat.UPSTREAM)
     url_schemes = (mc.SCHEME,)
     url_example = "mooncake://127.0.0.1:50051?metadata=http://127.0.0.1:8080/metadata"
 
@@ -102,6 +109,15 @@ class MooncakeBackend(StorageBackend):
         except ConfigError as exc:
             return str(exc).partition(": ")[2]  # without the field, which the caller names
         return None
+
+    @classmethod
+    def format_problem(cls, fmt: StorageFormat, mem_layout: str) -> str | None:
+        if fmt is StorageFormat.UPSTREAM and mem_layout == "layer_first":
+            # upstream keeps a page as two objects, each one contiguous block of the pool
+            return ("upstream Mooncake pages are a K and a V object, each one block of a "
+                    "page_first or page_first_direct host pool (0.5.23 mooncake_store.py "
+                    "refuses layer_first, L1319-1323); pass --mem-layout page_first")
+        return super().format_problem(fmt, mem_layout)
 
     @classmethod
     def throwaway(cls, workdir: Path | None = None) -> LocalMooncakeStore:
@@ -198,18 +214,29 @@ class MooncakeBackend(StorageBackend):
     # --- hooks --------------------------------------------------------------------------------
 
     def _exists_leading(self, object_keys: list[str]) -> int:
+        per_page = 1 if self.upstream is None else 2  # upstream: K then V of each page
+
         def run(client: Any) -> int:
             n = 0
-            for code in client.batch_is_exist(object_keys):
+            for code in client.batch_is_exist(self._store_keys(object_keys)):
                 if code != 1:
                     if code < 0:
                         self._check_code("exists", code)
                     break
                 n += 1
-            return n
+            return n // per_page
         return self._call("exists", run, 0)
 
+    def _store_keys(self, object_keys: list[str]) -> list[str]:
+        """The store's keys of ``object_keys``: themselves, or upstream's K and V of each."""
+        if self.upstream is None:
+            return object_keys
+        return [k for key in object_keys for k in self.upstream.kv_keys(key)]
+
     def read_raw(self, object_keys: list[str]) -> list[RawPage | None]:
+        if self.upstream is not None:
+            return self._read_upstream(object_keys, self.upstream.raw_bytes // 2)
+
         def run(client: Any) -> list[RawPage | None]:
             arena = self._arena(client, len(object_keys) * self.slot_bytes)
             slot = self.slot_bytes
@@ -233,7 +260,40 @@ class MooncakeBackend(StorageBackend):
             return out
         return self._call("get", run, [None] * len(object_keys))
 
+    def _read_upstream(self, object_keys: list[str], half: int) -> list[RawPage | None]:
+        """Upstream pages: each page's K and V objects, read into two slots of a page half
+        each; a page is its K bytes then its V bytes (upstream's file form), or a miss."""
+        keys = self._store_keys(object_keys)
+
+        def run(client: Any) -> list[RawPage | None]:
+            arena = self._arena(client, len(keys) * half)
+            codes = client.batch_get_into(keys, [arena.addr + i * half for i in range(len(keys))],
+                                          [half] * len(keys))
+            out: list[RawPage | None] = []
+            for i, key in enumerate(object_keys):
+                k, v = codes[2 * i], codes[2 * i + 1]
+                if k == half and v == half:
+                    out.append((b"", bytes(arena.view[2 * i * half : (2 * i + 2) * half])))
+                    continue
+                if k == mc.INVALID_PARAMS or v == mc.INVALID_PARAMS or 0 < min(k, v) < half:
+                    self._reject(key)  # another writer's page size: never served
+                for code in (k, v):
+                    if code < 0 and code not in mc.MISS_CODES and code != mc.INVALID_PARAMS:
+                        self._check_code("get", code)
+                out.append(None)
+            return out
+        return self._call("get", run, [None] * len(object_keys))
+
     def write_sealed(self, object_keys: list[str], pages: list[RawPage]) -> list[bool]:
+        if self.upstream is not None:  # upstream: a page is a K object and a V object
+            half = self.upstream.raw_bytes // 2
+            object_keys = self._store_keys(object_keys)
+            pages = [(b"", part) for _, raw in pages for part in (raw[:half], raw[half:])]
+            done = self._write_objects(object_keys, pages)
+            return [a and b for a, b in zip(done[::2], done[1::2])]
+        return self._write_objects(object_keys, pages)
+
+    def _write_objects(self, object_keys: list[str], pages: list[RawPage]) -> list[bool]:
         fits = [len(p[1]) <= self.max_payload_bytes for p in pages]
         if not all(fits):
             # Such an object could never be read back (it would not fit a read slot).
@@ -266,9 +326,10 @@ class MooncakeBackend(StorageBackend):
         registered memory, so there they are first copied into this thread's buffer."""
         if self.target.protocol == "tcp" and all(type(h) is bytes and type(p) is bytes
                                                  for h, p in pages):
+            parts = [[b for b in page if b] for page in pages]  # an upstream page has no header
             return list(client.batch_put_from_multi_buffers(
-                keys, [[_address(h), _address(p)] for h, p in pages],
-                [[len(h), len(p)] for h, p in pages]))
+                keys, [[_address(b) for b in bufs] for bufs in parts],
+                [[len(b) for b in bufs] for bufs in parts]))
         sizes = [len(h) + len(p) for h, p in pages]
         arena = self._arena(client, sum(sizes))
         ptrs, off = [], 0
@@ -281,15 +342,18 @@ class MooncakeBackend(StorageBackend):
 
     def _clear(self) -> None:
         def run(client: Any) -> None:
-            # Keys are hex hashes + a suffix of [\w.-]: escape it for the client's regex.
-            suffix = "".join(c if c.isalnum() or c == "_" else f"\\{c}"
-                             for c in self.scheme.suffix)
-            client.remove_by_regex(f"^[0-9a-f]+{suffix}$", True)
+            if self.upstream is not None:
+                up = self.upstream
+                pattern = f"^{_escape(up.key_prefix)}_[0-9a-f]+_{_escape(up.rank_part)}_[kv]$"
+            else:  # keys are hex hashes + a suffix of [\w.-]
+                pattern = f"^[0-9a-f]+{_escape(self.scheme.suffix)}$"
+            client.remove_by_regex(pattern, True)
         self._call("clear", run, None)
 
     def _discard(self, object_key: str) -> bool:
         def run(client: Any) -> bool:
-            return bool(client.remove(object_key, True) == 0)
+            codes = [client.remove(k, True) for k in self._store_keys([object_key])]  # both
+            return all(code == 0 for code in codes)
         return self._call("discard", run, False)
 
     def _close(self) -> None:
