@@ -357,7 +357,7 @@ class RuntimeConfig(BaseModel):
                                  "the stages"))
         if self.storage.backend != NO_BACKEND:
             problem = l3_backends.load(self.storage.backend).format_problem(
-                self.storage.format, c.mem_layout)
+                self.storage.format, c.mem_layout, PROFILES[self.profile].release, t.pp)
             if problem:
                 raise ValueError(_at("storage.format", problem))
         if self.storage.format is StorageFormat.UPSTREAM and (m.sidecars or m.kv_replicated):

@@ -194,6 +194,12 @@ PROFILES: Mapping[str, Profile] = _profiles(
 DEFAULT_PROFILE = "sglang-0.5.23"
 
 
+def release_tuple(release: str | None) -> tuple[int, ...]:
+    """``"0.5.16"`` as ``(0, 5, 16)``, to compare releases; None (no release: ``proposed``)
+    as newer than any."""
+    return (999,) if release is None else tuple(int(p) for p in release.split("."))
+
+
 def unknown(name: object) -> str | None:
     """Why ``name`` is no profile (naming the known ones), or None."""
     if isinstance(name, str) and name in PROFILES:

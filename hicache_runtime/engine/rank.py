@@ -25,6 +25,7 @@ from hicache_runtime.cache.interface import NoPrefixCache, PrefixCache
 from hicache_runtime.config import RuntimeConfig
 from hicache_runtime.contracts.events import Ev
 from hicache_runtime.contracts.legacy import LegacySwitch
+from hicache_runtime.contracts.profiles import PROFILES
 from hicache_runtime.contracts.topology import RankInfo
 from hicache_runtime.dist.protocols import RankSync, SingleRankSync
 from hicache_runtime.engine.model import TensorParallelComm, TinyTransformer
@@ -32,7 +33,7 @@ from hicache_runtime.engine.scheduler import Scheduler
 from hicache_runtime.kv.copy_engine import CopyEngine, CpuCopyEngine, CudaCopyEngine
 from hicache_runtime.kv.pools import DeviceKVPool, HostKVPool, KVShape
 from hicache_runtime.kv.radix_tree import RadixTree
-from hicache_runtime.l3.formats import StorageFormat, UpstreamPages
+from hicache_runtime.l3.formats import StorageFormat, UpstreamPages, mooncake_prefix
 from hicache_runtime.l3.keys import model_id
 from hicache_runtime.l3.pages import PageCodec, SidecarCodec, max_payload_bytes
 from hicache_runtime.l3.registry import make_backend
@@ -162,7 +163,7 @@ def _storage_workers(cfg: RuntimeConfig, rank: RankInfo, model: TinyTransformer,
     name = cfg.storage.model_name or model_id(cfg.model)
     upstream = None if cfg.storage.format is StorageFormat.ENVELOPE else UpstreamPages(
         codec.layout.header(codec.token_major), codec.payload_bytes,
-        key_prefix=name.replace("/", "-"),
+        key_prefix=mooncake_prefix(name, PROFILES[cfg.profile].release),
         rank_part=f"{rank.tp_rank}_{rank.pp_rank}" if rank.pp_size > 1 else f"{rank.tp_rank}")
     # store contents are untrusted: the backend never reads more than this rank's largest page
     backend = make_backend(cfg.storage, rank, model=name,

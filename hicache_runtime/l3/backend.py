@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from hicache_runtime.contracts.errors import CorruptPage
 from hicache_runtime.contracts.events import Ev
 from hicache_runtime.l3 import envelope
-from hicache_runtime.l3.formats import StorageFormat, UpstreamPages
+from hicache_runtime.l3.formats import StorageFormat, UpstreamPages, pp_problem
 from hicache_runtime.l3.keys import KeyScheme
 
 if TYPE_CHECKING:
@@ -158,6 +158,9 @@ class StorageBackend(ABC):
     """Only the user may name its server: no private store is started without a URL."""
     formats: ClassVar[tuple[StorageFormat, ...]] = (StorageFormat.ENVELOPE,)
     """The page formats it can store (``formats.py``); every backend has the envelope."""
+    upstream_pp_since: ClassVar[tuple[int, ...]] = (0,)
+    """The first SGLang release whose keys of this backend name the pipeline stage: before
+    it, a PP run has no upstream form."""
 
     @classmethod
     def url_problem(cls, url: str) -> str | None:
@@ -177,11 +180,15 @@ class StorageBackend(ABC):
         return None
 
     @classmethod
-    def format_problem(cls, fmt: StorageFormat, mem_layout: str) -> str | None:
-        """Why this backend cannot store ``fmt`` pages from a host pool of ``mem_layout``, or
-        None. Default: any format in :attr:`formats`."""
+    def format_problem(cls, fmt: StorageFormat, mem_layout: str, release: str | None = None,
+                       pp: int = 1) -> str | None:
+        """Why this backend cannot store ``fmt`` pages from a host pool of ``mem_layout`` for a
+        ``pp``-stage run of SGLang ``release`` (None: the proposed protocols), or None.
+        Default: any format in :attr:`formats`, for a PP run from :attr:`upstream_pp_since`."""
         if fmt not in cls.formats:
             return f"the {cls.name} backend has no {fmt.value} page format"
+        if fmt is StorageFormat.UPSTREAM:
+            return pp_problem(cls.name, cls.upstream_pp_since, release, pp)
         return None
 
     @classmethod

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 from hicache_runtime.contracts.errors import CorruptPage
 from hicache_runtime.contracts.l3_backends import StorageFormat
+from hicache_runtime.contracts.profiles import release_tuple
 
-__all__ = ["StorageFormat", "UpstreamPages"]
+__all__ = ["StorageFormat", "UpstreamPages", "mooncake_prefix", "pp_problem"]
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,10 @@ class UpstreamPages:
 
     def kv_keys(self, object_key: str) -> tuple[str, str]:
         """The two objects upstream's Mooncake backend keeps a page in: K and V
-        (``<prefix>_<page hash>_<rank part>_k`` and ``_v``, L1313-1335)."""
-        base = f"{self.key_prefix}_{object_key[:64]}_{self.rank_part}"
+        (``[<prefix>_]<page hash>_<rank part>_k`` and ``_v``, L1313-1335)."""
+        base = f"{object_key[:64]}_{self.rank_part}"
+        if self.key_prefix:
+            base = f"{self.key_prefix}_{base}"
         return base + "_k", base + "_v"
 
     def from_raw(self, key: str, raw: bytes) -> bytes:
@@ -78,3 +81,24 @@ class UpstreamPages:
                               f"are {self.raw_bytes} (another model, dtype, layout or page "
                               "size wrote it)")
         return self.header + raw
+
+
+MODEL_PREFIX_SINCE = (0, 5, 17)
+"""The first release whose Mooncake keys start with the model name (0.5.20
+``mooncake_store.py`` L424-433; 0.5.16's keys have none, L541-545)."""
+
+
+def pp_problem(backend: str, since: tuple[int, ...], release: str | None, pp: int) -> str | None:
+    """Why a release's upstream keys cannot hold a ``pp``-stage run, or None: before
+    ``since`` its keys name no pipeline stage (0.5.5: ``hicache_storage.py`` L182-186,
+    ``mooncake_store.py`` L280-295), so the stages would write one object."""
+    if pp > 1 and release_tuple(release) < since:
+        return f"SGLang {release}'s {backend} keys name no pipeline stage: stages would " \
+               "write one object"
+    return None
+
+
+def mooncake_prefix(model: str, release: str | None) -> str:
+    """The Mooncake key prefix the release writes for ``model``: its name with ``/`` made
+    ``-`` from 0.5.17, nothing before."""
+    return model.replace("/", "-") if release_tuple(release) >= MODEL_PREFIX_SINCE else ""

@@ -24,7 +24,7 @@ from hicache_runtime.config import load_config
 from hicache_runtime.contracts.errors import ConfigError
 from hicache_runtime.contracts.outcome import RunOutcome
 from hicache_runtime.l3.backends.file import FileBackend
-from hicache_runtime.l3.formats import UpstreamPages
+from hicache_runtime.l3.formats import UpstreamPages, mooncake_prefix
 from hicache_runtime.l3.keys import KeyScheme, chain_hashes
 from hicache_runtime.launch.run import run_single
 
@@ -183,3 +183,18 @@ def test_what_has_no_upstream_form_is_refused(settings: dict[str, object], words
                                                tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=words):
         l3_config(tmp_path, **settings)
+
+
+def test_keys_follow_the_release_that_wrote_them() -> None:
+    """SGLang's Mooncake keys start with the model name from 0.5.17 only, and 0.5.5's keys of
+    either backend name no pipeline stage (so a PP run has no upstream form there)."""
+    assert mooncake_prefix("org/tiny", "0.5.23") == "org-tiny"
+    assert mooncake_prefix("org/tiny", None) == "org-tiny"  # proposed: the newest form
+    assert mooncake_prefix("org/tiny", "0.5.16") == ""
+    pages = UpstreamPages(b"H" * 32, 96, key_prefix="", rank_part="1_0")
+    assert pages.kv_keys("ab" * 32 + "_m_1_2_2_0") == (f"{'ab' * 32}_1_0_k", f"{'ab' * 32}_1_0_v")
+    with pytest.raises(ConfigError, match=r"SGLang 0\.5\.5.s file keys name no pipeline stage"):
+        load_config({"profile": "sglang-0.5.5", "topology.pp": 2, "storage.backend": "file",
+                     "storage.format": "upstream"})
+    assert load_config({"profile": "sglang-0.5.13", "topology.pp": 2,
+                        "storage.backend": "file", "storage.format": "upstream"})

@@ -114,6 +114,7 @@ class FileBackend(StorageBackend):
 
     name = "file"
     formats = (StorageFormat.ENVELOPE, StorageFormat.UPSTREAM)
+    upstream_pp_since = (0, 5, 10)  # 0.5.13 hicache_storage.py L332-338
 
     def __init__(self, root: Path, scheme: KeyScheme, *, fsync: bool = False,
                  max_payload_bytes: int = envelope.DEFAULT_MAX_PAYLOAD_BYTES,

@@ -99,6 +99,7 @@ class MooncakeBackend(StorageBackend):
 
     name = "mooncake"
     formats = (StorageFormat.ENVELOPE, StorageFormat.UPSTREAM)
+    upstream_pp_since = (0, 5, 8)  # mha_suffix with the PP rank (0.5.13 L508-512)
     url_schemes = (mc.SCHEME,)
     url_example = "mooncake://127.0.0.1:50051?metadata=http://127.0.0.1:8080/metadata"
 
@@ -111,13 +112,14 @@ class MooncakeBackend(StorageBackend):
         return None
 
     @classmethod
-    def format_problem(cls, fmt: StorageFormat, mem_layout: str) -> str | None:
+    def format_problem(cls, fmt: StorageFormat, mem_layout: str, release: str | None = None,
+                       pp: int = 1) -> str | None:
         if fmt is StorageFormat.UPSTREAM and mem_layout == "layer_first":
             # upstream keeps a page as two objects, each one contiguous block of the pool
             return ("upstream Mooncake pages are a K and a V object, each one block of a "
                     "page_first or page_first_direct host pool (0.5.23 mooncake_store.py "
                     "refuses layer_first, L1319-1323); pass --mem-layout page_first")
-        return super().format_problem(fmt, mem_layout)
+        return super().format_problem(fmt, mem_layout, release, pp)
 
     @classmethod
     def throwaway(cls, workdir: Path | None = None) -> LocalMooncakeStore:
