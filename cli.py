@@ -440,6 +440,15 @@ def campaign(
     profile: Annotated[str | None, typer.Option(
         help="Run every cell on this release profile instead of the spec's (the built-in "
              "campaigns run proposed).")] = None,
+    executor: Annotated[str, typer.Option(
+        help="local (one cell after the other, here) or ray: each cell a Ray task reserving "
+             "a CPU per rank (pip install 'hicache-doctor[ray]').")] = "local",
+    address: Annotated[str | None, typer.Option(
+        help="With --executor ray: the cluster's address (HOST:PORT of 'ray start --head', "
+             "or auto); without it, a Ray instance of this command's own.")] = None,
+    keep_bundles_on_nodes: Annotated[bool, typer.Option(
+        help="With --executor ray: leave each bundle on the node that ran the cell (the "
+             "result names node and path) instead of copying it here.")] = False,
     profiles: Annotated[str | None, typer.Option(
         help="The release matrix: run the cells without legacy switches once per profile "
              "(comma-separated, e.g. sglang-0.5.13,sglang-0.5.23) and print what each "
@@ -459,12 +468,18 @@ def campaign(
     run has its verdict."""
     _require_runtime("campaign")
     import render
-    from faults.campaign.cells import run_campaign, seed_bases, select
+    from faults.campaign.cells import RayOptions, run_campaign, seed_bases, select
     from faults.campaign.plan import MAX_CELLS, load_campaign, needs_store
     from faults.campaign.reports import junit_xml
     from faults.campaign.reports import markdown as markdown_report
 
     camp = load_campaign(spec)
+    if executor not in ("local", "ray"):
+        raise ConfigError("--executor", f"{executor[:40]!r} is not local or ray")
+    if executor == "local" and (address is not None or keep_bundles_on_nodes):
+        raise ConfigError("--address", "--address and --keep-bundles-on-nodes go with "
+                                       "--executor ray")
+    ray_options = RayOptions(address, keep_bundles_on_nodes) if executor == "ray" else None
     if profile is not None and profiles is not None:
         raise ConfigError("--profile", "give --profile (one profile for every cell) or "
                                        "--profiles (the release matrix), not both")
@@ -483,6 +498,9 @@ def campaign(
         if profiles is not None:
             raise ConfigError("--shard", "shard a campaign, not the release matrix")
     if profiles is not None:
+        if ray_options is not None:
+            raise ConfigError("--executor", "the release matrix runs locally; --executor ray "
+                                            "runs a campaign's cells")
         _release_matrix(camp, profiles, only=only, seeds=seeds, list_cells=list_cells,
                         junit=junit, markdown=markdown, html_dir=html_dir,
                         bundle_dir=bundle_dir, storage_url=storage_url, json_out=json_out)
@@ -516,7 +534,7 @@ def campaign(
     with render.campaign_progress(len(cells), enabled=not json_out) as hook:
         result = run_campaign(camp, bundle_root=bundle_dir, only=only, seeds=seed_list,
                               hook=hook, storage_url=storage_url, shard=shard_of,
-                              resume=resume)
+                              resume=resume, ray=ray_options)
     if junit is not None:
         junit.write_text(junit_xml(result), encoding="utf-8")
     if markdown is not None:

@@ -52,7 +52,7 @@ from hicache_runtime.l3.registry import takes_url
 if TYPE_CHECKING:
     from hicache_runtime.launch.run import ReferenceMemo, RunSummary
 
-RESULT_SCHEMA_VERSION = "1.1"
+RESULT_SCHEMA_VERSION = "1.2"
 
 
 class CellResult(BaseModel):
@@ -91,6 +91,11 @@ class CellResult(BaseModel):
     """The cell's switches that no release ran as the runtime does, each with its fidelity
     (``grafted`` or ``synthetic``): its failure is a reproduction, not evidence about a
     release (``contracts/legacy.py`` ``Fidelity``)."""
+    node: str | None = None
+    """The Ray executor: the node (host name) the cell ran on; None when run locally."""
+    reruns: int = 0
+    """The Ray executor: how many times the cell was submitted again because the worker or
+    node running it died (``ray_executor.RERUNS`` at most)."""
 
 
 class PropertyViolation(BaseModel):
@@ -192,10 +197,12 @@ def seed_bases(cells: list[CellSpec]) -> dict[str, CellSpec]:
 def run_campaign(spec: CampaignSpec, *, bundle_root: Path, only: str | None = None,
                  seeds: list[int] | None = None, hook: CellHook | None = None,
                  storage_url: str | None = None, shard: tuple[int, int] | None = None,
-                 resume: Path | None = None) -> CampaignResult:
+                 resume: Path | None = None, ray: RayOptions | None = None) -> CampaignResult:
     """Run the selected cells (``shard``: only the I-th of N balanced subsets of them,
     ``faults/campaign/shards.py``; ``resume``: append each result to that log and take the
-    results a previous run of the same cells left there, ``faults/campaign/resume.py``)."""
+    results a previous run of the same cells left there, ``faults/campaign/resume.py``;
+    ``ray``: as tasks of a Ray cluster, ``faults/campaign/ray_executor.py``, else one after
+    the other here)."""
     from hicache_runtime.launch.run import ReferenceMemo  # torch: imported once a cell runs
 
     started = datetime.now(UTC).isoformat(timespec="seconds")
@@ -215,18 +222,21 @@ def run_campaign(spec: CampaignSpec, *, bundle_root: Path, only: str | None = No
 
             log = ResumeLog(resume, spec.name, [c.id for c in chosen])
         try:
-            for cell in chosen:
-                if hook is not None:
-                    hook(cell, None)
-                result = log.done.get(cell.id) if log is not None else None
-                if result is None:
-                    result = run_cell(spec, cell, Path(work), bundle_root, memo=memo,
-                                      storage_url=storage_url)
-                    if log is not None:
-                        log.append(result)
-                if hook is not None:
-                    hook(cell, result)
-                results.append(result)
+            if ray is None:
+                for cell in chosen:
+                    if hook is not None:
+                        hook(cell, None)
+                    result = log.done.get(cell.id) if log is not None else None
+                    if result is None:
+                        result = run_cell(spec, cell, Path(work), bundle_root, memo=memo,
+                                          storage_url=storage_url)
+                        if log is not None:
+                            log.append(result)
+                    if hook is not None:
+                        hook(cell, result)
+                    results.append(result)
+            else:
+                results = _run_on_ray(spec, chosen, bundle_root, ray, log, hook, storage_url)
         finally:
             if log is not None:
                 log.close()
@@ -237,6 +247,39 @@ def run_campaign(spec: CampaignSpec, *, bundle_root: Path, only: str | None = No
                           warmups_reused=memo.warm_reused,
                           shard=f"{shard[0]}/{shard[1]}" if shard is not None else None,
                           selection=selection if shard is not None else [])
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """``--executor ray``: the cluster (None: a Ray instance of this process's own) and
+    whether bundles stay on the nodes."""
+
+    address: str | None = None
+    keep_bundles: bool = False
+
+
+def _run_on_ray(spec: CampaignSpec, chosen: list[CellSpec], bundle_root: Path,
+                ray: RayOptions, log: Any, hook: CellHook | None,
+                storage_url: str | None) -> list[CellResult]:
+    """The cells as Ray tasks, in the campaign's order; each result logged (``resume``) and
+    told to the hook as it comes."""
+    from faults.campaign.ray_executor import run_on_ray
+
+    done = {c.id: log.done[c.id] for c in chosen if log is not None and c.id in log.done}
+    todo = [c for c in chosen if c.id not in done]
+    for cell in chosen:
+        if hook is not None and cell.id in done:
+            hook(cell, None)
+            hook(cell, done[cell.id])
+    for cell, result in run_on_ray(spec, todo, bundle_root=bundle_root, address=ray.address,
+                                   storage_url=storage_url, keep_bundles=ray.keep_bundles):
+        if log is not None:
+            log.append(result)
+        if hook is not None:
+            hook(cell, None)
+            hook(cell, result)
+        done[cell.id] = result
+    return [done[c.id] for c in chosen]
 
 
 @dataclass
@@ -397,7 +440,7 @@ def _fired(bundle: Path) -> list[FiredFaultRecord]:
         return []
 
 
-def _identity(cell: CellSpec) -> dict[str, Any]:
+def identity(cell: CellSpec) -> dict[str, Any]:
     """What every result of ``cell`` says about which cell it is."""
     row, column = matrix_place(cell)
     weak = {s.value: REGISTRY[s].fidelity.value for s in synthetic(parse_legacy(cell.legacy))}
@@ -415,14 +458,14 @@ def run_cell(spec: CampaignSpec, cell: CellSpec, work: Path, bundle_root: Path, 
         cfg = cell_config(spec, cell, work, bundle_root, storage_url)
         missing = unavailable(cfg.storage)
         if missing is not None:
-            return CellResult(**_identity(cell), observed="skipped", passed=False,
+            return CellResult(**identity(cell), observed="skipped", passed=False,
                               outcome="skipped", wall_s=0.0, skipped=missing,
                               detail=f"skipped: {missing}",
                               properties={p.value: None for p in spec.properties})
         done = run_and_diagnose(cfg, warm=cell.warm, compare=cell.compare,
                                 bundle_root=bundle_root, memo=memo)
     except Exception as exc:  # a cell that cannot even run is a failed cell, not a crash
-        return CellResult(**_identity(cell), observed="error", passed=False,
+        return CellResult(**identity(cell), observed="error", passed=False,
                           outcome="error", wall_s=round(time.monotonic() - t0, 2),
                           error=f"{type(exc).__name__}: {exc}".splitlines()[0],
                           detail="the cell could not run",
@@ -432,7 +475,7 @@ def run_cell(spec: CampaignSpec, cell: CellSpec, work: Path, bundle_root: Path, 
         annotate_origin(Path(bundle), CellOrigin(campaign=spec.name, cell=cell.id,
                                                  expect=cell.expect, warm=cell.warm))
         bundle = str(label_bundle(Path(bundle), cell.id))
-    result = CellResult(**_identity(cell), observed=done.observed, passed=False,
+    result = CellResult(**identity(cell), observed=done.observed, passed=False,
                         outcome=done.outcome, output_match=done.output_match,
                         verdict=done.signature, confidence=done.confidence, bundle=bundle,
                         fingerprint=done.fingerprint,

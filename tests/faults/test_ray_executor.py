@@ -1,0 +1,112 @@
+"""``hicache campaign --executor ray`` on a real Ray cluster of two nodes on this machine
+(``faults/campaign/ray_local.py``): a head that runs no task (``--num-cpus 0``) and a worker
+node joined to it, each a ``ray start --block`` process of its own (stopped by killing its
+process group, so no other cluster on the machine is touched). The cells run as tasks on the
+worker node and their verdicts equal the local executor's; a worker node killed mid-cell has
+that cell run again on another node, once, and the result says so.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from faults.campaign.cells import RayOptions, run_campaign
+from faults.campaign.plan import load_campaign
+from faults.campaign.ray_local import LocalRayCluster
+
+ray = pytest.importorskip("ray", reason="the Ray executor's tests need ray "
+                                        "(pip install 'hicache-doctor[ray]')")
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
+
+CELLS = "tp2/*/host-alloc-fail:tp=1"
+"""Two cells of the default campaign, two ranks each: a fixed one that stays healthy and its
+legacy twin that hangs and leaves a bundle (collective-order-deadlock)."""
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalRayCluster]:
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    c = LocalRayCluster(tmp_path)
+    try:
+        yield c.start()
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        c.stop()
+
+
+def test_cells_on_the_cluster_get_the_local_verdicts(cluster: LocalRayCluster,
+                                                     tmp_path: Path) -> None:
+    spec = load_campaign()
+    local = run_campaign(spec, bundle_root=tmp_path / "local", only=CELLS)
+    remote = run_campaign(spec, bundle_root=tmp_path / "ray", only=CELLS,
+                          ray=RayOptions(cluster.address))
+    assert [c.id for c in remote.cells] == [c.id for c in local.cells]
+    assert [(c.passed, c.observed) for c in remote.cells] == \
+        [(c.passed, c.observed) for c in local.cells]
+    assert all(c.node and c.reruns == 0 for c in remote.cells)
+    failed = [c for c in remote.cells if c.bundle is not None]
+    assert failed, "the legacy twin leaves a bundle"
+    for c in failed:  # sent back and unpacked under the driver's bundle directory
+        bundle = Path(c.bundle or "")
+        assert bundle.parent == tmp_path / "ray"
+        assert (bundle / "manifest.json").is_file()
+
+
+def test_a_cell_whose_node_dies_runs_again_elsewhere(cluster: LocalRayCluster,
+                                                     tmp_path: Path) -> None:
+    spec = load_campaign()
+    out: dict[str, object] = {}
+
+    def campaign() -> None:
+        out["result"] = run_campaign(spec, bundle_root=tmp_path / "ray",
+                                     only="tp2/fixed/host-alloc-fail:tp=1",
+                                     ray=RayOptions(cluster.address))
+
+    driver = threading.Thread(target=campaign)
+    driver.start()
+    # mid-cell: once the cell's two rank processes run on worker A
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not _rank_processes(cluster.nodes["worker-a"].pid):
+        time.sleep(0.2)
+    assert _rank_processes(cluster.nodes["worker-a"].pid), "the cell never started"
+    cluster.kill("worker-a")
+    cluster.add("worker-b", "--address", cluster.address, "--num-cpus", "2")
+    driver.join(timeout=300)
+    assert not driver.is_alive()
+    (cell,) = out["result"].cells  # type: ignore[attr-defined]
+    assert cell.reruns == 1
+    assert cell.passed, (cell.observed, cell.error)
+    assert cell.observed == "healthy"
+
+
+def _rank_processes(ancestor: int) -> list[int]:
+    """The cell's rank processes (spawned by a Ray worker of the node ``ancestor`` started)."""
+    parents: dict[int, int] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        parents[int(pid)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found = []
+    for pid in parents:
+        up = pid
+        while up > 1 and up != ancestor:
+            up = parents.get(up, 0)
+        if up != ancestor:
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmd or b"rank_process" in cmd:
+            found.append(pid)
+    return found
