@@ -125,14 +125,14 @@ def test_campaign_profile_options_are_checked_before_anything_runs() -> None:
 
 
 def test_campaign_output_marks_cells_that_are_no_evidence_about_a_release() -> None:
-    from faults.campaign.cells import CampaignResult, CellResult, _identity
+    from faults.campaign.cells import CampaignResult, CellResult, identity
     from faults.campaign.reports import markdown
 
     spec = load_campaign()
     by_id = {c.id: c for c in spec.expand()}
-    synthetic_cell = _identity(by_id["tp2/wallclock-lru/dma-lag:rank=1,ms=100"])
+    synthetic_cell = identity(by_id["tp2/wallclock-lru/dma-lag:rank=1,ms=100"])
     assert synthetic_cell["not_a_release"] == {"wallclock-lru": "synthetic"}
-    assert _identity(by_id["tp2/skip-empty-sync/host-alloc-fail:tp=1"])["not_a_release"] == {}
+    assert identity(by_id["tp2/skip-empty-sync/host-alloc-fail:tp=1"])["not_a_release"] == {}
     result = CampaignResult(name="c", started_at="now", wall_s=1.0, cells=[
         CellResult(**synthetic_cell, observed="lru-clock-divergence", passed=True,
                    outcome="crash", wall_s=1.0)])

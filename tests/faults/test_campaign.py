@@ -169,7 +169,7 @@ def test_cellspec_rejects_unknown_switch() -> None:
 def test_the_matrix_places_cells_by_their_parts_not_by_splitting_ids() -> None:
     """Named cells (a prefix, a fault with slashes in a glob) sit in their topology x fault row
     and their mode's column, like generated ones; a second seed gets its own row."""
-    from faults.campaign.cells import _identity
+    from faults.campaign.cells import identity
     from faults.campaign.plan import matrix_place
     from faults.campaign.reports import html_pages
 
@@ -183,7 +183,7 @@ def test_the_matrix_places_cells_by_their_parts_not_by_splitting_ids() -> None:
     assert matrix_place(cells[1]) == ("tp2 mid-prefetch-abort:batch=1", "fixed")
     assert matrix_place(cells[2]) == ("tp2pp2 none seed3", "local-ack-drain+skip-empty-sync")
     result = CampaignResult(name="m", started_at="2026-12-01T00:00:00+00:00", wall_s=1.0,
-                            cells=[CellResult(**_identity(c), observed=c.expect, passed=True,
+                            cells=[CellResult(**identity(c), observed=c.expect, passed=True,
                                               outcome="hang", wall_s=1.0) for c in cells])
     page = html_pages(result)["index.html"]
     body = page[page.index("<tbody>"):]
