@@ -91,7 +91,7 @@ class LocalRayCluster:
             self.kill(name)
 
     def __enter__(self) -> LocalRayCluster:
-        return self.start()
+        return self if self.nodes else self.start()  # ``with c.start(...)`` starts it once
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
