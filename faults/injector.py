@@ -82,7 +82,7 @@ class FaultInjector:
         return point in self._by_point
 
     def fire(self, point: FaultPoint, *, step: int, rid: str | None = None,
-             kinds: set[str] | None = None, pool: str | None = None,
+             pool: str | None = None,
              chunk: int | None = None) -> list[FaultSpec]:
         """The specs that fire at this visit of ``point`` (usually zero or one). ``pool``
         names the storage objects a storage call touches ("kv" or a sidecar pool); ``chunk``
@@ -93,10 +93,9 @@ class FaultInjector:
             return []
         thread = threading.current_thread().name
         out: list[FaultSpec] = []
+        made: list[FiredFault] = []
         with self._lock:
             for idx, spec in candidates:
-                if kinds is not None and spec.kind not in kinds:
-                    continue
                 if not spec.matches_step(step) or not spec.matches_request(rid):
                     continue
                 if not spec.matches_pool(pool):
@@ -113,17 +112,14 @@ class FaultInjector:
                 self._fired_count[idx] += 1
                 out.append(spec)
                 kind = KINDS[spec.kind]
-                self.fired.append(FiredFault(spec.compact(), spec.kind, point.value,
-                                             self.rank.rank, step, rid, thread,
-                                             fatal=not kind.survivable,
-                                             effect=kind.effect(spec).value))
-        if self.tracer is not None:
-            for spec in out:
-                kind = KINDS[spec.kind]
-                self.tracer.emit_durable(Ev.FAULT, kind=spec.kind, point=point.value,
-                                         spec=spec.compact(), rid=rid,
-                                         fatal=not kind.survivable,
-                                         effect=kind.effect(spec).value)
+                made.append(FiredFault(spec.compact(), spec.kind, point.value, self.rank.rank,
+                                       step, rid, thread, fatal=not kind.survivable,
+                                       effect=kind.effect(spec).value))
+            self.fired.extend(made)
+        if self.tracer is not None:  # the records made above, emitted outside the lock
+            for f in made:
+                self.tracer.emit_durable(Ev.FAULT, kind=f.kind, point=f.point, spec=f.spec,
+                                         rid=rid, fatal=f.fatal, effect=f.effect)
         return out
 
     def write_journal(self) -> None:

@@ -27,14 +27,10 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from hicache_runtime.contracts.errors import StorageUnavailable, ToolUnavailable
 from hicache_runtime.l3.backends.mooncake_client import INSTALL_HINT
 from hicache_runtime.l3.backends.redis_server import free_port
-
-if TYPE_CHECKING:
-    pass
 
 DEFAULT_SEGMENT_MIB = 256
 _PORT_TRIES = 8
