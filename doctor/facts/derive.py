@@ -221,7 +221,9 @@ def _read_otherwise(text: str, kind: KvLineKind, index: UpstreamIndex) -> bool:
     """The upstream index reads a KV layer's line as another mechanism than the words did (a
     pool's bookkeeping rather than a store failing or running full; another component than a
     store): the mechanism it reads speaks instead."""
-    matches = index.match(text, limit=1)
+    # only a reading of the line from its start: a template that fits a phrase further in
+    # (a quoted cause, or a chance run of common words) does not outweigh the line's own words
+    matches = [m for m in index.match(text, limit=1) if m.anchored]
     if not matches:
         return False
     t = matches[0].template

@@ -76,10 +76,15 @@ def resolve_lines(ev: Evidence, index: UpstreamIndex) -> None:
 
     def match(fl: FailureLine) -> FailureLine | None:
         matches = index.match(fl.text, limit=8)
-        if fl.site and len(matches) > 1:
-            # the logger named its source file: of equal readings, the template built there
+        if fl.site and matches:
+            # the logger named its source file: of equal readings, the template built there;
+            # a reading from another file only when it explains the line from its start (a
+            # logged exception's message is built elsewhere), never one that fits a phrase
+            # in the middle of a line that file did not print
             base = fl.site.rsplit("/", 1)[-1]
             matches.sort(key=lambda m: not m.template.file.endswith("/" + base))
+            if not matches[0].template.file.endswith("/" + base):
+                matches = [m for m in matches if m.anchored]
         if matches:
             return replace(fl, template=matches[0].template.id,
                            similarity=matches[0].similarity)

@@ -36,10 +36,11 @@ MIN_TOKENS = 3
 EXACT_UP_TO = 4
 """A template of this many tokens or fewer matches only whole: a short phrase with a word
 missing is another phrase."""
-MAX_CANDIDATES = 100
+MAX_CANDIDATES = 400
 MAX_LINE_TOKENS = 120
 CACHE_SIZE = 4096
 MAX_TIES = 8
+ANCHOR_SLACK = 2
 """Readings kept per line: the same message is often built in several files and releases."""
 _SHAPE = re.compile(r"0[xX][0-9a-fA-F]+|\d+")
 
@@ -50,6 +51,10 @@ class Match:
     similarity: float
     """1.0 when every token of the template is on the line, in order, with nothing foreign
     between tokens the template keeps together."""
+    anchored: bool = True
+    """The template accounts for the line's start: it opens with a wildcard, or its first
+    word is among the line's first ``ANCHOR_SLACK + 1`` (an exception type may precede it).
+    A template that fits only a phrase further in may be a quotation of another message."""
 
 
 class TemplateMatcher:
@@ -123,15 +128,24 @@ class TemplateMatcher:
         slices = [self._post[self._ptr[t]:self._ptr[t + 1]] for t in positions]
         if not slices:
             return []
-        cands, counts = np.unique(np.concatenate(slices), return_counts=True)
+        # a candidate ranks by the weight of the line's tokens that reach it, not by their
+        # count: a template of common words is reachable through its rarest one only, and a
+        # count would drop it behind a hundred templates that share two common words
+        owners = np.concatenate(slices)
+        reach = np.concatenate([np.full(len(s), self._weight[t]) for t, s in
+                                zip(positions, slices, strict=True)])
+        cands, inverse = np.unique(owners, return_inverse=True)
         if len(cands) > MAX_CANDIDATES:
-            top = np.argpartition(-counts, MAX_CANDIDATES - 1)[:MAX_CANDIDATES]
+            gain = np.bincount(inverse, weights=reach, minlength=len(cands))
+            top = np.argpartition(-gain, MAX_CANDIDATES - 1)[:MAX_CANDIDATES]
             cands = cands[top]
         scored: list[tuple[float, float, int]] = []
+        anchored: dict[int, bool] = {}
         for tid in cands.tolist():
-            s, explained = self._score(tid, positions, len(ids))
+            s, explained, first = self._score(tid, positions, len(ids))
             if s >= MIN_SIMILARITY:
                 scored.append((s, explained, tid))
+                anchored[tid] = self._toks[self._offs[tid]] < 0 or 0 <= first <= ANCHOR_SLACK
         if not scored:
             return []
         best = max(s for s, _, _ in scored)
@@ -141,18 +155,20 @@ class TemplateMatcher:
                        key=lambda x: (-x[1], -x[0], x[2]))
         if self._generic[close[0][2]]:
             return []  # a generic message explains the line best: it names no component
-        return [Match(self.templates[tid], round(s, 3)) for s, _, tid in close[:limit]
-                if not self._generic[tid]]
+        return [Match(self.templates[tid], round(s, 3), anchored[tid])
+                for s, _, tid in close[:limit] if not self._generic[tid]]
 
     def _score(self, tid: int, positions: dict[int, list[int]],
-               n_line: int) -> tuple[float, float]:
-        """(similarity, weight of the line's tokens the template explains)."""
+               n_line: int) -> tuple[float, float, int]:
+        """(similarity, weight of the line's tokens the template explains, the line position
+        of its first matched token or -1)."""
         matched = 0.0
         found = 0
         extra = 0
         pos = -1
         glued = False  # the previous template token was a literal (no wildcard since)
         slack = 0  # template tokens missed since the last match: a changed word fills one
+        first = -1
         weight = self._weight
         for tok in self.tokens_of(tid):
             if tok < 0:
@@ -167,21 +183,23 @@ class TemplateMatcher:
                 matched += float(weight[tok])
                 found += 1
                 pos = idx
+                if first < 0:
+                    first = idx
                 slack = 0
             else:
                 slack += 1
             glued = True
         total = float(self._total[tid])
         if total <= 0:
-            return 0.0, 0.0
+            return 0.0, 0.0, -1
         missing = int(self._nlit[tid]) - found
         # a long template may miss a word in four (another release's wording); a short one none
         n_lit = int(self._nlit[tid])
         if missing > (0 if n_lit <= EXACT_UP_TO else max(1, n_lit // 4)):
-            return 0.0, 0.0
+            return 0.0, 0.0, -1
         recall = matched / total
         penalty = min(0.5, extra / max(4, n_line))
-        return recall * (1 - penalty), matched
+        return recall * (1 - penalty), matched, first
 
     @property
     def size(self) -> int:

@@ -151,3 +151,33 @@ def test_a_template_absent_from_the_stated_release_weighs_less() -> None:
     assert "not in sglang 0.5.23" in cited
     assert "not in sglang" not in " ".join(e.text for e in own.verdicts[0].evidence)
     assert own.verdicts[0].confidence >= other.verdicts[0].confidence
+
+
+def test_a_logged_message_that_goes_on_over_bare_lines_is_read_whole() -> None:
+    # LMCache 0.3.x lmcache/v1/memory_management.py MemoryObjMetadata.unpin: one warning of
+    # three sentences, each on its own line; only the first carries the logger's prefix
+    text = """\
+[2026-01-05 10:00:00,001] LMCache WARNING: Pin count of MemoryObj 301989888 is negative: -1.
+Double unpin occurred somewhere.
+Setting pin count back to 0 as a hack but please find the bug.
+"""
+    d = _diag(text)
+    assert _top(d)[0] == "tree-invariant-violation"
+    cited = " ".join(e.text for e in d.verdicts[0].evidence)
+    assert "memory_management.py" in cited
+    # a flush-left line that states a failure of its own is a message of its own: the
+    # warning's first line alone is too little of the template to read as it
+    split = _diag(text.replace("Double unpin occurred somewhere.", "ERROR: disk is gone"))
+    assert _top(split)[0] == "none"
+    assert any(o.startswith("Error lines in the inputs: ERROR: disk is gone")
+               for o in split.observations)
+
+
+def test_a_logger_s_site_outweighs_a_template_of_another_file_that_fits_mid_line() -> None:
+    # vLLM's Mooncake store connector (mooncake_backend.py) logs a failed batch get; vLLM's
+    # "Error checking key existence: {}" (distributed/utils.py) fits words inside the line and
+    # must not take it for a collective's helper
+    text = ("(EngineCore pid=27737) ERROR 07-23 11:54:45 [mooncake_backend.py:240] Failed to get "
+            "6722 keys out of 6722. error_codes=[-707]. Check key existence and memory state.\n")
+    d = _diag(text)
+    assert _top(d)[0] == "storage-backend-failure"

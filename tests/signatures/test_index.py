@@ -225,6 +225,26 @@ def test_a_line_is_matched_to_the_template_that_printed_it(index) -> None:  # ty
     assert changed.similarity < exact.similarity == 1.0
 
 
+def test_a_template_of_common_words_is_found_among_many_that_share_them(index) -> None:  # type: ignore[no-untyped-def]
+    # vLLM 0.20.2 vllm/v1/kv_offload/cpu/manager.py: every word of "Block {} not found in
+    # cache" is common, so hundreds of templates share some of them; it is reachable only
+    # through its rarest word and must survive the cut to the candidates that get scored
+    m = index.match("AssertionError: Block b'\\x03\\xc1XG0' not found in cache")
+    assert m, "no reading"
+    assert m[0].template.file.startswith("vllm/v1/kv_offload/")
+    assert m[0].similarity == 1.0
+    assert m[0].anchored
+
+
+def test_a_template_that_fits_only_a_phrase_inside_the_line_is_not_anchored(index) -> None:  # type: ignore[no-untyped-def]
+    # vLLM's "Error checking key existence: {}" fits the words in the middle of a Mooncake
+    # connector's line; the reading says it does not account for the line's start
+    line = ("Failed to get 6722 keys out of 6722. error_codes=[-707]. Check key existence and "
+            "memory state.")
+    assert all(not m.anchored for m in index.match(line))
+    assert index.match("Error checking key existence: timeout")[0].anchored
+
+
 def test_short_or_generic_templates_and_interpreter_messages_never_match(index) -> None:  # type: ignore[no-untyped-def]
     assert index.match("error handling callback was invoked with status -3") == []
     assert index.match("'NoneType' object has no attribute 'shape'") == []
@@ -264,6 +284,14 @@ def test_failure_kinds_come_from_upstream_wording() -> None:
     ("/usr/lib/python3/site-packages/sglang/srt/disaggregation/mooncake/conn.py", "pd"),
     ("C:\\envs\\srv\\Lib\\site-packages\\vllm\\v1\\kv_offload\\cpu\\manager.py",
      "cache.host-pool"),
+    # vLLM's simple CPU offloading (0.17 on), its own package beside kv_offload/
+    ("/usr/local/lib/python3.12/dist-packages/vllm/v1/simple_kv_offload/manager.py",
+     "cache.offload"),
+    ("vllm/distributed/kv_transfer/kv_connector/v1/simple_cpu_offload_connector.py",
+     "cache.offload"),
+    # device pools of a hardware backend (SGLang 0.5.20 hardware_backend/npu/)
+    ("sglang/srt/hardware_backend/npu/memory_pool_npu.py", "cache.pool"),
+    ("/workspace/LMCache/lmcache/v1/lazy_memory_allocator.py", "cache.host-pool"),
 ])
 def test_paths_map_to_components_wherever_they_are_installed(index, path: str,  # type: ignore[no-untyped-def]
                                                              component: str) -> None:

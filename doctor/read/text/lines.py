@@ -27,6 +27,7 @@ from doctor.model.evidence import (
     FailureLine,
     HitStats,
     LogHit,
+    RankEvidence,
     RankHint,
     SourceRef,
     ThreadStack,
@@ -63,6 +64,10 @@ BLOCK_TRIGGERS = ["Traceback (most recent call last)", "(most recent call first)
                   "under pressure", "CQ error", "Mooncake store",
                   *NATIVE_TRIGGERS, *BACKTRACE_TRIGGERS, *TRACEBACK_TRIGGERS,
                   *VERSION_TRIGGERS, *FAILURE_TRIGGERS]
+#: What opens a record of its own: a bare line holding one never continues a log message.
+BLOCK_OPENERS = ["Traceback (most recent call last)", "(most recent call first)", "File \"",
+                 "Fatal Python error", "Thread ", *NATIVE_TRIGGERS, *BACKTRACE_TRIGGERS,
+                 *TRACEBACK_TRIGGERS]
 _TOPO = re.compile(r"\b(?P<k>tp|pp|dp|world)_size=(?P<v>\d{1,6})\b|--(?P<k2>tp|pp|dp)-size[ =]"
                    r"(?P<v2>\d{1,6})\b|\bWORLD_SIZE[=:]\s*(?P<v3>\d{1,6})\b")
 _FAILURE_WORDS = re.compile(r"(?i)\b(?:error|failed|failure|exception|timed out|timeout|abort"
@@ -74,6 +79,21 @@ MAX_LINE_CHARS = 8192
 MAX_MATCHED_CHARS = 1000
 """Only the head of a long line is matched against upstream's templates."""
 MAX_BLOCK_LINES = 20000
+MAX_CONTINUATION_LINES = 2
+"""Unprefixed lines joined to a failure or warning line before it is matched: a logged message
+that holds newlines (LMCache's double-unpin warning is three sentences on three lines) prints
+its first line with the writer's prefix and the rest bare."""
+
+
+@dataclass
+class _Pending:
+    """The last failure line kept for the upstream index, while bare lines may continue it."""
+
+    slot: RankEvidence
+    key: tuple[int, str]
+    line: FailureLine
+    lineno: int
+    joined: int = 0
 
 
 @dataclass
@@ -168,6 +188,7 @@ class LineHandler:
     _style: str = ""
     _by_rank: dict[int, RankHint] = field(default_factory=dict)
     _patterns: _Patterns | None = None
+    _pending: _Pending | None = None
 
     def __post_init__(self) -> None:
         self._patterns = _compiled(self.catalog)
@@ -179,7 +200,9 @@ class LineHandler:
 
     @property
     def blocks_open(self) -> bool:
-        return any(s.open for s in self._streams.values())
+        """A block parser is inside a record, or a failure line may go on in the next line:
+        the scanner then feeds the next line whether the prefilter selected it or not."""
+        return self._pending is not None or any(s.open for s in self._streams.values())
 
     def line(self, raw: bytes, lineno: int, triggered: bool = True) -> None:
         """Process one line (``raw`` without its newline). ``triggered``: the prefilter saw a
@@ -187,6 +210,9 @@ class LineHandler:
         text = clean_line(raw[:MAX_LINE_CHARS].decode("utf-8", errors="replace"))
         pre = strip_prefixes(text)
         rest, hint, style, key = pre.rest, pre.hint, pre.style, pre.stream
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._continues(pending, rest, style, lineno)
         if style == "torch" and hint.rank is not None:
             # torchrun prefixes every line of a rank; the SGLang tags are only on the record's
             # first line, so remember them per torch rank
@@ -227,8 +253,29 @@ class LineHandler:
                     self.sink.note_version(system, version, src)
 
     def finish(self) -> None:
+        self._pending = None
         for s in self._streams.values():
             s.close()
+
+    def _continues(self, p: _Pending, rest: str, style: str, lineno: int) -> None:
+        """Join ``rest`` to the pending failure line when it is the bare next line of that
+        record: no writer prefix, nothing a block parser opens, and indented or free of level
+        and failure words (glog indents a message's later lines; a flush-left line that says
+        ``error`` is a message of its own)."""
+        body = rest.strip()
+        if style or not body or lineno != p.lineno + 1 or any(t in body for t in BLOCK_OPENERS):
+            return
+        if not rest[:1].isspace() and (_LEVEL_WORDS.search(body) or _FAILURE_WORDS.search(body)):
+            return  # flush left and stating a failure of its own: a new message
+        fl = p.line
+        if p.slot.failure_lines.get(p.key) is not fl or fl.count != 1:
+            return  # merged with an earlier line of its shape: that one stands
+        del p.slot.failure_lines[p.key]
+        fl.text = f"{fl.text} {body}"[:MAX_MATCHED_CHARS]
+        key = (-1, line_shape(fl.text))
+        p.slot.add_failure_line(fl, key=key)
+        if p.joined + 1 < MAX_CONTINUATION_LINES and p.slot.failure_lines.get(key) is fl:
+            self._pending = _Pending(p.slot, key, fl, lineno, p.joined + 1)
 
     def _stream(self, hint: RankHint, key: str, lineno: int) -> _Stream:
         s = self._streams.get((hint, key))
@@ -295,9 +342,12 @@ class LineHandler:
         text = rest.strip()
         if len(text) < 8:
             return
-        self.sink.slot(hint).add_failure_line(
-            FailureLine(-1, 0.0, site, level, text[:MAX_MATCHED_CHARS], src),
-            key=(-1, line_shape(text)))
+        slot = self.sink.slot(hint)
+        fl = FailureLine(-1, 0.0, site, level, text[:MAX_MATCHED_CHARS], src)
+        key = (-1, line_shape(fl.text))
+        slot.add_failure_line(fl, key=key)
+        if slot.failure_lines.get(key) is fl:
+            self._pending = _Pending(slot, key, fl, src.line or 0)
 
     def _match_patterns(self, rest: str, hint: RankHint, src: SourceRef) -> None:
         assert self._patterns is not None
