@@ -43,6 +43,8 @@ from signatures.matching import EvidenceKind, MechanismHit, Witness
 
 #: How much a reading weakens when the release the input states lacks the template.
 ABSENT_FROM_RELEASE = 0.6
+#: A storage tier's capacity failure that is about the serving host's own memory.
+_HOST_MEMORY = re.compile(r"(?i)\b(?:cpu|host|pinned)\b")
 #: The raising frame reads at full strength; each caller further out a step less.
 FRAME_STEP = 0.15
 MAX_FRAMES_READ = 3
@@ -195,9 +197,13 @@ def _line_kind(t: Template, text: str) -> FailureKind | None:
 
 def _role(role: str, kind: FailureKind, text: str) -> str:
     """A component's role, but a capacity failure whose message names a host-side pool is
-    the host pool's."""
-    if kind is FailureKind.CAPACITY and role not in ("storage", "host-pool") \
-            and names_host_pool(text):
+    the host pool's; a storage tier's too when it names the host's own memory (LMCache's
+    local CPU tier under pressure), not the tier's (a Mooncake DRAM segment is the store)."""
+    if kind is not FailureKind.CAPACITY or role == "host-pool":
+        return role
+    if role != "storage" and names_host_pool(text):
+        return "host-pool"
+    if role == "storage" and _HOST_MEMORY.search(text):
         return "host-pool"
     return role
 
@@ -292,11 +298,13 @@ def _exception(r: RankEvidence, e: ExceptionRecord, ev: Evidence,
     if len(text) >= MIN_MESSAGE:
         matches = index.match(text[:1000])
         if matches:
-            m = matches[0]
+            # of equal readings, the one that raises what was raised (the same message is an
+            # assert in one place and a raise in another)
+            m = next((x for x in matches if x.similarity >= matches[0].similarity
+                      and _raises(x.template, e)), matches[0])
             t = m.template
             sim = m.similarity
-            if t.exception and t.exception != e.short_type and not (
-                    t.level is Level.ASSERT and e.short_type == "AssertionError"):
+            if t.exception and not _raises(t, e):
                 sim *= 0.85  # another exception type than upstream raises there
             hit = _template_hit(t, sim, e.text, e.source.file, e.source.line, r.rank,
                                 RAISED_COUNT, ev, index, _exception_kind(e, t))
@@ -312,6 +320,12 @@ def _exception(r: RankEvidence, e: ExceptionRecord, ev: Evidence,
             out.append(replace(hit, count=RAISED_COUNT,
                                role=_role(hit.role, kind, e.message)))
     return out
+
+
+def _raises(t: Template, e: ExceptionRecord) -> bool:
+    """Whether upstream's code at ``t`` raises the type ``e`` is."""
+    return t.exception == e.short_type or (t.level is Level.ASSERT
+                                           and e.short_type == "AssertionError")
 
 
 def _frames_hit(frames: list[Frame], index: UpstreamIndex, kind: FailureKind,

@@ -46,7 +46,10 @@ _SHAPE = re.compile(
     r"\bmismatch(?:ed)? (?:in )?(?:size|shape|numel|length|tensor)|\bexpected (?:input )?"
     r"(?:size|shape|numel)|\binvalid for input of size|\bnumel\b.{0,40}(?:differ|mismatch)|"
     r"\bsplit_with_sizes\b|\bsizes of tensors must match|\bshape mismatch\b|"
-    r"\binconsistent (?:\w+ )?shapes?\b|\bexpected shape\b")
+    r"\binconsistent (?:\w+ )?shapes?\b|\bexpected shape\b|"
+    # a byte count that disagrees with what the receiver expected (a peer sent another size)
+    r"\b(?:returned|received|got|sent) \S+ bytes,? (?:where|but|while|whereas) .{0,40}?"
+    r"\bexpected\b|\bexpected \S+ bytes,? (?:but )?(?:got|received|was sent)\b")
 _CAPACITY = re.compile(
     r"(?i)\bout of (?:host |cpu |gpu |device )?memory\b|\bno (?:more )?(?:free|available|enough)"
     r" (?:\w+ )?(?:memory|blocks?|pages?|slots?|space|buffers?|handles?)|\bnot enough "
@@ -66,13 +69,16 @@ _BOOKKEEPING = re.compile(
     r"\baccess(?:ing|ed)? (?:an? |the )?(?:invalidated|freed|released|stale)\b|"
     r"\bforc(?:e|ed|ing)\s+(?:un)?(?:pin|release|free)\w*|\bunbalanced (?:pin|ref)")
 _INVARIANT = re.compile(
-    r"(?i)should not happen|should never|\binvariant\b|\binconsisten|\bcorrupt(?:ed|ion)?\b|"
+    r"(?i)should not happen|should never|should always (?:exist|be|hold)\b|\binvariant\b|"
+    r"\binconsisten|\bcorrupt(?:ed|ion)?\b|"
     r"\bsanity check\b|\bstale (?:parent|child|node|pointer)|\bnot (?:a )?leaf\b|"
     r"\bunexpected (?:state|status)\b")
 _TIMEOUT = re.compile(r"(?i)\btimed? ?out\b|\btimeout\b|\bdeadline exceeded\b|\bwatchdog\b|"
                       r"\bstuck\b|\bhang(?:ing|s)?\b")
 _CONFIG = re.compile(
-    r"(?i)\bnot supported\b|\bunsupported\b|\bplease (?:install|set|specify|use|upgrade|check)|"
+    r"(?i)\bnot supported\b|\bunsupported\b|\b(?:does|do|did|can) not support\b|"
+    r"\b(?:doesn|don|can)'?t support\b|\bnot (?:yet )?implemented for\b|"
+    r"\bplease (?:install|set|specify|use|upgrade|check)|"
     r"\bno module named\b|\bnot installed\b|\binvalid (?:\w+ )?(?:config\w*|argument|option|"
     r"value|setting|parameter|format)|\bunknown (?:\w+ )?(?:backend|option|argument|config)|"
     r"\bmust be (?:set|specified|provided|enabled|one of)|\bis not set\b|\brequires? (?:\w+ )?"

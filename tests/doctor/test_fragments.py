@@ -183,7 +183,10 @@ def test_foreign_prefixes_give_ranks_streams_and_sites() -> None:
                           "cache_engine)")
     assert vllm.hint.tp == 3
     assert vllm.stream == "pid 15157"
-    assert vllm.site == "cache_engine.py"
+    # LMCache names the module after the file: its folders say which component spoke
+    assert vllm.site == "lmcache/v1/cache_engine.py"
+    odd = strip_prefixes("[2025-09-05 14:46:37,864] LMCache INFO: x (engine.py:1:other.name)")
+    assert odd.site == "engine.py"  # a module that is not the file's keeps the file
     assert vllm.rest.startswith("Stored 100")
     glog = strip_prefixes("E0905 14:46:37.882738 15817 master_client.cpp:297] Failed to end "
                           "put operation: invalid rpc arg")

@@ -181,3 +181,65 @@ def test_a_logger_s_site_outweighs_a_template_of_another_file_that_fits_mid_line
             "6722 keys out of 6722. error_codes=[-707]. Check key existence and memory state.\n")
     d = _diag(text)
     assert _top(d)[0] == "storage-backend-failure"
+
+
+# TensorFlow r2.x tensorflow/core/distributed_runtime/collective_rma_distributed.cc
+# CollectiveRemoteAccessDistributed::RecvFromPeer: a peer of a ring gather sent another byte
+# count than this member's tensor holds; the C++ logger puts its level letter after the time
+RING_GATHER = """\
+2026-05-17 14:23:01.822779: E tensorflow/core/common_runtime/ring_alg.cc:279] Aborting RingGather with Internal: RecvBufResponse returned 48 bytes where to_tensor expected 56
+2026-05-17 14:23:01.822834: W tensorflow/core/common_runtime/base_collective_executor.cc:216] BaseCollectiveExecutor::StartAbort Internal: RecvBufResponse returned 48 bytes where to_tensor expected 56
+"""
+
+
+def test_a_collective_that_received_another_size_than_it_expected_is_a_shape_mismatch() -> None:
+    d = _diag(RING_GATHER)
+    sig, conf = _top(d)
+    assert sig == "collective-shape-mismatch"
+    assert conf < 0.8  # one member's word for it, not every rank's sizes
+    # the same line at INFO level is no failure
+    assert _top(_diag(RING_GATHER.replace(": E ", ": I ").replace(": W ", ": I ")))[0] == "none"
+
+
+def test_an_assertion_that_states_an_unsupported_configuration_is_not_a_broken_invariant() -> None:
+    # vLLM 0.33 vllm/v1/core/kv_cache_coordinator.py find_longest_cache_hit
+    text = """\
+File "vllm/v1/core/kv_cache_manager.py", line 261, in get_computed_blocks
+  self.coordinator.find_longest_cache_hit(
+File "vllm/v1/core/kv_cache_coordinator.py", line 771, in find_longest_cache_hit
+  assert alignment_tokens % kv_cache_spec.block_size == 0, (
+AssertionError: SlidingWindowManager does not support fine-grained (partial) cache hits
+"""
+    assert _top(_diag(text))[0] == "none"
+    # the same check stated as a broken invariant is named
+    assert _top(_diag(text.replace("does not support", "lost")))[0] == "tree-invariant-violation"
+
+
+def test_an_exception_is_read_through_the_template_that_raises_its_type() -> None:
+    # vLLM 0.33 vllm/v1/core/kv_cache_utils.py FreeKVCacheBlockQueue: the same message is an
+    # assert in one method and a RuntimeError in another; an AssertionError is the assert's
+    text = "AssertionError: prev_free_block of fake_free_list_tail should always exist\n"
+    assert _top(_diag(text))[0] == "tree-invariant-violation"
+
+
+def test_lmcache_s_module_path_says_whose_line_it_is() -> None:
+    # LMCache ends a record with (file.py:line:module); lmcache/v1/transfer_channel moves KV
+    # between serving instances, so its errors are disaggregation's, not the cache tier's
+    line = ("[2026-03-10 14:11:32,896] LMCache ERROR: Failed to process initialization loop: "
+            "Context was terminated (base_channel.py:165:lmcache.v1.transfer_channel.base_channel)"
+            "\n")
+    d = _diag(line * 4)
+    assert _top(d)[0] == "none"
+    assert any(lk.id == "pd-transfer" for lk in d.lookalikes)
+
+
+def test_a_store_that_names_itself_in_its_logger_tag_is_a_storage_tier() -> None:
+    # Unified Cache Management (ModelEngine-Group/unified-cache-management) ucm/store/nfsstore:
+    # its spdlog lines carry the store's name as the logger tag
+    failed = ("[2026-09-02 15:32:52.705301 +08:00] [UCMNFSSTORE] [E] Failed to commit kv cache "
+              "block space, block id: 1659016503, error code: -50005. [36116,36116] "
+              "[ucmnfsstore.cc:95,Commit]\n")
+    assert _top(_diag(failed * 3))[0] == "storage-backend-failure"
+    full = ("[2026-09-02 16:47:06.238364 +08:00] [UCMNFSSTORE] [W] Reservation exhausted, try to "
+            "alloc OS memory(262144). [380106,381690] [ibuffered_device.cc:47,GetBuffer]\n")
+    assert _top(_diag(full * 3))[0] == "host-pool-exhausted"

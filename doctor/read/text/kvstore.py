@@ -36,21 +36,26 @@ _STORE = re.compile(
     r"\.py"
     r"|(?i:\bmooncake ?store\b|MooncakeDistributedStore|HiCache(?:File|HF3FS|Nixl|Storage)\b|"
     r"\bhf3fs\b|\binfinistore\b|\bkvbm\b|block_manager|\bGDS_MT\b|\bkv_?offload|"
-    r"\bCPUOffloading|\bkv[_ ]?pool\b|\bmooncake_master\b)")
+    r"\bCPUOffloading|\bkv[_ ]?pool\b|\bmooncake_master\b)"
+    # a logger tag that names a store ("[UCMNFSSTORE] [E] Failed to commit ...")
+    r"|\[[A-Z0-9_]{0,30}STORE\]")
 #: Components every KV transfer uses, cache tier or disaggregation alike.
 _TRANSFER = re.compile(r"\b(?:transfer_task|transfer_engine\w*|rdma_transport|tcp_transport|"
                        r"worker_pool|rdma_endpoint)\.cpp:\d+\]|\bCQ error\b")
 #: Disaggregation: the transfer between prefill and decode instances, not a cache tier.
 _PD = re.compile(r"(?i)disaggregation|KVTransferError|Nixl_?Connector|P2pNcclConnector|"
                  r"\bMooncakeConnector\b|bootstrap_room|pd_backend|\bPDBackend\b|KVPoll|"
-                 r"kv_(?:producer|consumer)\b|\bprefill(?:er)? (?:instance|node|worker)\b")
+                 r"kv_(?:producer|consumer)\b|\bprefill(?:er)? (?:instance|node|worker)\b|"
+                 # LMCache's transfer channels move KV between serving instances (PD, P2P)
+                 r"\btransfer_channel\b")
 _PRESSURE = re.compile(
     r"(?i)memory (?:is )?under pressure|cannot store \d+ blocks?|no (?:free )?memory (?:is )?"
     r"available|allocat(?:ion|ing) fail(?:ed|ure)|MemoryAllocator\W{1,3}allocat|"
     r"no (?:free )?memory (?:is )?"
     r"available|not enough (?:cpu |host )?memory|failed to allocate (?:memory|buffer|block)|"
     r"allocation failed|insufficient (?:memory|space)|(?:cpu|host|buffer|pool) (?:is )?full|"
-    r"NO_AVAILABLE_HANDLE|no space left|out of (?:host|cpu) memory")
+    r"NO_AVAILABLE_HANDLE|no space left|out of (?:host|cpu) memory|"
+    r"(?:reservation|buffer|pool|memory) (?:is )?exhausted")
 _FAILURE = re.compile(
     r"(?i)\bfail(?:ed|s|ure)?\b|\berror\b|\bunable to\b|\bcannot\b|can't|could not|\btimed? ?out"
     r"|\brefused\b|\breset by peer\b|broken pipe|\b0 out of \d+|\b0/\d+ (?:chunks|tokens|keys)"
@@ -67,7 +72,8 @@ _ZERO_FAILED = re.compile(r"(?i)\(\s*(?:0|zero) failed\s*\)|[,;]\s*(?:0|zero) fa
 _GATE = ("lmcache", "infini", ".cpp:", "mooncake", "hicache", "hf3fs", "kvbm", "block_manager",
          "gds_mt", "offload", "kv_pool", "kvpool", "kv pool", "connector", "_backend", "_storage",
          "disaggregation", "kvtransfer", "nixl", "bootstrap", "kvpoll", "cq error", "kv_producer",
-         "kv_consumer", "prefill", "pd_backend", "pdbackend", "p2pnccl", "mooncake_master")
+         "kv_consumer", "prefill", "pd_backend", "pdbackend", "p2pnccl", "mooncake_master",
+         "store]", "transfer_channel")
 
 
 def _gated(raw: str) -> bool:

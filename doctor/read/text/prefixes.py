@@ -66,14 +66,16 @@ _GENERIC = re.compile(
     r"|\[pod/[^\]\s]{1,200}\] |[a-z][\w.-]{0,62}\s{1,20}\| "
 )
 _NCCL_RANK = re.compile(r"\[(?:PG [^\]]*?)?Rank (?P<n>\d{1,6})\]")
-_ERROR_LEVEL = re.compile(r"^\[?[EF](?:\d{4}){0,2} |\b(?:ERROR|CRITICAL|FATAL)\b")
-_WARN_LEVEL = re.compile(r"^\[?W(?:\d{4}){0,2} |\bWARN(?:ING)?\b")
+# glog's level letter opens its prefix; TensorFlow's C++ logger puts it after the time
+# ("2019-11-11 11:45:07.181990: E tensorflow/...")
+_ERROR_LEVEL = re.compile(r"^\[?[EF](?:\d{4}){0,2} |\d: [EF] |\b(?:ERROR|CRITICAL|FATAL)\b")
+_WARN_LEVEL = re.compile(r"^\[?W(?:\d{4}){0,2} |\d: W |\bWARN(?:ING)?\b")
 # a path starts where a path token starts and has at most 512 characters: searched in every
 # prefix, an unanchored unbounded one retried a long dotted line from each of its positions
 _SITE = re.compile(r"(?:^|(?<=[^\w./-]))(?P<file>[\w./-]{1,512}\.(?:py|cpp|cc|c|h|hpp|cu|rs))"
                    r":\d{1,7}\]")
 #: LMCache ends its messages with ``(file.py:360:module.path)``.
-_TAIL_SITE = re.compile(r" \((?P<file>[\w./-]+\.py):\d{1,7}:[\w.<>]+\)\s*$")
+_TAIL_SITE = re.compile(r" \((?P<file>[\w./-]+\.py):\d{1,7}:(?P<module>[\w.<>]+)\)\s*$")
 _MAX_PREFIXES = 6
 
 
@@ -139,9 +141,18 @@ def strip_prefixes(line: str) -> Prefixed:
             rank = int(m["n"])
     if not site and line.endswith(")"):
         tail = _TAIL_SITE.search(line)
-        site = tail["file"] if tail else ""
+        site = _tail_site(tail["file"], tail["module"]) if tail else ""
     return Prefixed(line, RankHint(rank=rank, tp=tp, pp=pp, dp=dp), style, stream, site, error,
                     warning)
+
+
+def _tail_site(file: str, module: str) -> str:
+    """The module path LMCache names after the file (``lmcache.v1.transfer_channel.base_channel``)
+    as a path: its folders say which component spoke, where the file name alone does not."""
+    parts = module.split(".")
+    if len(parts) > 1 and f"{parts[-1]}.py" == file.rsplit("/", 1)[-1]:
+        return "/".join(parts) + ".py"
+    return file
 
 
 def _tagged(tag: str, num: int, tp: int | None, pp: int | None,
