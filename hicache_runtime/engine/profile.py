@@ -45,9 +45,11 @@ PROBE_MARGIN = 1.25
 SAMPLES_SOURCE = 0
 """The global rank whose samples every rank fits (a PP0 rank)."""
 TIMINGS_PER_SIZE = 3
-"""Forwards timed back to back per size, the fastest kept as its sample: on a shared CPU,
-preemption only ever adds time, and one slow outlier can bend the fit below ``a > 0``
-(upstream times each size once, on a dedicated accelerator)."""
+"""Forwards timed per size, the fastest kept as its sample: on a shared CPU, preemption only
+ever adds time, and one slow outlier can bend the fit below ``a > 0`` (upstream times each
+size once, on a dedicated accelerator). The timings run in rounds over every size, not back to
+back per size, so that a burst of preemption (another process busy for a while) lands on one
+round of several sizes rather than on every timing of one size."""
 
 
 class SampleChannel(Protocol):
@@ -74,16 +76,16 @@ def profiled_sizes(rt: RankRuntime) -> list[int]:
 
 
 def time_forwards(rt: RankRuntime, sizes: list[int]) -> LatencyProfile:
-    """Time real forwards of this rank's stage per size, in order: a prefill of that many
-    dummy tokens from an empty history, into a scratch pool (the rank's own pool and tree stay
-    untouched), the fastest of :data:`TIMINGS_PER_SIZE` kept. A stage after the first gets
-    zero hidden states, as upstream's proxy tensors. The ``model.forward`` fault point fires
-    before each forward, inside the timed span."""
+    """Time real forwards of this rank's stage per size: a prefill of that many dummy tokens
+    from an empty history, into a scratch pool (the rank's own pool and tree stay untouched),
+    in :data:`TIMINGS_PER_SIZE` rounds over the sizes in order, the fastest timing of each
+    size kept. A stage after the first gets zero hidden states, as upstream's proxy tensors.
+    The ``model.forward`` fault point fires before each forward, inside the timed span."""
     model, device, page = rt.model, rt.device, rt.cfg.cache.page_size
     largest = max(sizes)
     pool = DeviceKVPool(model.kv_shape(), -(-largest // page) * page, page, device)
     vocab = rt.cfg.model.vocab_size
-    latencies: list[float] = []
+    inputs = []
     for n in sizes:
         slots = torch.arange(n)
         batch = ForwardBatch(
@@ -92,16 +94,17 @@ def time_forwards(rt: RankRuntime, sizes: list[int]) -> LatencyProfile:
             prefix_lens=[0], sample=[True])
         hidden = None if rt.rank.is_first_stage else torch.zeros(
             (n, rt.cfg.model.hidden_size), dtype=model.dtype, device=device)
-        fastest = math.inf
-        for _ in range(TIMINGS_PER_SIZE):
+        inputs.append((n, batch, hidden))
+    fastest = [math.inf] * len(sizes)
+    for _ in range(TIMINGS_PER_SIZE):
+        for i, (n, batch, hidden) in enumerate(inputs):
             _synchronize(device)
             start = time.perf_counter()
             act_at(rt.faults, FaultPoint.FORWARD, PROFILE_STEP, tokens=n)
             model.forward(batch, pool, hidden)
             _synchronize(device)
-            fastest = min(fastest, time.perf_counter() - start)
-        latencies.append(fastest)
-    return LatencyProfile(tuple(sizes), tuple(latencies))
+            fastest[i] = min(fastest[i], time.perf_counter() - start)
+    return LatencyProfile(tuple(sizes), tuple(fastest))
 
 
 def setup_chunking(rt: RankRuntime, channel: SampleChannel | None) -> ChunkingSetup:

@@ -160,6 +160,26 @@ def test_compute_lag_slows_the_profiled_forwards_per_token(ranks: list[RankRunti
     assert {e["kind"] for e in fired} == {"compute-lag"}
 
 
+def test_the_profile_times_in_rounds_over_every_size(ranks: list[RankRuntime],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A burst of preemption lands on one round of several sizes, never on every timing of
+    one size: the sizes are timed in turn, TIMINGS_PER_SIZE times over."""
+    cfg = _cfg(**{"scheduler.dynamic_chunking_samples": 10})
+    rt = _build(ranks, cfg, 0)
+    seen: list[int] = []
+    forward = rt.model.forward
+
+    def counting(batch, pool, hidden):  # type: ignore[no-untyped-def]
+        seen.append(batch.extend_lens[0])
+        return forward(batch, pool, hidden)
+
+    monkeypatch.setattr(rt.model, "forward", counting)
+    sizes = profiled_sizes(rt)
+    profile = time_forwards(rt, sizes)
+    assert seen == sizes * TIMINGS_PER_SIZE
+    assert profile.seq_lens == tuple(sizes)
+
+
 def test_legacy_ranks_keep_their_own_timings(ranks: list[RankRuntime]) -> None:
     cfg = _cfg(legacy=frozenset({LegacySwitch.PER_RANK_CHUNK_TIMING}))
     channel = LocalBroadcast()
