@@ -73,7 +73,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     torch-free interpreter (tests/test_light_install.py, as the triage install runs them),
     they are not run here a second time; alone (``pytest tests/doctor``) they run here.
     ``gpu`` tests skip cleanly on a machine without CUDA."""
-    if torch is not None and any(item.nodeid == _TORCH_FREE_RUN for item in items):
+    if torch is not None and any(item.nodeid.startswith(_TORCH_FREE_RUN + "[")
+                                 for item in items):
         from tests.test_light_install import NEEDS_TORCH_MODULES, NEEDS_TORCH_TESTS
 
         def torch_free(item: pytest.Item) -> bool:
