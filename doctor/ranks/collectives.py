@@ -167,7 +167,8 @@ def _mismatches(group: str, seq: int, entries: dict[int, Collective]) -> list[Co
     ops = {r: c.op for r, c in entries.items()}
     if len(set(ops.values())) > 1:
         out.append(_finding(group, seq, FindingKind.OP_MISMATCH, entries,
-                            lambda r, c: f"rank {r}: {c.op} from {site_label(c.site)}"))
+                            lambda r, c: f"rank {r}: {c.op}"
+                            + (f" from {site_label(c.site)}" if c.site else "")))
         return out
     sites = {r: site_label(c.site) for r, c in entries.items()}
     if len(set(sites.values())) > 1 and all(sites.values()):

@@ -41,6 +41,8 @@ MAX_LINE_TOKENS = 120
 CACHE_SIZE = 4096
 MAX_TIES = 8
 ANCHOR_SLACK = 2
+OPTIONAL_WORDS = ("assert", "self")
+"""Template words a line may lack at no cost (see ``TemplateMatcher._optional``)."""
 """Readings kept per line: the same message is often built in several files and releases."""
 _SHAPE = re.compile(r"0[xX][0-9a-fA-F]+|\d+")
 
@@ -80,6 +82,12 @@ class TemplateMatcher:
         with np.errstate(divide="ignore"):
             weight = np.maximum(0.5, np.log2(n / np.maximum(df, 1)))
         self._weight = weight
+        # the words a bare assert's template adds to its condition: an AssertionError's message
+        # (or a report quoting the condition) seldom has them, so their absence costs nothing
+        self._optional = np.zeros(v, dtype=bool)
+        for w in OPTIONAL_WORDS:
+            if w in self._vocab:
+                self._optional[self._vocab[w]] = True
         self._total = np.bincount(lit_owner, weights=weight[lit_tok], minlength=n)
         self._nlit = np.bincount(lit_owner, minlength=n)
         # a template that fixes too little names no component, but it is still indexed: a line
@@ -169,6 +177,7 @@ class TemplateMatcher:
         glued = False  # the previous template token was a literal (no wildcard since)
         slack = 0  # template tokens missed since the last match: a changed word fills one
         first = -1
+        skipped_w, skipped_n = 0.0, 0
         weight = self._weight
         for tok in self.tokens_of(tid):
             if tok < 0:
@@ -186,15 +195,19 @@ class TemplateMatcher:
                 if first < 0:
                     first = idx
                 slack = 0
+            elif self._optional[tok]:
+                skipped_w += float(weight[tok])
+                skipped_n += 1
+                continue
             else:
                 slack += 1
             glued = True
-        total = float(self._total[tid])
+        total = float(self._total[tid]) - skipped_w
         if total <= 0:
             return 0.0, 0.0, -1
-        missing = int(self._nlit[tid]) - found
+        missing = int(self._nlit[tid]) - found - skipped_n
         # a long template may miss a word in four (another release's wording); a short one none
-        n_lit = int(self._nlit[tid])
+        n_lit = int(self._nlit[tid]) - skipped_n
         if missing > (0 if n_lit <= EXACT_UP_TO else max(1, n_lit // 4)):
             return 0.0, 0.0, -1
         recall = matched / total

@@ -243,3 +243,39 @@ def test_a_store_that_names_itself_in_its_logger_tag_is_a_storage_tier() -> None
     full = ("[2026-09-02 16:47:06.238364 +08:00] [UCMNFSSTORE] [W] Reservation exhausted, try to "
             "alloc OS memory(262144). [380106,381690] [ibuffered_device.cc:47,GetBuffer]\n")
     assert _top(_diag(full * 3))[0] == "host-pool-exhausted"
+
+
+def _coll(host_pid: str, dev: int, op: str, seq: int, count: int, dtype: int,
+          comm: str = "0x7f0000001000") -> str:
+    # NCCL src/enqueue.cc, INFO(NCCL_COLL, ...) of each call (NCCL_DEBUG_SUBSYS=COLL)
+    return (f"{host_pid}:{host_pid.rsplit(':', 1)[-1]} [{dev}] NCCL INFO {op}: opCount {seq:x} "
+            f"sendbuff 0x7f88e4000000 recvbuff 0x7f88e4000000 count {count} datatype {dtype} "
+            f"op 0 root 0 comm {comm} [nranks=2] stream 0x55f20d2f5db0\n")
+
+
+def test_nccl_s_own_collective_records_line_up_across_ranks() -> None:
+    calls = [("AllReduce", 0, 1024), ("AllReduce", 1, 4096)]
+    same = "".join(_coll(f"node1:{100 + r}", r, op, seq, n, 7) for op, seq, n in calls
+                   for r in (0, 1))
+    assert _top(_diag(same))[0] == "none"  # every rank made the same calls
+    # rank 1's second all_reduce carries another element count: a shape disagreement
+    sized = same.replace("opCount 1 sendbuff 0x7f88e4000000 recvbuff 0x7f88e4000000 count 4096"
+                         " datatype 7 op 0 root 0 comm 0x7f0000001000 [nranks=2] stream "
+                         "0x55f20d2f5db0\n", "opCount 1 sendbuff 0x7f88e4000000 recvbuff "
+                         "0x7f88e4000000 count 2048 datatype 7 op 0 root 0 comm 0x7f0000001000 "
+                         "[nranks=2] stream 0x55f20d2f5db0\n", 1)
+    assert sized != same
+    d = _diag(sized)
+    assert _top(d)[0] == "collective-shape-mismatch"
+    assert any("size-mismatch" in o and "#1" in o for o in d.observations)
+    # at one opCount rank 0 broadcasts int64 and rank 1 floats: different calls
+    crossed = _coll("node1:100", 0, "Broadcast", 0, 25503912, 6) + \
+        _coll("node1:101", 1, "Broadcast", 0, 53, 4)
+    d = _diag(crossed)
+    assert any("op-mismatch" in o for o in d.observations)
+    # a process's second communicator of the same size is a group of its own: its opCount 0
+    # is not the first communicator's
+    two = "".join(_coll(f"node1:{100 + r}", r, "AllReduce", 0, 8, 7) for r in (0, 1)) + \
+        "".join(_coll(f"node1:{100 + r}", r, "Broadcast", 0, 8, 7, comm="0x7f0000009000")
+                for r in (0, 1))
+    assert not any("mismatch" in o for o in _diag(two).observations)

@@ -323,3 +323,12 @@ def test_the_cli_says_what_the_index_was_built_from() -> None:
     text = CliRunner().invoke(app, ["signatures", "sources"])
     assert text.exit_code == 0
     assert "upstream index" in text.stdout
+
+
+def test_a_bare_assert_s_condition_matches_its_template_whole(index) -> None:  # type: ignore[no-untyped-def]
+    # SGLang 0.5.23 mem_cache/allocator/swa.py: "assert self.x.available_size() <= self.x.size";
+    # a report quotes the condition without "assert" and "self."
+    m = index.match("swa_attn_allocator.available_size() <= swa_attn_allocator.size")
+    assert m
+    assert m[0].template.file.startswith("sglang/srt/mem_cache/allocator")
+    assert m[0].similarity == 1.0

@@ -38,6 +38,8 @@ from doctor.read.text.backtraces import NativeStackParser, chain_stack
 from doctor.read.text.kvstore import classify
 from doctor.read.text.native import TRIGGERS as NATIVE_TRIGGERS
 from doctor.read.text.native import CppTerminateParser
+from doctor.read.text.nccl_coll import TRIGGER as NCCL_COLL_TRIGGER
+from doctor.read.text.nccl_coll import NcclCollectives
 from doctor.read.text.pages import clean_line
 from doctor.read.text.prefixes import strip_prefixes
 from doctor.read.text.threaddumps import FaulthandlerParser, PySpyTextParser
@@ -61,7 +63,7 @@ BLOCK_TRIGGERS = ["Traceback (most recent call last)", "(most recent call first)
                   "WORLD_SIZE", "--tp-size", "--pp-size", "Failures:", "Timeout (0:",
                   "Thread ", ".py:", "Error: ", "Exception: ", "EnforceNotMet",
                   "LMCache ERROR", "LMCache WARN", "[infini] [error]", "cannot store",
-                  "under pressure", "CQ error", "Mooncake store",
+                  "under pressure", "CQ error", "Mooncake store", NCCL_COLL_TRIGGER,
                   *NATIVE_TRIGGERS, *BACKTRACE_TRIGGERS, *TRACEBACK_TRIGGERS,
                   *VERSION_TRIGGERS, *FAILURE_TRIGGERS]
 #: What opens a record of its own: a bare line holding one never continues a log message.
@@ -189,6 +191,7 @@ class LineHandler:
     _by_rank: dict[int, RankHint] = field(default_factory=dict)
     _patterns: _Patterns | None = None
     _pending: _Pending | None = None
+    _nccl: NcclCollectives = field(default_factory=NcclCollectives)
 
     def __post_init__(self) -> None:
         self._patterns = _compiled(self.catalog)
@@ -251,6 +254,16 @@ class LineHandler:
             if any(t in rest for t in VERSION_TRIGGERS):
                 for system, version in stated_versions(rest):
                     self.sink.note_version(system, version, src)
+            if NCCL_COLL_TRIGGER in rest:
+                found = self._nccl.read(rest, src)
+                if found is not None:
+                    dev, coll = found
+                    # the line's own prefix names the rank, else its device does (a file
+                    # name's rank is the file's, and one file may hold every rank's lines)
+                    slot = self.sink.slot(pre.hint if pre.hint.rank is not None
+                                          else RankHint(rank=dev))
+                    slot.add_collective(coll)
+                    slot.kinds.add("nccl-coll")
 
     def finish(self) -> None:
         self._pending = None
