@@ -43,8 +43,6 @@ from signatures.matching import EvidenceKind, MechanismHit, Witness
 
 #: How much a reading weakens when the release the input states lacks the template.
 ABSENT_FROM_RELEASE = 0.6
-#: A storage tier's capacity failure that is about the serving host's own memory.
-_HOST_MEMORY = re.compile(r"(?i)\b(?:cpu|host|pinned)\b")
 #: The raising frame reads at full strength; each caller further out a step less.
 FRAME_STEP = 0.15
 MAX_FRAMES_READ = 3
@@ -199,11 +197,8 @@ def _role(role: str, kind: FailureKind, text: str) -> str:
     """A component's role, but a capacity failure whose message names a host-side pool is
     the host pool's; a storage tier's too when it names the host's own memory (LMCache's
     local CPU tier under pressure), not the tier's (a Mooncake DRAM segment is the store)."""
-    if kind is not FailureKind.CAPACITY or role == "host-pool":
-        return role
-    if role != "storage" and names_host_pool(text):
-        return "host-pool"
-    if role == "storage" and _HOST_MEMORY.search(text):
+    if kind is FailureKind.CAPACITY and role != "host-pool" \
+            and names_host_pool(text, own_memory_only=role == "storage"):
         return "host-pool"
     return role
 

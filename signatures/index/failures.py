@@ -125,8 +125,14 @@ _HOST_SIDE = re.compile(r"(?i)\b(?:cpu|host|swap|pinned|dram|l2)\b")
 _EXCEPTION_NAME = re.compile(r"\b(\w+(?:Error|Exception|Violation))\b")
 
 
-def names_host_pool(text: str) -> bool:
-    return bool(_HOST_SIDE.search(text))
+#: The serving host's own memory (not a store's DRAM segment, which is the store).
+_HOST_MEMORY = re.compile(r"(?i)\b(?:cpu|host|pinned)\b")
+
+
+def names_host_pool(text: str, *, own_memory_only: bool = False) -> bool:
+    """Whether a capacity failure's message names a host-side pool; ``own_memory_only``: the
+    serving host's own memory (a storage tier's message about its DRAM is the tier's)."""
+    return bool((_HOST_MEMORY if own_memory_only else _HOST_SIDE).search(text))
 
 
 def exception_named(text: str) -> str:

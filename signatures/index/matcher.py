@@ -40,10 +40,10 @@ MAX_CANDIDATES = 400
 MAX_LINE_TOKENS = 120
 CACHE_SIZE = 4096
 MAX_TIES = 8
+"""Readings kept per line: the same message is often built in several files and releases."""
 ANCHOR_SLACK = 2
 OPTIONAL_WORDS = ("assert", "self")
 """Template words a line may lack at no cost (see ``TemplateMatcher._optional``)."""
-"""Readings kept per line: the same message is often built in several files and releases."""
 _SHAPE = re.compile(r"0[xX][0-9a-fA-F]+|\d+")
 
 

@@ -22,11 +22,10 @@ from doctor.model.evidence import Collective, SourceRef
 from signatures.linear import linear
 
 TRIGGER = "NCCL INFO"
-_COLL = linear(r"(?:^|[\s:])[\w.-]{1,253}:\d{1,9}:\d{1,9} \[(?P<dev>\d{1,4})\] NCCL INFO "
+_COLL = linear(r"(?:^|[\s:])(?P<proc>[\w.-]{1,253}:\d{1,9}):\d{1,9} \[(?P<dev>\d{1,4})\] NCCL INFO "
                r"(?P<op>[A-Za-z]{2,40}): opCount (?P<seq>[0-9a-fA-F]{1,16}) sendbuff \S{1,40} "
                r"recvbuff \S{1,40} count (?P<count>\d{1,20}) datatype (?P<dt>\d{1,3}) "
                r"op \d{1,3} root -?\d{1,9} comm (?P<comm>\S{1,40}) \[nranks=(?P<n>\d{1,7})\]")
-_PROCESS = linear(r"(?P<proc>[\w.-]{1,253}:\d{1,9}):\d{1,9} \[\d{1,4}\] NCCL INFO")
 MAX_COMMS = 4096
 
 
@@ -40,15 +39,11 @@ class NcclCollectives:
     def read(self, text: str, source: SourceRef) -> tuple[int, Collective] | None:
         """(the CUDA device the line names, its collective), or None when ``text`` is no
         NCCL collective record."""
-        if TRIGGER not in text or "opCount" not in text:
-            return None
-        m = _COLL.search(text)
+        m = _COLL.search(text) if "opCount" in text else None
         if m is None:
             return None
-        p = _PROCESS.search(text)
-        proc = p.group("proc") if p is not None else ""
         return int(m.group("dev")), Collective(
-            group=self._group(proc, m.group("comm"), m.group("n")),
+            group=self._group(m.group("proc"), m.group("comm"), m.group("n")),
             seq=int(m.group("seq"), 16), op=f"{m.group('op')}[datatype {m.group('dt')}]",
             state="enqueued", sizes=f"count {m.group('count')}", site=None, source=source)
 
