@@ -9,8 +9,9 @@ temporary directory, then in one run:
   same on a tenth of the data, to show that memory does not grow with input size;
 * ``grep -c -F -f TRIGGERS`` over the same files (the literal triggers the doctor's prefilter
   looks for): wall time and MB/s;
-* the doctor on an adversarial set of an eighth of the size (:func:`adversarial`): MB/s, its
-  ratio to the normal rate, peak RSS.
+* the doctor on an adversarial set of the same size (:func:`adversarial`): MB/s, its ratio
+  to the normal rate, peak RSS. Same size, so that the fixed start-up cost (loading the
+  catalog and the upstream index, about 0.3 s) weighs the same in both rates.
 
 Prints the figures; the last line is one JSON object.
 """
@@ -34,7 +35,13 @@ from doctor.diagnose import diagnose
 t = time.perf_counter()
 d = diagnose([sys.argv[1]])
 wall = time.perf_counter() - t
-rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+# VmHWM, the peak of this process's own memory: ru_maxrss keeps the parent's peak across
+# fork and exec on Linux, so a bench that had built large inputs would be measured instead
+try:
+    hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0]
+    rss = int(hwm.split()[1]) / 1024
+except (OSError, IndexError):
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 print(json.dumps({"wall_s": wall, "rss_mb": rss,
                   "verdict": d.verdicts[0].signature if d.verdicts else None}))
 """
@@ -117,18 +124,25 @@ def adversarial(root: Path, total_mb: int) -> int:
     dense = ("".join(pairs).replace("\n", " ") + "\n").encode()
     normal = b"[2026-11-20 00:00:00 TP0] Decode batch. #running-req: 4, #token: 100\n"
     share = total_mb * (1 << 20) // 5
+    # (unit, head, repeats) per file, written a unit at a time: the bench process stays
+    # small, since a child started from it inherits its peak RSS (see _CHILD)
     parts = {
-        "pairs.log": normal * ((1 << 20) // len(normal)) + dense * (share // len(dense)),
-        "box.log": ("  + Exception Group Traceback (most recent call last):\n"
-                    + ("  |" + "-" * 200 + "x\n") * 200).encode() * (share // 41_000),
-        "table.md": ("| 2026-01-01 00:00:00 |" + " " * 4000 + "x |\n").encode()
-        * (share // 4030),
-        "memory.log": ("host memory usage" + "\t " * 2000 + "\n").encode() * (share // 4018),
-        "scripts.html": b"<html><body>" + b"<script>" * (share // 8),
+        "pairs.log": (dense, normal * ((1 << 20) // len(normal)), share // len(dense)),
+        "box.log": (("  + Exception Group Traceback (most recent call last):\n"
+                     + ("  |" + "-" * 200 + "x\n") * 200).encode(), b"", share // 41_000),
+        "table.md": (("| 2026-01-01 00:00:00 |" + " " * 4000 + "x |\n").encode(), b"",
+                     share // 4030),
+        "memory.log": (("host memory usage" + "\t " * 2000 + "\n").encode(), b"", share // 4018),
+        "scripts.html": (b"<script>" * 8192, b"<html><body>", share // (8 * 8192)),
     }
-    for name, data in parts.items():
-        (root / name).write_bytes(data)
-    return sum(len(d) for d in parts.values())
+    written = 0
+    for name, (unit, head, repeats) in parts.items():
+        with open(root / name, "wb") as f:
+            f.write(head)
+            for _ in range(repeats):
+                f.write(unit)
+        written += len(head) + len(unit) * repeats
+    return written
 
 
 def _doctor(path: Path) -> dict[str, float | str | None]:
@@ -162,7 +176,7 @@ def main() -> None:
         small = _doctor(tmp / "small")
         big = _doctor(tmp / "big")
         grep_s = _grep(tmp / "big") if shutil.which("grep") else float("nan")
-        bad_bytes = adversarial(tmp / "adversarial", max(16, args.mb // 8))
+        bad_bytes = adversarial(tmp / "adversarial", args.mb)
         bad = _doctor(tmp / "adversarial")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -47,18 +47,25 @@ def linear(pattern: str, flags: int = 0) -> Any:
                             "rewrite it without backreferences or lookaround") from None
 
 
-class LiteralSet:
-    """Which of many literals a text holds, in one linear pass (an RE2 set of escaped
-    literals) instead of one ``in`` per literal: a line full of trigger fragments no longer
-    costs a scan per catalog pattern."""
+class PatternSet:
+    """Which of several patterns a text matches, in one linear pass (an RE2 set) instead of
+    one search per pattern."""
 
-    def __init__(self, literals: list[str]) -> None:
-        self.literals = list(dict.fromkeys(literals))
+    def __init__(self, patterns: list[str]) -> None:
+        self.patterns = list(patterns)
         self._set = re2.Set.SearchSet(_OPTIONS)
-        for lit in self.literals:
-            self._set.Add(re.escape(lit))
+        for p in self.patterns:
+            try:
+                self._set.Add(p)
+            except re2.error:
+                raise UnsafePattern(f"{p[:120]!r} cannot be matched in linear time") from None
         self._set.Compile()
 
     def found(self, text: str) -> list[int]:
-        """Indices (into :attr:`literals`) of the literals ``text`` contains."""
+        """Indices (into :attr:`patterns`) of the patterns ``text`` matches."""
         return self._set.Match(text) or []
+
+
+def any_of(literals: tuple[str, ...] | list[str]) -> str:
+    """A pattern matching any of ``literals`` (an entry of a :class:`PatternSet`)."""
+    return "|".join(re.escape(lit) for lit in literals)

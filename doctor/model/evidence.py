@@ -118,6 +118,8 @@ class RankHint:
 
     def merged(self, other: RankHint) -> RankHint:
         """Fill the unknown parts of ``self`` from ``other``."""
+        if other.empty:  # the usual case (no default from the file's name): nothing to fill
+            return self
         return RankHint(*(a if a is not None else b for a, b in zip(
             (self.rank, self.tp, self.pp, self.dp), (other.rank, other.tp, other.pp, other.dp))))
 

@@ -17,9 +17,14 @@ made so) is planned again on its own bytes, so candidates stay few.
 
 from __future__ import annotations
 
+import re
+from bisect import bisect_left
 from collections import defaultdict
+from typing import Any
 
 import numpy as np
+
+from signatures.linear import linear
 
 SAMPLE_BYTES = 1 << 20
 DENSE = 64
@@ -33,13 +38,15 @@ class TriggerIndex:
         self.triggers = sorted({t for t in triggers if len(t) >= 2})
         self._table = np.zeros(65536, dtype=np.uint8)
         self._owners: dict[int, list[tuple[bytes, int]]] = {}
+        self._any: Any = None  # the triggers as one RE2 alternation, built when first needed
         self.plan(b"")
 
     def _candidates(self, buf: bytes, end: int) -> np.ndarray:
         return _candidates_of(self._table, buf, end)
 
-    def plan(self, sample: bytes) -> None:
-        """Choose each trigger's rarest byte pair as seen in ``sample``."""
+    def plan(self, sample: bytes) -> int:
+        """Choose each trigger's rarest byte pair as seen in ``sample``. Returns how often
+        the chosen pairs occur in (the first ``SAMPLE_BYTES`` of) it."""
         hist = _pair_histogram(sample[:SAMPLE_BYTES])
         owners: dict[int, list[tuple[bytes, int]]] = defaultdict(list)
         for t in self.triggers:
@@ -48,6 +55,7 @@ class TriggerIndex:
         table = np.zeros(65536, dtype=np.uint8)  # uint8 + take() beats bool fancy indexing
         table[list(owners)] = 1
         self._table, self._owners = table, dict(owners)
+        return int(hist[list(owners)].sum()) if owners else 0
 
     def lines(self, buf: bytes, end: int) -> list[int]:
         """Sorted start offsets of the lines in ``buf[:end]`` that contain a trigger."""
@@ -57,26 +65,51 @@ class TriggerIndex:
         if cand.size > end // DENSE:
             # The pairs chosen on the input's head are common here (the input changed, or was
             # made to): choose again on this chunk, else every candidate is verified in Python
-            self.plan(buf[:end])
+            found = self.plan(buf[:end])
+            if found * end // min(end, SAMPLE_BYTES) > end // DENSE:
+                return self._dense_lines(buf, end)  # every pair is common here
             cand = self._candidates(buf, end)
+            if cand.size > end // DENSE:
+                return self._dense_lines(buf, end)
         if cand.size == 0:
             return []
         cand.sort()
         starts: list[int] = []
-        last_end = -1
         owners, find, rfind = self._owners, buf.find, buf.rfind
-        for p in cand.tolist():
-            if p < last_end:
-                continue  # this line is already selected
+        positions = cand.tolist()
+        i, n = 0, len(positions)
+        while i < n:
+            p = positions[i]
+            i += 1
             for trig, off in owners[buf[p] | buf[p + 1] << 8]:
                 s = p - off
                 if s >= 0 and s + len(trig) <= end and buf.startswith(trig, s):
                     start = rfind(b"\n", 0, s) + 1
                     line_end = find(b"\n", p, end)
-                    last_end = end if line_end < 0 else line_end
                     if not starts or starts[-1] != start:
                         starts.append(start)
+                    # the line is selected: jump past its other candidates (a line made of
+                    # trigger fragments holds dozens)
+                    i = n if line_end < 0 else bisect_left(positions, line_end, i)
                     break
+        return starts
+
+
+    def _dense_lines(self, buf: bytes, end: int) -> list[int]:
+        """:meth:`lines` for a chunk where every pair is common (text made of the triggers'
+        fragments): one automaton search per selected line, from the end of the last one,
+        instead of verifying hundreds of candidates per line in Python."""
+        if self._any is None:
+            self._any = linear(b"|".join(re.escape(t) for t in self.triggers))
+        starts: list[int] = []
+        pos, search, find, rfind = 0, self._any.search, buf.find, buf.rfind
+        while pos < end:
+            m = search(buf, pos, end)
+            if m is None:
+                break
+            starts.append(rfind(b"\n", 0, m.start()) + 1)
+            line_end = find(b"\n", m.end(), end)
+            pos = end if line_end < 0 else line_end + 1
         return starts
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from signatures.linear import LiteralSet, UnsafePattern, linear
+from signatures.linear import PatternSet, UnsafePattern, any_of, linear
 from signatures.models import LogPattern, Marker
 from tests.doctor.hostile import run_capped
 
@@ -68,12 +68,13 @@ def test_a_pattern_that_cannot_run_in_linear_time_is_refused() -> None:
     assert linear(r"(?:\w+\.)*ResourceLeak").search("_." * 200_000) is None
 
 
-def test_literal_sets_find_every_literal_in_one_pass() -> None:
-    s = LiteralSet(["Timed out", "pop from", "a.b", "Timed out"])
-    assert s.literals == ["Timed out", "pop from", "a.b"]  # once each
-    assert sorted(s.found("x pop from y Timed out")) == [0, 1]
-    assert s.found("axb") == []  # literals, not patterns
+def test_pattern_sets_find_every_pattern_in_one_pass() -> None:
+    s = PatternSet([any_of(["Timed out", "pop from"]), any_of(["a.b"]), "(?i)error|failed"])
+    assert sorted(s.found("x pop from y FAILED")) == [0, 2]
+    assert s.found("axb") == []  # any_of takes literals, not patterns
     assert s.found("no trigger here") == []
+    with pytest.raises(UnsafePattern):
+        PatternSet([r"(x+)\1"])
 
 
 FINDINGS = {

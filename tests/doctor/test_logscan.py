@@ -41,6 +41,20 @@ def test_prefilter_is_exact(parts: list[bytes], sample: bytes) -> None:
     index = TriggerIndex(TRIGGERS)
     index.plan(sample)  # any sample: only speed may depend on it, never the result
     assert index.lines(buf, len(buf)) == _naive(buf)
+    # the path for chunks made of trigger fragments gives the same lines
+    assert index._dense_lines(buf, len(buf)) == _naive(buf)
+
+
+def test_a_chunk_of_trigger_fragments_takes_the_dense_path_with_the_same_lines() -> None:
+    pairs = sorted({t[i:i + 2] for t in TRIGGERS for i in range(len(t) - 1)})
+    dense = b" ".join(pairs) + b"\n"
+    buf = dense * 50 + b"x Timed out waiting y\n" + dense * 50 + b"rss\n"
+    index = TriggerIndex(TRIGGERS)
+    calls: list[int] = []
+    real = index._dense_lines
+    index._dense_lines = lambda b, e: calls.append(e) or real(b, e)  # type: ignore[method-assign]
+    assert index.lines(buf, len(buf)) == _naive(buf)
+    assert calls == [len(buf)]
 
 
 def _scan(data: bytes) -> tuple[dict[str, object], int]:

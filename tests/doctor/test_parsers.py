@@ -220,3 +220,29 @@ def test_prefixes_and_path_hints() -> None:
     assert path_hint("bundle/rank3/stacks.txt").rank == 3
     assert path_hint("run-tp8/server.log") == RankHint()
     assert path_hint("logs/tp1_pp0.log") == RankHint(tp=1, pp=0)
+
+
+def test_a_block_starts_only_on_a_line_holding_one_of_its_parsers_start_literals() -> None:
+    """The line reader skips a parser's ``starts`` on lines that hold none of its
+    ``START_LITERALS`` (one automaton pass finds them): over every line of the corpus and
+    the fixtures, ``starts`` is never true on such a line."""
+    from doctor.read.text.backtraces import NativeStackParser
+    from doctor.read.text.native import CppTerminateParser
+    from doctor.read.text.pages import clean_line
+    from doctor.read.text.torchrun import TorchrunParser
+    from tests.corpus import load_cases
+
+    parsers = (TorchrunParser, CppTerminateParser, FaulthandlerParser, PySpyTextParser,
+               NativeStackParser, TracebackParser)
+    texts = [c.text.decode("utf-8", errors="replace") for c in load_cases()]
+    texts += [p.read_text(errors="replace") for p in sorted(FIXTURES.rglob("*"))
+              if p.is_file() and p.suffix in (".log", ".txt", ".md") and p.stat().st_size < 1 << 22]
+    started = dict.fromkeys(parsers, 0)
+    for text in texts:
+        for line in text.splitlines():
+            rest = strip_prefixes(clean_line(line[:8192])).rest
+            for p in parsers:
+                if p.starts(rest):
+                    started[p] += 1
+                    assert any(lit in rest for lit in p.START_LITERALS), (p.__name__, rest)
+    assert all(started.values()), started  # every parser starts somewhere in that text

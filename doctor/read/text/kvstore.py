@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 
 from doctor.model.evidence import KvContext, KvLineKind
+from signatures.linear import linear
 
 #: Components that are a KV storage tier (on the raw line: prefixes, tags, source sites).
 _STORE = re.compile(
@@ -67,18 +68,23 @@ _ZERO_FAILED = re.compile(r"(?i)\(\s*(?:0|zero) failed\s*\)|[,;]\s*(?:0|zero) fa
                           r"\b(?:0|zero) failures?\b|\bfail(?:ed|ures?)[:=] ?0\b")
 
 
-#: Substrings (lower case) at least one of which every line the regexes above can match holds:
+#: Substrings (any case) at least one of which every line the regexes above can match holds:
 #: a cheap gate so that ordinary log lines never reach the case-insensitive regexes.
-_GATE = ("lmcache", "infini", ".cpp:", "mooncake", "hicache", "hf3fs", "kvbm", "block_manager",
+GATE = ("lmcache", "infini", ".cpp:", "mooncake", "hicache", "hf3fs", "kvbm", "block_manager",
          "gds_mt", "offload", "kv_pool", "kvpool", "kv pool", "connector", "_backend", "_storage",
          "disaggregation", "kvtransfer", "nixl", "bootstrap", "kvpoll", "cq error", "kv_producer",
          "kv_consumer", "prefill", "pd_backend", "pdbackend", "p2pnccl", "mooncake_master",
          "store]", "transfer_channel")
 
 
+#: :data:`GATE` as one pattern (also an entry of the line reader's one-pass gate set).
+GATE_PATTERN = "(?i)" + "|".join(re.escape(k) for k in GATE)
+_GATE_RE = linear(GATE_PATTERN)
+
+
 def _gated(raw: str) -> bool:
-    low = raw.lower()
-    return any(k in low for k in _GATE)
+    # one automaton pass, not a lower-cased copy and a scan per key
+    return _GATE_RE.search(raw) is not None
 
 
 def _note(ctx: KvContext, raw: str) -> None:
@@ -90,10 +96,11 @@ def _note(ctx: KvContext, raw: str) -> None:
         ctx.pd = True
 
 
-def classify(raw: str, ctx: KvContext) -> KvLineKind | None:
+def classify(raw: str, ctx: KvContext, gated: bool = False) -> KvLineKind | None:
     """What one raw line (prefixes included) reports, or None. The components it names are
-    noted in ``ctx``: the whole input's context decides whose a ``TRANSFER_FAILURE`` is."""
-    if not _gated(raw):
+    noted in ``ctx``: the whole input's context decides whose a ``TRANSFER_FAILURE`` is.
+    ``gated``: the caller has seen a :data:`GATE` substring in ``raw``."""
+    if not gated and not _gated(raw):
         return None
     _note(ctx, raw)
     pd = _PD.search(raw) is not None

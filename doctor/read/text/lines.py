@@ -35,7 +35,7 @@ from doctor.model.evidence import (
 )
 from doctor.read.text.backtraces import TRIGGERS as BACKTRACE_TRIGGERS
 from doctor.read.text.backtraces import NativeStackParser, chain_stack
-from doctor.read.text.kvstore import classify
+from doctor.read.text.kvstore import GATE_PATTERN, classify
 from doctor.read.text.native import TRIGGERS as NATIVE_TRIGGERS
 from doctor.read.text.native import CppTerminateParser
 from doctor.read.text.nccl_coll import TRIGGER as NCCL_COLL_TRIGGER
@@ -48,7 +48,7 @@ from doctor.read.text.tracebacks import TRIGGERS as TRACEBACK_TRIGGERS
 from doctor.read.text.tracebacks import TracebackParser
 from doctor.read.text.versions import TRIGGERS as VERSION_TRIGGERS
 from doctor.read.text.versions import stated_versions
-from signatures.linear import LiteralSet, linear
+from signatures.linear import PatternSet, any_of, linear
 from signatures.models import Catalog
 
 #: Lines that may report a failure or a warning (matched against upstream's templates): the
@@ -72,12 +72,37 @@ BLOCK_OPENERS = ["Traceback (most recent call last)", "(most recent call first)"
                  *TRACEBACK_TRIGGERS]
 _TOPO = re.compile(r"\b(?P<k>tp|pp|dp|world)_size=(?P<v>\d{1,6})\b|--(?P<k2>tp|pp|dp)-size[ =]"
                    r"(?P<v2>\d{1,6})\b|\bWORLD_SIZE[=:]\s*(?P<v3>\d{1,6})\b")
-_FAILURE_WORDS = re.compile(r"(?i)\b(?:error|failed|failure|exception|timed out|timeout|abort"
-                            r"(?:ed)?|refused|fatal|killed|segmentation fault)\b")
+#: Searched in every line (RE2: a backtracking engine tries the whole alternation at every
+#: position, about 40 times slower on a long line).
+_FAILURE_WORDS = linear(r"\b(?:error|failed|failure|exception|timed out|timeout|abort(?:ed)?"
+                        r"|refused|fatal|killed|segmentation fault)\b", re.I)
 #: A logger's level word anywhere in the line (a prefix the readers do not know still says it).
 _LEVEL_WORDS = re.compile(r"\b(?:WARN(?:ING)?|ERROR|CRITICAL|FATAL)\b")
 _UNITS = {"k": 1 / 1024, "m": 1.0, "g": 1024.0, "t": 1024.0 * 1024}
 MAX_LINE_CHARS = 8192
+_TOPOLOGY_TRIGGERS = ("_size=", "-size", "WORLD_SIZE")
+_ARROWS = ("->", "<-", "→", "←")
+
+#: What each line may hold, found in one automaton pass over it: each entry is a condition
+#: every match of a later, exact check needs (its words without their boundaries, its
+#: literals), so a line without it skips that check. A long line otherwise costs one scan
+#: per check; a log made of such lines (the adversarial set of bench/doctor_throughput.py)
+#: ran five times slower per byte than an ordinary one.
+_GATE_FAILURE, _GATE_LEVEL, _GATE_KV, _GATE_VERSION, _GATE_TOPOLOGY, _GATE_NCCL, _GATE_ARROW = \
+    range(7)
+_GATE_PATTERNS = [
+    "(?i)error|failed|failure|exception|timed out|timeout|abort|refused|fatal|killed|"
+    "segmentation fault",  # _FAILURE_WORDS
+    "WARN|ERROR|CRITICAL|FATAL",  # _LEVEL_WORDS
+    GATE_PATTERN,  # the KV store line classifier's
+    any_of(VERSION_TRIGGERS), any_of(_TOPOLOGY_TRIGGERS), any_of([NCCL_COLL_TRIGGER]),
+    any_of(_ARROWS),
+    # then one per block parser, in _Stream.parsers order: what its starts() needs
+    *(any_of(p.START_LITERALS) for p in (TorchrunParser, CppTerminateParser,
+                                         FaulthandlerParser, PySpyTextParser,
+                                         NativeStackParser, TracebackParser)),
+]
+_GATE_PARSERS = 7
 MAX_MATCHED_CHARS = 1000
 """Only the head of a long line is matched against upstream's templates."""
 MAX_BLOCK_LINES = 20000
@@ -109,17 +134,21 @@ class _Stream:
     cpp: CppTerminateParser
     nat: NativeStackParser
     opened_at: int = 0
+    parsers: tuple[TorchrunParser | CppTerminateParser | FaulthandlerParser | PySpyTextParser
+                   | NativeStackParser | TracebackParser, ...] = ()
+    """In the order they may claim a line that opens a block: the most specific first (a
+    torchrun ``ChildFailedError`` line is the torchrun block's, not a lone exception). The
+    gate set's parser entries (``_GATE_PATTERNS``) follow this order."""
 
-    @property
-    def parsers(self) -> tuple[TorchrunParser | CppTerminateParser | FaulthandlerParser
-                               | PySpyTextParser | NativeStackParser | TracebackParser, ...]:
-        """In the order they may claim a line that opens a block: the most specific first
-        (a torchrun ``ChildFailedError`` line is the torchrun block's, not a lone exception)."""
-        return (self.tr, self.cpp, self.fh, self.ps, self.nat, self.tb)
+    def __post_init__(self) -> None:
+        self.parsers = (self.tr, self.cpp, self.fh, self.ps, self.nat, self.tb)
 
     @property
     def open(self) -> bool:
-        return any(p.open for p in self.parsers)
+        # spelled out: this runs several times per line, and a generator costs more than
+        # the six tests
+        return (self.tr.open or self.cpp.open or self.fh.open or self.ps.open or self.nat.open
+                or self.tb.open)
 
     def close(self) -> None:
         for p in self.parsers:
@@ -143,16 +172,18 @@ class _Patterns:
     """A catalog's scanned patterns, and which of them each trigger belongs to."""
 
     patterns: list[_Compiled]
-    triggers: LiteralSet
+    literals: list[str]
+    """Every pattern's triggers, each once."""
     owners: list[list[int]]
-    """Per trigger (an index of ``triggers.literals``), the patterns it triggers, in order."""
+    """Per trigger (an index of ``literals``), the patterns it triggers, in order."""
+    scan: PatternSet
+    """The gates (``_GATE_PATTERNS``), then the triggers: what a line holds, in one pass.
+    Index ``len(_GATE_PATTERNS) + i`` is trigger ``i``."""
 
-    def candidates(self, text: str) -> list[_Compiled]:
-        """The patterns whose trigger ``text`` holds, in catalog order."""
-        found = self.triggers.found(text)
-        if not found:
-            return []
-        which = sorted({i for t in found for i in self.owners[t]})
+    def candidates(self, found: list[int]) -> list[_Compiled]:
+        """The patterns whose trigger a :attr:`scan` of a line found, in catalog order."""
+        first = len(_GATE_PATTERNS)
+        which = sorted({i for t in found if t >= first for i in self.owners[t - first]})
         return [self.patterns[i] for i in which]
 
 
@@ -165,13 +196,14 @@ def _compiled(catalog: Catalog) -> _Patterns:
     if hit is None or hit[0] is not catalog:
         patterns = [_Compiled(p.id, tuple(p.triggers), linear(p.regex))
                     for p in catalog.scanned_patterns()]
-        literals = LiteralSet([t for p in patterns for t in p.triggers])
-        index = {lit: i for i, lit in enumerate(literals.literals)}
-        owners: list[list[int]] = [[] for _ in literals.literals]
+        literals = list(dict.fromkeys(t for p in patterns for t in p.triggers))
+        index = {lit: i for i, lit in enumerate(literals)}
+        owners: list[list[int]] = [[] for _ in literals]
         for i, p in enumerate(patterns):
             for t in p.triggers:
                 owners[index[t]].append(i)
-        hit = _COMPILED[id(catalog)] = (catalog, _Patterns(patterns, literals, owners))
+        scan = PatternSet(_GATE_PATTERNS + [re.escape(lit) for lit in literals])
+        hit = _COMPILED[id(catalog)] = (catalog, _Patterns(patterns, literals, owners, scan))
     return hit[1]
 
 
@@ -211,6 +243,10 @@ class LineHandler:
         """Process one line (``raw`` without its newline). ``triggered``: the prefilter saw a
         trigger in it; patterns only run then (a line without any trigger cannot match)."""
         text = clean_line(raw[:MAX_LINE_CHARS].decode("utf-8", errors="replace"))
+        assert self._patterns is not None
+        # the gates and the catalog's triggers ``text`` holds; ``rest`` below is a suffix of
+        # ``text``, so what it holds is among these
+        gates = self._patterns.scan.found(text)
         pre = strip_prefixes(text)
         rest, hint, style, key = pre.rest, pre.hint, pre.style, pre.stream
         pending, self._pending = self._pending, None
@@ -237,24 +273,26 @@ class LineHandler:
             stream.tb.boundary()
         if pre.site and pre.warning:
             self.sink.slot(hint).add_site(pre.site, src)
-        failing = bool((pre.error or _FAILURE_WORDS.search(rest)) and rest.strip())
+        failing = bool((pre.error or (_GATE_FAILURE in gates and _FAILURE_WORDS.search(rest)))
+                       and rest.strip())
         if failing:
             self.sink.slot(hint).errors.append((rest.strip()[:300], src))
-        kv = classify(text, self.sink.kv)
+        kv = classify(text, self.sink.kv, gated=True) if _GATE_KV in gates else None
         if kv is not None:
             self.sink.slot(hint).kv_lines.append((kv, rest.strip()[:300], src))
-        taken = self._blocks(stream, rest, src, lineno, hint)
-        if (failing or pre.warning or _LEVEL_WORDS.search(text[:200])) and not taken:
+        taken = self._blocks(stream, rest, src, lineno, hint, gates)
+        levelled = _GATE_LEVEL in gates and _LEVEL_WORDS.search(text[:200]) is not None
+        if (failing or pre.warning or levelled) and not taken:
             self._upstream(rest, pre.site, "error" if pre.error else
                            "warning" if pre.warning else "", hint, src)
         if triggered:
-            self._match_patterns(rest, hint, src)
-            if "_size=" in rest or "-size" in rest or "WORLD_SIZE" in rest:
+            self._match_patterns(rest, hint, src, gates)
+            if _GATE_TOPOLOGY in gates and any(t in rest for t in _TOPOLOGY_TRIGGERS):
                 self._topology(rest)
-            if any(t in rest for t in VERSION_TRIGGERS):
+            if _GATE_VERSION in gates and any(t in rest for t in VERSION_TRIGGERS):
                 for system, version in stated_versions(rest):
                     self.sink.note_version(system, version, src)
-            if NCCL_COLL_TRIGGER in rest:
+            if _GATE_NCCL in gates and NCCL_COLL_TRIGGER in rest:
                 found = self._nccl.read(rest, src)
                 if found is not None:
                     dev, coll = found
@@ -328,18 +366,19 @@ class LineHandler:
         return s
 
     def _blocks(self, s: _Stream, rest: str, src: SourceRef, lineno: int,
-                hint: RankHint) -> bool:
+                hint: RankHint, gates: list[int]) -> bool:
         """Feed the line to the stream's block parsers; True when one took it."""
         was_open = s.open
-        for parser in s.parsers:
+        parsers = s.parsers
+        for parser in parsers:
             if parser.open and parser.feed(rest, src):
                 return True
-        for parser in s.parsers:
-            if parser.starts(rest) and parser.feed(rest, src):
+        for i, parser in enumerate(parsers):
+            if _GATE_PARSERS + i in gates and parser.starts(rest) and parser.feed(rest, src):
                 if not was_open:
                     s.opened_at = lineno
                 return True
-        if "->" in rest or "<-" in rest or "→" in rest or "←" in rest:
+        if _GATE_ARROW in gates and any(a in rest for a in _ARROWS):
             chain = chain_stack(rest, src)
             if chain is not None:
                 slot = self.sink.slot(hint)
@@ -362,9 +401,10 @@ class LineHandler:
         if slot.failure_lines.get(key) is fl:
             self._pending = _Pending(slot, key, fl, src.line or 0)
 
-    def _match_patterns(self, rest: str, hint: RankHint, src: SourceRef) -> None:
+    def _match_patterns(self, rest: str, hint: RankHint, src: SourceRef,
+                        found: list[int]) -> None:
         assert self._patterns is not None
-        for p in self._patterns.candidates(rest):
+        for p in self._patterns.candidates(found):
             m = p.regex.search(rest)
             if m is None:
                 continue

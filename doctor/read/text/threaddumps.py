@@ -65,10 +65,15 @@ class FaulthandlerParser:
         self._fatal_owned = False
         self._thread: ThreadStack | None = None
 
+    #: A line :meth:`starts` a block only if it holds one of these (the reader skips
+    #: :meth:`starts` on lines that hold none; tests/doctor/test_parsers.py holds it).
+    START_LITERALS = ("Fatal Python error:", "(most recent call first):", "Timeout (", 'File "')
+
     @staticmethod
     def starts(line: str) -> bool:
         return ("Fatal Python error:" in line or "(most recent call first):" in line
-                or line.startswith("Timeout (") or bool(_FH_FRAME_ANY.match(line)))
+                or line.startswith("Timeout (")
+                or ('File "' in line and bool(_FH_FRAME_ANY.match(line))))
 
     def feed(self, line: str, src: SourceRef) -> bool:
         m = _FH_FATAL.search(line)
@@ -134,10 +139,17 @@ class PySpyTextParser:
         self.pid: int | None = None
         self._thread: ThreadStack | None = None
 
+    #: A line :meth:`starts` a block only if it holds one of these (the reader skips
+    #: :meth:`starts` on lines that hold none; tests/doctor/test_parsers.py holds it).
+    START_LITERALS = ("Process ", "Python v", "Thread ", ".py:")
+
     @staticmethod
     def starts(line: str) -> bool:
+        # a literal each pattern needs first: `in` is a fast scan, while a pattern that
+        # opens with `^\s*` walks a long blank line once per pattern
         return bool(_PS_PROCESS.match(line) or _PS_PYTHON.match(line)
-                    or _PS_THREAD.match(line) or _PS_PY_FRAME.match(line))
+                    or ("Thread " in line and _PS_THREAD.match(line))
+                    or (".py:" in line and _PS_PY_FRAME.match(line)))
 
     def feed(self, line: str, src: SourceRef) -> bool:
         m = _PS_PROCESS.match(line)

@@ -90,9 +90,13 @@ class TracebackParser:
         self._lone: tuple[ExceptionRecord, int] | None = None
         """A frameless exception (and its line) that frames pasted after it may belong to."""
 
+    #: A line :meth:`starts` a block only if it holds one of these (the reader skips
+    #: :meth:`starts` on lines that hold none; tests/doctor/test_parsers.py holds it).
+    START_LITERALS = (HEADER, "File ", ":")  # ":" for "Type: message"
+
     @staticmethod
     def starts(line: str) -> bool:
-        return (HEADER in line or bool(_FRAME.match(line))
+        return (HEADER in line or ("File " in line and bool(_FRAME.match(line)))
                 or strong_exception(line) is not None)
 
     def boundary(self) -> None:

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import re
 
+from signatures.linear import linear
+
 #: System names as the index knows them, and how reports spell their packages.
 PACKAGES = {"sglang": "sglang", "lmcache": "lmcache", "mooncake-transfer-engine": "mooncake",
             "mooncake_transfer_engine": "mooncake", "mooncake": "mooncake", "nixl": "nixl",
             "torch": "torch", "pytorch": "torch"}
-_VER = r"(?P<ver>\d+\.\d+(?:\.\d+)?(?:\.?post\d+|rc\d+|\.dev\d+)?)"
+#: ASCII digits only: a version number is (``\d`` would take any script's digits, which
+#: no package index accepts)
+_VER = r"(?P<ver>[0-9]+\.[0-9]+(?:\.[0-9]+)?(?:\.?post[0-9]+|rc[0-9]+|\.dev[0-9]+)?)"
 _NAMES = (r"(?P<pkg>sglang|lmcache|mooncake[-_]transfer[-_]engine(?:[-_]non[-_]cuda)?|mooncake|"
           r"nixl|torch|pytorch)")
 _PATTERNS = [
@@ -26,6 +30,11 @@ _PATTERNS = [
     re.compile(rf"(?i)\b{_NAMES}\s+version\s*[:=]?\s*v?{_VER}\b"),
 ]
 _NAMED = ("sglang", "lmcache", "mooncake", "nixl", "torch")
+#: Any of the names, in any case: one automaton pass instead of a lower-cased copy and a scan
+#: per name.
+_ANY_NAMED = linear("|".join(_NAMED), re.I)
+#: Every pattern above needs a version number.
+_NUMBER = linear(r"[0-9]\.[0-9]")
 TRIGGERS = ("==", "dist-info", "ersion", "sglang ", "sglang:", "SGLang ", "lmcache ", "lmcache:",
             "LMCache ", "nixl ", "nixl:", "torch ", "torch:", "mooncake")
 
@@ -41,9 +50,8 @@ def stated_versions(line: str) -> list[tuple[str, str]]:
     """``(system, version)`` pairs ``line`` states (at most a few)."""
     if len(line) > 2000:
         line = line[:2000]
-    low = line.lower()
-    if not any(name in low for name in _NAMED):  # most lines: five regexes spared
-        return []
+    if _ANY_NAMED.search(line) is None or _NUMBER.search(line) is None:
+        return []  # most lines: five regexes spared
     out: list[tuple[str, str]] = []
     for rx in _PATTERNS:
         for m in rx.finditer(line):
