@@ -389,6 +389,8 @@ def _verdict_detail(con: Console, v: Any) -> None:
         con.print(f"[{STYLE_KEY}]campaign cell[/] {esc(v.campaign_cell)}", soft_wrap=True)
     if v.release_note:
         para(con, esc(v.release_note), f"[{STYLE_KEY}]release[/]")
+    if v.tie_note:
+        para(con, esc(v.tie_note), f"[{STYLE_KEY}]tied[/]")
 
 
 def signature_table(catalog: Any) -> None:

@@ -57,6 +57,12 @@ from signatures.models import Catalog
 
 T = TypeVar("T")
 MAX_EVIDENCE = 12
+#: Two named signatures this close at the top: the evidence does not tell them apart, so the
+#: first is not stated with high confidence (a wrong answer at high confidence costs more
+#: than an uncertain right one). A causal first (the divergence that led to the other) is
+#: told apart, and keeps its confidence.
+TIE_MARGIN = 0.05
+TIED_CAP = 0.75
 
 
 def diagnose(paths: Iterable[str] = (), *, streams: Iterable[tuple[str, BinaryIO]] = (),
@@ -119,7 +125,7 @@ def analyse(ev: Evidence, catalog: Catalog) -> Diagnosis:
 def _report(ev: Evidence, catalog: Catalog, scores: list[Score], facts: FactSet,
             looks: list[LookalikeMatch]) -> Diagnosis:
     """The verdict part of the report: status, verdicts, near misses, inputs, rule log."""
-    verdicts = weigh_by_release([_verdict(s) for s in scores if s.named], ev, catalog)
+    verdicts = weigh_by_release(_capped_ties([s for s in scores if s.named]), ev, catalog)
     near = [NearMiss(signature=s.signature.id, score=round(s.score, 2), because=s.because())
             for s in scores if not s.named and s.score >= NEAR_MISS][:5]
     lookalikes = [_lookalike(m) for m in looks]
@@ -137,6 +143,26 @@ def _report(ev: Evidence, catalog: Catalog, scores: list[Score], facts: FactSet,
         inputs=[InputSummary(path=i.path, kind=i.kind, status=i.status, message=i.message,
                              rank=i.rank) for i in ev.inputs],
         rule_log=_rule_log(scores, facts))
+
+
+def _capped_ties(named: list[Score]) -> list[Verdict]:
+    """The verdicts of the ``named`` scores (best first); when the second is as strong as the
+    first (see ``TIE_MARGIN``), every one that strong is capped at ``TIED_CAP``."""
+    verdicts = [_verdict(s) for s in named]
+    if len(verdicts) < 2 or named[0].causal:
+        return verdicts
+    best = verdicts[0].confidence
+    tied = [v for v in verdicts if v.confidence >= best - TIE_MARGIN]
+    if len(tied) < 2 or best <= TIED_CAP:
+        return verdicts
+    before = [v.confidence for v in tied]
+    for v, was in zip(tied, before, strict=True):
+        others = ", ".join(f"{o.signature} ({c:.2f})" for o, c in zip(tied, before, strict=True)
+                           if o is not v)
+        v.tie_note = (f"{others} fit{'s' if len(tied) == 2 else ''} as well: confidence capped "
+                      f"at {TIED_CAP:.2f} from {was:.2f}")
+        v.confidence = min(was, TIED_CAP)
+    return verdicts
 
 
 def _causal(first: Divergence | None, facts: FactSet) -> frozenset[Fact]:

@@ -116,6 +116,8 @@ def _verdict(v: Verdict, primary: bool) -> list[str]:
         out.append(f"- reproduced by campaign cell {md_code(v.campaign_cell)}")
     if v.release_note:
         out.append(f"- release: {md_escape(v.release_note)}")
+    if v.tie_note:
+        out.append(f"- tied: {md_escape(v.tie_note)}")
     out += ["", "### Evidence", "", "| where | rank | evidence | rule |", "|---|---|---|---|"]
     out += [f"| {_where(e, table=True)} | {e.rank if e.rank is not None else '-'} | "
             f"{md_escape(e.text)} | {md_escape(e.rule)} |" for e in v.evidence]

@@ -69,6 +69,8 @@ class Verdict(BaseModel):
     runbook: str = Field(description="the command that prints this signature's runbook")
     release_note: str = ""
     """Why the confidence was lowered for the release the input states (added in 1.5)."""
+    tie_note: str = ""
+    """Why the confidence was capped: another signature fits as well (added in 1.11)."""
 
 
 class NearMiss(BaseModel):

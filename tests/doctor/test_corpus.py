@@ -35,14 +35,15 @@ from tests.corpus import (
     perturb,
 )
 
-#: Floors, each under what the doctor reaches today (see the module docstring). Rounds 10 and
-#: 11 (62 reports from threads no earlier round used) took the whole corpus from 0.843 to
-#: 0.841 (perturbed 0.839): the floors follow the corpus, not the other way round.
-FLOOR_ALL = 0.83
-FLOOR_POSITIVES = 0.69
+#: Floors, each under what the doctor reaches today (see the module docstring). Rounds 10 to
+#: 12 (87 reports from threads no earlier round used) took the whole corpus from 0.843 to
+#: 0.829 (perturbed 0.827, positives 0.677): the floors follow the corpus, not the other way
+#: round.
+FLOOR_ALL = 0.82
+FLOOR_POSITIVES = 0.66
 FLOOR_NEGATIVES = 0.97
-FLOOR_PERTURBED = 0.83
-FLOOR_PAGES = 0.83
+FLOOR_PERTURBED = 0.82
+FLOOR_PAGES = 0.82
 HIGH = 0.8
 
 
