@@ -91,7 +91,7 @@ def find_targets(pids: list[int], tree: int | None, torchrun: int | None) -> lis
             continue
         if not _alive(root):
             raise ConfigError("capture", f"no process with pid {root}")
-        python = [p for p in _descendants(root) if _is_python(p)]
+        python = [p for p in _descendants(root) if _settled(p) and _is_python(p)]
         helpers = [p for p in python if _environ(p).get(HELPER_PROCESS_ENV)]
         below = [p for p in python if p not in helpers]
         # ranks say who they are (RANK, an SGLang scheduler's title); when some do, the rest
@@ -307,6 +307,33 @@ def _ppid(pid: int) -> int | None:
         return None
     fields = stat.rsplit(")", 1)[-1].split()
     return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+
+
+#: How long a process caught inside execve may take to show its new command line.
+EXEC_SETTLE_S = 2.0
+
+
+def _settled(pid: int) -> bool:
+    """Whether ``pid`` shows a command line, waiting up to ``EXEC_SETTLE_S`` for one. A process
+    inside execve already runs its new executable (``/proc/PID/exe``) while its command line
+    and environment still read empty (Linux sets them when it lays out the new stack, after
+    the parent's ``Popen`` has returned): read then, a helper looks like a rank with no
+    environment. A zombie never settles, and is no target."""
+    deadline = time.monotonic() + EXEC_SETTLE_S
+    while not _cmdline(pid):
+        if not _alive(pid) or _zombie(pid) or time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat.rsplit(")", 1)[-1].split()
+    return bool(fields) and fields[0] == "Z"
 
 
 def _cmdline(pid: int) -> str:

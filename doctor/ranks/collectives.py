@@ -25,6 +25,7 @@ first finding of each kind per communicator is kept.
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 
 from doctor.model.builder import Evidence
@@ -56,7 +57,7 @@ def align(evidence: Evidence) -> list[CollectiveFinding]:
         else:
             findings.extend(_group_findings(group, per_rank))
     findings.extend(_crossed_findings(evidence))
-    findings.extend(_watchdog_findings(evidence))
+    findings.extend(_watchdog_findings(evidence) or _enqueued_findings(evidence))
     return findings
 
 
@@ -222,3 +223,51 @@ def _watchdog_findings(evidence: Evidence) -> list[CollectiveFinding]:
         detail += f" (ranks {ranks} are behind at SeqNum {low} {'/'.join(sorted(ops))})"
     return [CollectiveFinding(group="nccl", seq=low, kind=kind, ranks=ranks, detail=detail,
                               evidence=[it for _, _, it in seen.values()][:4])]
+
+
+#: The process group a watchdog line names: ``[PG ID 0 PG GUID 0(default_pg) Rank 1]``,
+#: ``[PG 2 Rank 0]``.
+_PG = re.compile(r"\[PG(?: ID)? (?P<pg>\d{1,9})\b")
+
+
+def _enqueued_findings(evidence: Evidence) -> list[CollectiveFinding]:
+    """The last NCCL work each rank had enqueued when its watchdog fired ("last enqueued NCCL
+    work: N"), per process group, where the watchdog lines give no SeqNum to compare (cut,
+    wrapped or pasted without the WorkNCCL line). Sequence numbers count a group's
+    collectives: ranks of one group that enqueued different numbers did not issue the same
+    collectives, and the ones behind never issued one the others wait in (what torch's own
+    desync report calls ranks that never joined). Ranks of different groups say nothing."""
+    with_seq = [ev for ev in evidence.ranks.values() if (w := ev.hits.get("nccl-watchdog-timeout"))
+                and any((h.groups.get("seq") or "").isdigit() for h in w.kept)]
+    if len(with_seq) >= 2:
+        return []  # the watchdogs' own SeqNums decide (_watchdog_findings)
+    groups: dict[str, dict[int, tuple[int, EvidenceItem]]] = defaultdict(dict)
+    for ev in evidence.ranks.values():
+        stats = ev.hits.get("nccl-last-enqueued")
+        if not stats or ev.rank < 0:
+            continue
+        for h in stats.kept:
+            enqueued = h.groups.get("enqueued", "")
+            if not enqueued.isdigit() or len(enqueued) > 12:
+                continue  # -1: nothing enqueued yet
+            m = _PG.search(h.text)
+            group = groups[f"PG {m['pg']}" if m else "nccl"]
+            n, prev = int(enqueued), group.get(ev.rank)
+            if prev is None or n > prev[0]:
+                group[ev.rank] = (n, EvidenceItem(text=h.text, file=h.source.file,
+                                                  line=h.source.line, rank=ev.rank))
+    out = []
+    for name, by_rank in sorted(groups.items()):
+        values = {n for n, _ in by_rank.values()}
+        if len(by_rank) < 2 or len(values) < 2:
+            continue
+        low = min(values)
+        ranks = sorted(r for r, (n, _) in by_rank.items() if n == low)
+        detail = ("last enqueued NCCL work: " + "; ".join(
+            f"rank {r}: {n}" for r, (n, _) in sorted(by_rank.items()))
+            + f" (ranks {ranks} are behind at {low}: they never issued a collective the others "
+              "wait in)")
+        out.append(CollectiveFinding(group=name, seq=low, kind=FindingKind.SEQ_BEHIND,
+                                     ranks=ranks, detail=detail,
+                                     evidence=[it for _, it in by_rank.values()][:4]))
+    return out

@@ -162,3 +162,35 @@ def test_an_eviction_after_a_one_sided_abort_is_a_consequence(tmp_path: Path) ->
     assert "eviction-divergence" not in _evict_after_abort(tmp_path / "before", 40)
     # An abort only after the evictions differed takes nothing from them.
     assert "eviction-divergence" in _evict_after_abort(tmp_path / "after", 65)
+
+
+def _watchdogs(enqueued: dict[int, int], pg: dict[int, int] | None = None) -> str:
+    """torch's watchdog lines of ranks whose WorkNCCL line was cut before its SeqNum."""
+    out = []
+    for r, n in enqueued.items():
+        g = (pg or {}).get(r, 0)
+        out.append(f"[rank{r}]:[E1218 20:27:21.426415540 ProcessGroupNCCL.cpp:632] [Rank {r}] "
+                   "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=")
+        out.append(f"[rank{r}]:[E1218 20:27:21.426415540 ProcessGroupNCCL.cpp:1616] [PG ID {g} "
+                   f"PG GUID {g}(default_pg) Rank {r}] Timeout at NCCL work: {n}, last enqueued "
+                   f"NCCL work: {n}, last completed NCCL work: {n - 1}.")
+    return "\n".join(out) + "\n"
+
+
+def test_a_rank_that_enqueued_fewer_collectives_is_behind(tmp_path: Path) -> None:
+    (tmp_path / "job.log").write_text(_watchdogs({0: 21937, 1: 21936, 2: 21937, 3: 21937}))
+    d = diagnose([str(tmp_path)])
+    behind = [c for c in d.collectives if c.kind == "seq-behind"]
+    assert [(c.group, c.ranks, c.seq) for c in behind] == [("PG 0", [1], 21936)]
+    # one kind of evidence (sequence counts, no stacks, no watchdog SeqNum): a near miss
+    assert [n.signature for n in d.near_misses][:1] == ["collective-order-deadlock"]
+
+
+def test_equal_enqueued_counts_or_other_groups_say_nothing(tmp_path: Path) -> None:
+    (tmp_path / "same.log").write_text(_watchdogs({0: 811, 1: 811}))
+    assert not [c for c in diagnose([str(tmp_path / "same.log")]).collectives
+                if c.kind == "seq-behind"]
+    # two process groups count their collectives apart: 5 in one is not behind 9 in another
+    (tmp_path / "groups.log").write_text(_watchdogs({0: 9, 1: 5}, pg={0: 0, 1: 3}))
+    assert not [c for c in diagnose([str(tmp_path / "groups.log")]).collectives
+                if c.kind == "seq-behind"]

@@ -338,6 +338,42 @@ def test_helpers_alone_are_no_ranks_yet(tmp_path: Path) -> None:
         parent.wait(timeout=10)
 
 
+
+
+def test_a_helper_caught_inside_execve_is_read_once_it_settles(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process inside execve already runs its new executable while its command line and
+    environment read empty (Linux lays them out after the parent's Popen has returned): a
+    helper caught then was recorded as "rank 0" in full suites under load. That window is
+    made here for 0.2 s on the helper: the capture waits it out and sees the helper."""
+    from doctor import capture as cap
+    from hicache_runtime.contracts.errors import ConfigError
+    from hicache_runtime.contracts.run_files import HELPER_PROCESS_ENV
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f'''
+            import os, subprocess, sys, time
+            env = {{**os.environ, "{HELPER_PROCESS_ENV}": "zygote"}}
+            kid = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                   env=env)
+            print(kid.pid, flush=True)
+            time.sleep(600)
+        ''')], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert parent.stdout is not None
+        kid = int(parent.stdout.readline())
+        until = time.monotonic() + 0.2
+        real_cmdline, real_environ = cap._cmdline, cap._environ
+        monkeypatch.setattr(cap, "_cmdline", lambda p: "" if p == kid and time.monotonic() < until
+                            else real_cmdline(p))
+        monkeypatch.setattr(cap, "_environ", lambda p: {} if p == kid and time.monotonic() < until
+                            else real_environ(p))
+        with pytest.raises(ConfigError, match="only the run's helper processes"):
+            find_targets([], parent.pid, None)
+    finally:
+        os.killpg(parent.pid, 9)
+        parent.wait(timeout=10)
+
 DP_LAUNCHER = textwrap.dedent('''
     import os, subprocess, sys, time
     kids = [subprocess.Popen([sys.executable, sys.argv[1]], stdout=subprocess.PIPE, text=True,
