@@ -300,12 +300,17 @@ def _descendants(root: int) -> list[int]:
     return out
 
 
-def _ppid(pid: int) -> int | None:
+def _stat(pid: int) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the command name (state, ppid, ...), or []."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[-1].split()
+        return []
+    return stat.rsplit(")", 1)[-1].split()
+
+
+def _ppid(pid: int) -> int | None:
+    fields = _stat(pid)
     return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
 
 
@@ -328,12 +333,7 @@ def _settled(pid: int) -> bool:
 
 
 def _zombie(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    fields = stat.rsplit(")", 1)[-1].split()
-    return bool(fields) and fields[0] == "Z"
+    return _stat(pid)[:1] == ["Z"]
 
 
 def _cmdline(pid: int) -> str:

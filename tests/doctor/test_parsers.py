@@ -226,14 +226,11 @@ def test_a_block_starts_only_on_a_line_holding_one_of_its_parsers_start_literals
     """The line reader skips a parser's ``starts`` on lines that hold none of its
     ``START_LITERALS`` (one automaton pass finds them): over every line of the corpus and
     the fixtures, ``starts`` is never true on such a line."""
-    from doctor.read.text.backtraces import NativeStackParser
-    from doctor.read.text.native import CppTerminateParser
+    from doctor.read.text.lines import BLOCK_PARSERS
     from doctor.read.text.pages import clean_line
-    from doctor.read.text.torchrun import TorchrunParser
     from tests.corpus import load_cases
 
-    parsers = (TorchrunParser, CppTerminateParser, FaulthandlerParser, PySpyTextParser,
-               NativeStackParser, TracebackParser)
+    parsers = BLOCK_PARSERS
     texts = [c.text.decode("utf-8", errors="replace") for c in load_cases()]
     texts += [p.read_text(errors="replace") for p in sorted(FIXTURES.rglob("*"))
               if p.is_file() and p.suffix in (".log", ".txt", ".md") and p.stat().st_size < 1 << 22]

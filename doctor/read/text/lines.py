@@ -74,10 +74,12 @@ _TOPO = re.compile(r"\b(?P<k>tp|pp|dp|world)_size=(?P<v>\d{1,6})\b|--(?P<k2>tp|p
                    r"(?P<v2>\d{1,6})\b|\bWORLD_SIZE[=:]\s*(?P<v3>\d{1,6})\b")
 #: Searched in every line (RE2: a backtracking engine tries the whole alternation at every
 #: position, about 40 times slower on a long line).
-_FAILURE_WORDS = linear(r"\b(?:error|failed|failure|exception|timed out|timeout|abort(?:ed)?"
-                        r"|refused|fatal|killed|segmentation fault)\b", re.I)
+_FAILURES = ("error", "failed", "failure", "exception", "timed out", "timeout", "abort",
+             "aborted", "refused", "fatal", "killed", "segmentation fault")
+_FAILURE_WORDS = linear(rf"\b(?:{any_of(_FAILURES)})\b", re.I)
 #: A logger's level word anywhere in the line (a prefix the readers do not know still says it).
-_LEVEL_WORDS = re.compile(r"\b(?:WARN(?:ING)?|ERROR|CRITICAL|FATAL)\b")
+_LEVELS = ("WARN", "WARNING", "ERROR", "CRITICAL", "FATAL")
+_LEVEL_WORDS = re.compile(rf"\b(?:{any_of(_LEVELS)})\b")
 _UNITS = {"k": 1 / 1024, "m": 1.0, "g": 1024.0, "t": 1024.0 * 1024}
 MAX_LINE_CHARS = 8192
 _TOPOLOGY_TRIGGERS = ("_size=", "-size", "WORLD_SIZE")
@@ -90,19 +92,19 @@ _ARROWS = ("->", "<-", "→", "←")
 #: ran five times slower per byte than an ordinary one.
 _GATE_FAILURE, _GATE_LEVEL, _GATE_KV, _GATE_VERSION, _GATE_TOPOLOGY, _GATE_NCCL, _GATE_ARROW = \
     range(7)
+#: The block parsers in the order they may claim a line that opens a block (``_Stream.parsers``).
+BLOCK_PARSERS = (TorchrunParser, CppTerminateParser, FaulthandlerParser, PySpyTextParser,
+                 NativeStackParser, TracebackParser)
 _GATE_PATTERNS = [
-    "(?i)error|failed|failure|exception|timed out|timeout|abort|refused|fatal|killed|"
-    "segmentation fault",  # _FAILURE_WORDS
-    "WARN|ERROR|CRITICAL|FATAL",  # _LEVEL_WORDS
+    "(?i)" + any_of(_FAILURES),  # _FAILURE_WORDS without their word boundaries
+    any_of(_LEVELS),  # _LEVEL_WORDS likewise
     GATE_PATTERN,  # the KV store line classifier's
     any_of(VERSION_TRIGGERS), any_of(_TOPOLOGY_TRIGGERS), any_of([NCCL_COLL_TRIGGER]),
     any_of(_ARROWS),
-    # then one per block parser, in _Stream.parsers order: what its starts() needs
-    *(any_of(p.START_LITERALS) for p in (TorchrunParser, CppTerminateParser,
-                                         FaulthandlerParser, PySpyTextParser,
-                                         NativeStackParser, TracebackParser)),
+    # then one per block parser, in BLOCK_PARSERS order: what its starts() needs
+    *(any_of(p.START_LITERALS) for p in BLOCK_PARSERS),
 ]
-_GATE_PARSERS = 7
+_GATE_PARSERS = _GATE_ARROW + 1
 MAX_MATCHED_CHARS = 1000
 """Only the head of a long line is matched against upstream's templates."""
 MAX_BLOCK_LINES = 20000
@@ -137,11 +139,12 @@ class _Stream:
     parsers: tuple[TorchrunParser | CppTerminateParser | FaulthandlerParser | PySpyTextParser
                    | NativeStackParser | TracebackParser, ...] = ()
     """In the order they may claim a line that opens a block: the most specific first (a
-    torchrun ``ChildFailedError`` line is the torchrun block's, not a lone exception). The
-    gate set's parser entries (``_GATE_PATTERNS``) follow this order."""
+    torchrun ``ChildFailedError`` line is the torchrun block's, not a lone exception), the
+    order of ``BLOCK_PARSERS`` (the gate set's parser entries follow it)."""
 
     def __post_init__(self) -> None:
         self.parsers = (self.tr, self.cpp, self.fh, self.ps, self.nat, self.tb)
+        assert tuple(map(type, self.parsers)) == BLOCK_PARSERS
 
     @property
     def open(self) -> bool:
