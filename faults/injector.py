@@ -3,7 +3,9 @@
 Determinism: a decision is a keyed hash of (run seed, spec index, global rank, point, the
 occurrence number of that point on the calling thread), so the same seed and specs replay the
 same firing pattern whatever the interleaving of threads (each thread's own sequence of visits
-is deterministic). ``count`` limits are per rank.
+is deterministic). A point that acts on a named object (``storage.page``: one page of a read)
+passes its ``key`` instead, and the decision is a hash of the key: the same pages are hit
+whatever the batching of calls and their timing. ``count`` limits are per rank.
 
 Cost when off: components ask :meth:`FaultInjector.armed` once at construction and skip the
 point entirely when nothing targets it on this rank.
@@ -83,11 +85,12 @@ class FaultInjector:
 
     def fire(self, point: FaultPoint, *, step: int, rid: str | None = None,
              pool: str | None = None,
-             chunk: int | None = None) -> list[FaultSpec]:
+             chunk: int | None = None, key: str | None = None) -> list[FaultSpec]:
         """The specs that fire at this visit of ``point`` (usually zero or one). ``pool``
         names the storage objects a storage call touches ("kv" or a sidecar pool); ``chunk``
         is the 0-based chunk of a chunked prefill that has just run (a spec with ``chunk=``
-        fires only after that one)."""
+        fires only after that one); ``key`` names the object this visit acts on, and a
+        probability is then drawn for that key, not for the thread's n-th visit."""
         candidates = self._by_point.get(point)
         if not candidates:
             return []
@@ -104,10 +107,7 @@ class FaultInjector:
                     continue
                 if spec.count is not None and self._fired_count[idx] >= spec.count:
                     continue
-                key = (idx, point.value, thread)
-                visit = self._visits[key]
-                self._visits[key] = visit + 1
-                if spec.p < 1.0 and self._draw(idx, point, thread, visit) >= spec.p:
+                if spec.p < 1.0 and self._draw_for(idx, point, thread, key) >= spec.p:
                     continue
                 self._fired_count[idx] += 1
                 out.append(spec)
@@ -141,7 +141,14 @@ class FaultInjector:
         """A seeded uniform number in [0, 1) for value choices inside a fault (e.g. jitter)."""
         return _uniform(f"{self.seed}/{self.rank.rank}/{label}/{visit}")
 
-    def _draw(self, idx: int, point: FaultPoint, thread: str, visit: int) -> float:
+    def _draw_for(self, idx: int, point: FaultPoint, thread: str, key: str | None) -> float:
+        """The draw of this visit (called under the lock): by ``key`` when the visit names
+        its object, else by the thread's own count of visits."""
+        if key is not None:
+            return _uniform(f"{self.seed}/{idx}/{self.rank.rank}/{point.value}/key/{key}")
+        counter = (idx, point.value, thread)
+        visit = self._visits[counter]
+        self._visits[counter] = visit + 1
         return _uniform(f"{self.seed}/{idx}/{self.rank.rank}/{point.value}/{thread}/{visit}")
 
 

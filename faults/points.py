@@ -23,7 +23,10 @@ class FaultPoint(str, Enum):
     STORAGE_EXISTS = "storage.exists"
     """An L3 existence query."""
     STORAGE_GET = "storage.get"
-    """An L3 page read."""
+    """An L3 read of a batch of pages."""
+    STORAGE_PAGE = "storage.page"
+    """One page of an L3 read, once read; decided by the page's key and how often it was read
+    before, so the same reads are hit however pages are batched into calls."""
     STORAGE_SET = "storage.set"
     """An L3 page write."""
     PREFETCH_BATCH = "prefetch.batch"

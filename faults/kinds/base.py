@@ -148,7 +148,7 @@ class Kind:
         return False
 
     def corrupts_reads(self, spec: FaultSpec) -> bool:
-        """At ``storage.get``: whether one byte of one page read is flipped before its
+        """At ``storage.page``: whether one byte of the page just read is flipped before its
         checksum is checked."""
         return False
 

@@ -207,9 +207,9 @@ BUILTIN: tuple[Kind, ...] = (
                  (_P.STORAGE_GET, _P.STORAGE_SET),
                  (Param("mode", str, "fail soft, or raise", "fail", ("fail", "raise")),)),
     StorageCorrupt(FaultKind.STORAGE_CORRUPT,
-                   "Flips bytes in pages as they are read from L3 (the checksum must catch "
-                   "it).",
-                   (_P.STORAGE_GET,)),
+                   "Flips a byte of a page as it is read from L3 (the checksum must catch "
+                   "it); `p` is per page read.",
+                   (_P.STORAGE_PAGE,)),
     ClientAbort(FaultKind.MID_PREFETCH_ABORT,
                 "Aborts the request while its prefetch IO reads batch `batch`; like any client "
                 "abort it enters through rank 0 (timed by rank 0's IO thread) and reaches the "

@@ -36,7 +36,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -317,11 +317,12 @@ class StorageBackend(ABC):
     # --- verification, shared with the fault wrapper ---------------------------------------
 
     def verify(self, object_keys: Sequence[str], raws: Sequence[RawPage | None], *,
-               t0: float | None = None, discard: bool = True) -> list[bytes | None]:
+               t0: float | None = None,
+               keep: Collection[str] = ()) -> list[bytes | None]:
         """Turn raw objects into verified payloads, counting hits, misses and corrupt ones.
 
-        ``discard=False`` keeps a corrupt object on the medium (used when the corruption was
-        injected in memory and the stored object is fine).
+        A corrupt object is deleted from the medium (``discarded``) unless ``keep`` names it:
+        its corruption was injected in memory and the stored object is fine.
         """
         out: list[bytes | None] = []
         corrupt: list[str] = []
@@ -341,9 +342,10 @@ class StorageBackend(ABC):
             nbytes += len(payload)
             out.append(payload)
         discarded = 0
-        if discard and corrupt and not self._closed:
+        if corrupt and not self._closed:
             for key in corrupt:
-                discarded += int(self._discard(key))
+                if key not in keep:
+                    discarded += int(self._discard(key))
         hits = sum(p is not None for p in out)
         self._count(get_calls=1, gets=len(out), hits=hits, misses=len(out) - hits,
                     corrupt=len(corrupt), discarded=discarded, bytes_read=nbytes,

@@ -8,9 +8,12 @@ What a fired fault does here is its kind's (``faults.kinds``), through the stora
   the L3 threads must survive);
 * ``fails_storage`` (get, set): the call fails soft without touching the medium: every page a
   miss, every write ``False`` (``storage-error``);
-* ``corrupts_reads`` (get): one byte of one page's stored payload is flipped in memory
-  **before** the envelope check, so the checksum must reject it: that page is a miss, counted
-  as corrupt, and the stored object is left alone (``storage-corrupt``);
+* ``corrupts_reads`` (page, once per page a get read): one byte of that page's stored payload
+  is flipped in memory **before** the envelope check, so the checksum must reject it: that
+  page is a miss, counted as corrupt, and the stored object is left alone
+  (``storage-corrupt``). Decided per page, by its key and how often it was read before (the
+  injector's ``key``), so how many reads are hit does not hang on how the prefetch thread
+  happened to batch them;
 * ``shortens_exists`` (exists): the leading count the caller sees (``storage-shortfall``
   ``mode=short``: ``pages`` fewer, never below 0);
 * ``blanks`` (get): offsets of the batch that come back ``None`` while later pages still load
@@ -25,8 +28,9 @@ contract); the wrapper's own counters are guarded by the base class lock.
 
 from __future__ import annotations
 
-import itertools
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -38,7 +42,8 @@ if TYPE_CHECKING:
     from faults.injector import FaultInjector
     from faults.spec import FaultSpec
 
-_STORAGE_POINTS = (FaultPoint.STORAGE_EXISTS, FaultPoint.STORAGE_GET, FaultPoint.STORAGE_SET)
+_STORAGE_POINTS = (FaultPoint.STORAGE_EXISTS, FaultPoint.STORAGE_GET, FaultPoint.STORAGE_PAGE,
+                   FaultPoint.STORAGE_SET)
 
 
 def wrap_faults(backend: StorageBackend, injector: FaultInjector | None,
@@ -65,7 +70,9 @@ class FaultyBackend(StorageBackend):
         self.name = inner.name  # type: ignore[misc]  # report as the backend it wraps
         self.injector = injector
         self._step = step or (lambda: 0)
-        self._corrupt_visits = itertools.count()  # atomic under the GIL
+        self._per_page = injector.armed(FaultPoint.STORAGE_PAGE)
+        self._page_reads: Counter[str] = Counter()
+        self._reads_lock = threading.Lock()
 
     # --- the interface ----------------------------------------------------------------------
 
@@ -82,14 +89,14 @@ class FaultyBackend(StorageBackend):
         if any(KINDS[s.kind].fails_storage(s, "get") for s in fired):
             self._count(get_calls=1, gets=len(keys), misses=len(keys))
             return [None] * len(keys)
-        if any(KINDS[s.kind].corrupts_reads(s) for s in fired):
+        if self._per_page:
             obj = self.inner.scheme.object_keys(keys)
             t0 = time.perf_counter()
-            raws: list[tuple[bytes, bytes] | None] = \
-                self.inner.read_raw(obj) if self.inner.healthy else [None] * len(obj)
-            raws = self._corrupt_one(raws)
-            # discard=False: the stored object is fine, only our in-memory copy is bad.
-            out = self.inner.verify(obj, raws, t0=t0, discard=False)
+            raws: list[RawPage | None] = \
+                self.inner.read_raw(obj) if self.inner.healthy and obj else [None] * len(obj)
+            flipped = self._corrupt_pages(obj, raws, info)
+            # The objects flipped stay: the stored object is fine, only our copy is bad.
+            out = self.inner.verify(obj, raws, t0=t0, keep=flipped)
         else:
             out = self.inner.batch_get(keys, info)
         for spec in fired:
@@ -145,29 +152,39 @@ class FaultyBackend(StorageBackend):
 
     # --- internals ----------------------------------------------------------------------------
 
-    def _fire(self, point: FaultPoint, op: StorageOp,
-              info: StorageCallInfo | None) -> list[FaultSpec]:
+    def _fire(self, point: FaultPoint, op: StorageOp, info: StorageCallInfo | None,
+              key: str | None = None) -> list[FaultSpec]:
         step = info.step if info is not None and info.step is not None else self._step()
         rid = info.rid if info is not None else None
         pool = info.pool if info is not None else "kv"
-        fired = self.injector.fire(point, step=step, rid=rid, pool=pool)
+        fired = self.injector.fire(point, step=step, rid=rid, pool=pool, key=key)
         if fired:
             self._count(injected=len(fired))
         for spec in fired:
             KINDS[spec.kind].before_storage(spec, op)
         return fired
 
-    def _corrupt_one(self, raws: list[RawPage | None]) -> list[RawPage | None]:
-        """Flip one payload byte of one present page, chosen by seeded draws."""
-        present = [i for i, r in enumerate(raws) if r is not None and len(r[1]) > 0]
-        if not present:
-            return raws
-        visit = next(self._corrupt_visits)
-        page = present[int(self.injector.draw("storage-corrupt/page", visit) * len(present))]
-        header, payload = raws[page]  # type: ignore[misc]  # present: not None
-        pos = int(self.injector.draw("storage-corrupt/byte", visit) * len(payload))
-        flipped = bytearray(payload)
-        flipped[pos] ^= 0xFF
-        out = list(raws)
-        out[page] = (header, bytes(flipped))
-        return out
+    def _corrupt_pages(self, obj: list[str], raws: list[RawPage | None],
+                       info: StorageCallInfo | None) -> set[str]:
+        """Flip one payload byte of each present page a ``storage.page`` fault hits, in
+        ``raws``; the objects flipped. The n-th read of an object is one visit, keyed
+        ``object#n``: a page read again may be read fine (a bad read, not a bad medium), and
+        the byte is a seeded draw of the same key."""
+        flipped: set[str] = set()
+        for i, (name, raw) in enumerate(zip(obj, raws, strict=True)):
+            if raw is None or not raw[1]:
+                continue
+            with self._reads_lock:
+                nth = self._page_reads[name]
+                self._page_reads[name] = nth + 1
+            visit = f"{name}#{nth}"
+            fired = self._fire(FaultPoint.STORAGE_PAGE, "get", info, key=visit)
+            if not any(KINDS[s.kind].corrupts_reads(s) for s in fired):
+                continue
+            header, payload = raw
+            pos = int(self.injector.draw(f"storage-corrupt/byte/{visit}", 0) * len(payload))
+            bad = bytearray(payload)
+            bad[pos] ^= 0xFF
+            raws[i] = (header, bytes(bad))
+            flipped.add(name)
+        return flipped

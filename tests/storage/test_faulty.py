@@ -91,6 +91,31 @@ def test_corrupt_is_caught_by_the_checksum_and_keeps_the_stored_page(
     assert b.batch_get(keys) == payloads  # count=1 spent; the stored page was fine
 
 
+def test_corrupt_hits_the_same_page_reads_however_they_are_batched(
+        file_backend: FileBackend) -> None:
+    """storage-corrupt decides per page read, by the page and how often it was read: one
+    batch of eight and eight calls of one hit the same pages (a prefetch thread batches by
+    timing, so a per-call decision made the number of hits a matter of load)."""
+    keys, payloads = filled(file_backend, 32)
+
+    def missed(batches: list[list[str]]) -> list[str]:
+        b = wrap_faults(file_backend, injector("storage-corrupt:p=0.4", seed=5))
+        got = [p for batch in batches for p in b.batch_get(batch)]
+        assert b.stats().discarded == 0  # only the copies read were bad
+        return [k for k, p in zip(keys, got, strict=True) if p is None]
+
+    whole = missed([keys])
+    assert 0 < len(whole) < len(keys)
+    assert missed([[k] for k in keys]) == whole
+    assert missed([keys[:5], keys[5:20], keys[20:]]) == whole
+    # A second read of a page is a visit of its own: another draw, the same for any batching.
+    b = wrap_faults(file_backend, injector("storage-corrupt:p=0.4", seed=5))
+    b.batch_get(keys)
+    again = [k for k, p in zip(keys, b.batch_get(keys), strict=True) if p is None]
+    assert again != whole
+    assert file_backend.batch_get(keys) == payloads  # the stored pages were never touched
+
+
 def test_faults_are_deterministic_per_seed(tmp_path: object, file_backend: FileBackend) -> None:
     keys, _ = filled(file_backend)
 
