@@ -34,6 +34,7 @@ from doctor.model.findings import (
     RankRow,
 )
 from doctor.model.frames import FrameClassifier, startup_phase
+from doctor.ranks.collectives import watchdog_moments
 from doctor.ranks.table import failing_exception, is_comm_error, site_label
 from doctor.read.ingest import EMPTY
 from hicache_runtime.contracts.bundle import RunOutcome
@@ -240,31 +241,27 @@ def _fact_same_collective(ev: Evidence, sites: list[BlockedSite], rows: list[Ran
                           facts: FactSet) -> None:
     """Every rank that reported waits in the same collective: watchdog timeouts naming the
     same (SeqNum, OpType), or blocked threads all at one call site."""
-    seen: dict[int, tuple[str, str, Witness]] = {}
-    sizes: dict[int, str] = {}
-    for r in ev.ranks.values():
-        stats = r.hits.get("nccl-watchdog-timeout")
-        if stats:
-            h = next(iter(stats.kept))
-            seen[r.rank] = (h.groups.get("seq", "?"), h.groups.get("op", "?"),
-                            witness(h.text, h.source, r.rank))
-            if h.groups.get("numel_in"):
-                sizes[r.rank] = h.groups["numel_in"]
-    if len(seen) >= 2 and len({(s, op) for s, op, _ in seen.values()}) == 1:
-        seq, op, w = next(iter(seen.values()))
-        if len(set(sizes.values())) >= 2:
-            # the same collective, fed different sizes: each rank waits for data its peers
-            # will never send
+    moments = [m for m in watchdog_moments(ev) if len(m) >= 2]
+    if moments and all(len({(t.seq, t.op) for t in m.values()}) == 1 for m in moments):
+        for seen in moments:
             by_size: dict[str, list[int]] = {}
-            for rank, n in sorted(sizes.items()):
-                by_size.setdefault(n, []).append(rank)
-            facts.add(Fact.COLLECTIVE_SIZE_MISMATCH, Witness(
-                f"SeqNum {seq} ({op}): " + "; ".join(f"ranks {rs} with NumelIn={n}"
-                                                     for n, rs in by_size.items()),
-                w.file, w.line, w.rank))
-            return
-        facts.add(Fact.SAME_COLLECTIVE_EVERYWHERE, Witness(
-            f"ranks {sorted(seen)} all time out in SeqNum {seq} ({op})", w.file, w.line, w.rank))
+            for rank, t in sorted(seen.items()):
+                if t.numel:
+                    by_size.setdefault(t.numel, []).append(rank)
+            if len(by_size) >= 2:
+                # the same collective, fed different sizes: each rank waits for data its
+                # peers will never send
+                t = next(iter(seen.values()))
+                facts.add(Fact.COLLECTIVE_SIZE_MISMATCH, Witness(
+                    f"SeqNum {t.seq} ({t.op}): " + "; ".join(f"ranks {rs} with NumelIn={n}"
+                                                             for n, rs in by_size.items()),
+                    t.item.file, t.item.line, t.rank))
+                return
+        t = next(iter(moments[0].values()))
+        facts.add(Fact.SAME_COLLECTIVE_EVERYWHERE, Witness("; ".join(
+            f"ranks {sorted(m)} all time out in SeqNum {next(iter(m.values())).seq} "
+            f"({next(iter(m.values())).op})" for m in moments), t.item.file, t.item.line,
+            t.rank))
         return
     main = [s for s in sites if s.role == "main"]
     others = [r for r in rows

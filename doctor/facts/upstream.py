@@ -212,7 +212,10 @@ def _template_hit(t: Template, sim: float, text: str, src_file: str, src_line: i
         return None
     factor, note = _release_factor(t, ev, index)
     who = f"rank {rank}: " if rank >= 0 else ""
-    return MechanismHit(_role(comp.role, kind, text), comp.id, kind.value, round(sim * factor, 3),
+    # the role reads the template as well as the line: a line may be the message's opening
+    # sentence only, and the host memory it is about is named in the next
+    role = _role(comp.role, kind, f"{text} {t.text}")
+    return MechanismHit(role, comp.id, kind.value, round(sim * factor, 3),
                         EvidenceKind.TEXT, Witness(
                             f"{who}{text[:200]} — printed by {t.where()}, {comp.id}{note}",
                             src_file, src_line, rank), count, context=comp.context)

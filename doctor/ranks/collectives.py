@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from dataclasses import dataclass
 
 from doctor.model.builder import Evidence
 from doctor.model.evidence import Collective, RankEvidence
@@ -197,10 +198,27 @@ def _item(c: Collective, rank: int) -> EvidenceItem:
                         rank=rank)
 
 
-def _watchdog_findings(evidence: Evidence) -> list[CollectiveFinding]:
-    """NCCL watchdog timeouts name (SeqNum, OpType) per rank; differing ones tell who is
-    behind or running another op."""
-    seen: dict[int, tuple[int, str, EvidenceItem]] = {}
+SEQ_MOMENT = 1000
+"""Watchdog SeqNums further apart than this are not one hang: ranks stuck together differ by
+the few collectives one of them skipped or added, so records hundreds of thousands apart are
+occurrences a report quotes one after another (a job restarted, the hang came back)."""
+
+
+@dataclass(frozen=True)
+class WatchdogTimeout:
+    """One rank's (first) NCCL watchdog timeout."""
+
+    rank: int
+    seq: int
+    op: str
+    numel: str | None
+    item: EvidenceItem
+
+
+def watchdog_moments(evidence: Evidence) -> list[dict[int, WatchdogTimeout]]:
+    """Each rank's first watchdog timeout, grouped into the hangs they belong to (SeqNums
+    within :data:`SEQ_MOMENT` of each other), by rising SeqNum."""
+    found: list[WatchdogTimeout] = []
     for ev in evidence.ranks.values():
         stats = ev.hits.get("nccl-watchdog-timeout")
         if not stats:
@@ -208,21 +226,37 @@ def _watchdog_findings(evidence: Evidence) -> list[CollectiveFinding]:
         h = next(iter(stats.kept))
         seq = h.groups.get("seq")
         if seq and seq.isdigit() and len(seq) <= 12:
-            seen[ev.rank] = (int(seq), h.groups.get("op", "?"), EvidenceItem(
-                text=h.text, file=h.source.file, line=h.source.line, rank=ev.rank))
-    if len(seen) < 2 or len({(s, op) for s, op, _ in seen.values()}) == 1:
-        return []
-    low = min(s for s, _, _ in seen.values())
-    ops = {op for s, op, _ in seen.values() if s == low}
-    kind = FindingKind.OP_MISMATCH if len({s for s, _, _ in seen.values()}) == 1 \
-        else FindingKind.SEQ_BEHIND
-    ranks = sorted(r for r, (s, _, _) in seen.items() if s == low)
-    detail = "watchdog timeouts: " + "; ".join(
-        f"rank {r}: SeqNum {s} {op}" for r, (s, op, _) in sorted(seen.items()))
-    if kind == FindingKind.SEQ_BEHIND:
-        detail += f" (ranks {ranks} are behind at SeqNum {low} {'/'.join(sorted(ops))})"
-    return [CollectiveFinding(group="nccl", seq=low, kind=kind, ranks=ranks, detail=detail,
-                              evidence=[it for _, _, it in seen.values()][:4])]
+            found.append(WatchdogTimeout(
+                ev.rank, int(seq), h.groups.get("op", "?"), h.groups.get("numel_in"),
+                EvidenceItem(text=h.text, file=h.source.file, line=h.source.line, rank=ev.rank)))
+    moments: list[dict[int, WatchdogTimeout]] = []
+    for t in sorted(found, key=lambda t: (t.seq, t.rank)):
+        if not moments or t.seq - max(x.seq for x in moments[-1].values()) > SEQ_MOMENT:
+            moments.append({})
+        moments[-1][t.rank] = t
+    return moments
+
+
+def _watchdog_findings(evidence: Evidence) -> list[CollectiveFinding]:
+    """NCCL watchdog timeouts name (SeqNum, OpType) per rank; differing ones tell who is
+    behind or running another op (within one hang: :func:`watchdog_moments`)."""
+    out = []
+    for seen in watchdog_moments(evidence):
+        if len(seen) < 2 or len({(t.seq, t.op) for t in seen.values()}) == 1:
+            continue
+        low = min(t.seq for t in seen.values())
+        ops = {t.op for t in seen.values() if t.seq == low}
+        kind = FindingKind.OP_MISMATCH if len({t.seq for t in seen.values()}) == 1 \
+            else FindingKind.SEQ_BEHIND
+        ranks = sorted(r for r, t in seen.items() if t.seq == low)
+        detail = "watchdog timeouts: " + "; ".join(
+            f"rank {r}: SeqNum {t.seq} {t.op}" for r, t in sorted(seen.items()))
+        if kind == FindingKind.SEQ_BEHIND:
+            detail += f" (ranks {ranks} are behind at SeqNum {low} {'/'.join(sorted(ops))})"
+        out.append(CollectiveFinding(group="nccl", seq=low, kind=kind, ranks=ranks,
+                                     detail=detail,
+                                     evidence=[t.item for t in seen.values()][:4]))
+    return out
 
 
 #: The process group a watchdog line names: ``[PG ID 0 PG GUID 0(default_pg) Rank 1]``,

@@ -42,6 +42,14 @@ CACHE_SIZE = 4096
 MAX_TIES = 8
 """Readings kept per line: the same message is often built in several files and releases."""
 ANCHOR_SLACK = 2
+PREFIX_SIMILARITY = 0.75
+"""A line that is a template's opening sentence whole (see ``TemplateMatcher._prefix``): the
+rest of the message cut by the paste, or not yet in the release that printed it."""
+PREFIX_MIN_TOKENS = 6
+PREFIX_MIN_WEIGHT = 2 * MIN_WEIGHT
+_SENTENCE_END = (".", ":", "!")
+_TAIL = re.compile(r"(?:\s*\([^()]{1,200}\))?\s*$")
+"""A logger's trailing call site (LMCache's ``(file.py:724:module)``) after the message."""
 OPTIONAL_WORDS = ("assert", "self")
 """Template words a line may lack at no cost (see ``TemplateMatcher._optional``)."""
 _SHAPE = re.compile(r"0[xX][0-9a-fA-F]+|\d+")
@@ -155,16 +163,50 @@ class TemplateMatcher:
                 scored.append((s, explained, tid))
                 anchored[tid] = self._toks[self._offs[tid]] < 0 or 0 <= first <= ANCHOR_SLACK
         if not scored:
-            return []
+            return self._prefix(text, ids, cands.tolist())
         best = max(s for s, _, _ in scored)
         # near the best, the template that explains more of the line wins (a longer message
         # with a word changed over a shorter one with a word added)
         close = sorted((x for x in scored if x[0] >= best - 0.05),
                        key=lambda x: (-x[1], -x[0], x[2]))
         if self._generic[close[0][2]]:
-            return []  # a generic message explains the line best: it names no component
+            # a generic message explains the line best: it names no component, unless the
+            # line is word for word the opening of a longer message (a generic one, "assert
+            # CANDIDATES <= 32", takes a word of it and leaves the rest unexplained)
+            return self._prefix(text, ids, cands.tolist())
         return [Match(self.templates[tid], round(s, 3), anchored[tid])
                 for s, _, tid in close[:limit] if not self._generic[tid]]
+
+    def _prefix(self, text: str, ids: list[int], cands: list[int]) -> list[Match]:
+        """The template whose opening sentence the line is, word for word: the line ends a
+        sentence (a logger's trailing call site aside), every one of its tokens (after at
+        most ``ANCHOR_SLACK`` leading ones, an exception type) is the template's next literal
+        in order, the template goes on past them after a sentence end, and what the line
+        holds weighs at least ``PREFIX_MIN_WEIGHT`` (a short generic opening names nothing).
+        Read at ``PREFIX_SIMILARITY``: the line is part of the message, not all of it."""
+        body = _TAIL.sub("", text)
+        if not body.endswith(_SENTENCE_END):
+            return []
+        if body != text:
+            ids = [self._vocab.get(w, -1) for w in words(body)[:MAX_LINE_TOKENS]]
+        best: tuple[float, int] | None = None
+        for tid in cands:
+            if self._generic[tid]:
+                continue
+            toks = self.tokens_of(tid)
+            for start in range(min(ANCHOR_SLACK, len(ids) - PREFIX_MIN_TOKENS) + 1):
+                line = ids[start:]
+                if len(line) < PREFIX_MIN_TOKENS or len(line) >= len(toks) \
+                        or toks[:len(line)] != line:
+                    continue
+                w = float(self._weight[np.asarray(line)].sum())
+                if w >= PREFIX_MIN_WEIGHT and _goes_on(self.templates[tid].text) \
+                        and (best is None or w > best[0]):
+                    best = (w, tid)
+                break
+        if best is None:
+            return []
+        return [Match(self.templates[best[1]], PREFIX_SIMILARITY, True)]
 
     def _score(self, tid: int, positions: dict[int, list[int]],
                n_line: int) -> tuple[float, float, int]:
@@ -217,3 +259,10 @@ class TemplateMatcher:
     @property
     def size(self) -> int:
         return len(self._offs) - 1
+
+
+def _goes_on(template: str) -> bool:
+    """The template holds a sentence end before its last words (``. `` or ``: ``): the
+    message has an opening sentence a line can be."""
+    body = template.rstrip()
+    return any(f"{end} " in body for end in _SENTENCE_END)

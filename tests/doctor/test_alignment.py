@@ -194,3 +194,38 @@ def test_equal_enqueued_counts_or_other_groups_say_nothing(tmp_path: Path) -> No
     (tmp_path / "groups.log").write_text(_watchdogs({0: 9, 1: 5}, pg={0: 0, 1: 3}))
     assert not [c for c in diagnose([str(tmp_path / "groups.log")]).collectives
                 if c.kind == "seq-behind"]
+
+
+def _wrapped_watchdog(rank: int, seq: int, numel: int) -> str:
+    """A watchdog record as a report pasted it: torchrun's prefix without its colon, the
+    record broken over three lines."""
+    return (f"[rank{rank}] Watchdog caught collective operation timeout:\n"
+            f"WorkNCCL(SeqNum={seq}, OpType=ALLREDUCE,\n"
+            f"NumelIn={numel}, NumelOut={numel}, Timeout(ms)=600000)\n\n")
+
+
+def test_a_watchdog_record_wrapped_over_lines_is_read_whole(tmp_path: Path) -> None:
+    (tmp_path / "job.log").write_text(_wrapped_watchdog(6, 1320347, 4501504)
+                                      + _wrapped_watchdog(5, 1320347, 8171520))
+    d = diagnose([str(tmp_path)])
+    assert {r.rank: r.last_seq.get("nccl") for r in d.ranks} == {
+        5: "timed out at SeqNum 1320347 (ALLREDUCE)",
+        6: "timed out at SeqNum 1320347 (ALLREDUCE)"}
+    # one collective, two sizes: the NumelIn of the record's last line was read
+    assert "collective-size-mismatch" in d.fingerprint.facts
+
+
+def test_watchdog_records_far_apart_are_separate_hangs(tmp_path: Path) -> None:
+    """Two occurrences quoted one after another (the job restarted and hung again) are not
+    one hang where half the ranks are 564236 collectives behind: each is read alone."""
+    (tmp_path / "job.log").write_text(
+        _wrapped_watchdog(6, 1320347, 4501504) + _wrapped_watchdog(5, 1320347, 8171520)
+        + _wrapped_watchdog(3, 1884583, 43710464) + _wrapped_watchdog(4, 1884583, 43710464))
+    d = diagnose([str(tmp_path)])
+    assert not [c for c in d.collectives if c.kind == "seq-behind"]
+    assert "collective-size-mismatch" in d.fingerprint.facts
+    # within one hang a rank a few collectives behind still is
+    (tmp_path / "job.log").write_text(_wrapped_watchdog(0, 1320349, 8) + _wrapped_watchdog(
+        1, 1320347, 8))
+    behind = [c for c in diagnose([str(tmp_path)]).collectives if c.kind == "seq-behind"]
+    assert [(c.ranks, c.seq) for c in behind] == [([1], 1320347)]

@@ -332,3 +332,21 @@ def test_a_bare_assert_s_condition_matches_its_template_whole(index) -> None:  #
     assert m
     assert m[0].template.file.startswith("sglang/srt/mem_cache/allocator")
     assert m[0].similarity == 1.0
+
+
+def test_a_line_that_is_a_message_s_opening_sentence_matches_it_lower(index) -> None:  # type: ignore[no-untyped-def]
+    # LMCache 0.3.6-0.5.6 storage_backend/local_cpu_backend.py LocalCPUBackend.allocate warns
+    # "No eviction candidates found in local cpu backend. Local cpu memory is under pressure.
+    # Waiting for {*} seconds before retrying."; a report may hold its first sentence only
+    m = index.match("No eviction candidates found in local cpu backend.")
+    assert m
+    assert m[0].template.file == "lmcache/v1/storage_backend/local_cpu_backend.py"
+    assert m[0].similarity == 0.75  # part of the message, not all of it
+    assert index.match("No eviction candidates found in local cpu backend. Local cpu memory "
+                       "is under pressure. Waiting for 2 seconds before retrying."
+                       )[0].similarity == 1.0
+    # a phrase that stops mid-sentence, or a word changed, is not the opening sentence
+    assert index.match("No eviction candidates found in local cpu backend") == []
+    assert index.match("No eviction candidates found in remote cpu backend.") == []
+    # nor a short opening, which names too little
+    assert index.match("No eviction candidates.") == []

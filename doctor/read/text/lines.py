@@ -114,6 +114,30 @@ that holds newlines (LMCache's double-unpin warning is three sentences on three 
 its first line with the writer's prefix and the rest bare."""
 
 
+MAX_WRAPPED_LINES = 4
+"""Lines one wrapped record may span: a watchdog record pasted as three lines (the message,
+``WorkNCCL(SeqNum=..., OpType=...,``, ``NumelIn=..., Timeout(ms)=...)``) is one record."""
+
+
+def _unfinished(text: str) -> bool:
+    """The line stops inside a record: a parenthesis left open, or a trailing ``:`` or ``,``
+    (a reporter's wrap, or a message whose details follow on the next line)."""
+    s = text.rstrip()
+    return s.endswith((":", ",")) or s.count("(") > s.count(")")
+
+
+@dataclass
+class _Wrapped:
+    """A triggered line that stops inside its record: the catalog's patterns wait for the bare
+    lines that finish it."""
+
+    text: str
+    hint: RankHint
+    src: SourceRef
+    gates: list[int]
+    lines: int = 1
+
+
 @dataclass
 class _Pending:
     """The last failure line kept for the upstream index, while bare lines may continue it."""
@@ -226,6 +250,7 @@ class LineHandler:
     _by_rank: dict[int, RankHint] = field(default_factory=dict)
     _patterns: _Patterns | None = None
     _pending: _Pending | None = None
+    _wrapped: _Wrapped | None = None
     _nccl: NcclCollectives = field(default_factory=NcclCollectives)
 
     def __post_init__(self) -> None:
@@ -240,7 +265,8 @@ class LineHandler:
     def blocks_open(self) -> bool:
         """A block parser is inside a record, or a failure line may go on in the next line:
         the scanner then feeds the next line whether the prefilter selected it or not."""
-        return self._pending is not None or any(s.open for s in self._streams.values())
+        return self._pending is not None or self._wrapped is not None \
+            or any(s.open for s in self._streams.values())
 
     def line(self, raw: bytes, lineno: int, triggered: bool = True) -> None:
         """Process one line (``raw`` without its newline). ``triggered``: the prefilter saw a
@@ -255,6 +281,8 @@ class LineHandler:
         pending, self._pending = self._pending, None
         if pending is not None:
             self._continues(pending, rest, style, lineno)
+        wrapped, self._wrapped = self._wrapped, None
+        continued = wrapped is not None and self._wraps(wrapped, rest, style, pre.hint)
         if style == "torch" and hint.rank is not None:
             # torchrun prefixes every line of a rank; the SGLang tags are only on the record's
             # first line, so remember them per torch rank
@@ -289,7 +317,10 @@ class LineHandler:
             self._upstream(rest, pre.site, "error" if pre.error else
                            "warning" if pre.warning else "", hint, src)
         if triggered:
-            self._match_patterns(rest, hint, src, gates)
+            if not continued and _unfinished(rest) and self._misses_all(rest, gates):
+                self._wrapped = _Wrapped(rest.strip(), hint, src, gates)
+            else:
+                self._match_patterns(rest, hint, src, gates)
             if _GATE_TOPOLOGY in gates and any(t in rest for t in _TOPOLOGY_TRIGGERS):
                 self._topology(rest)
             if _GATE_VERSION in gates and any(t in rest for t in VERSION_TRIGGERS):
@@ -308,8 +339,28 @@ class LineHandler:
 
     def finish(self) -> None:
         self._pending = None
+        if self._wrapped is not None:
+            w, self._wrapped = self._wrapped, None
+            self._match_patterns(w.text, w.hint, w.src, w.gates)
         for s in self._streams.values():
             s.close()
+
+    def _wraps(self, w: _Wrapped, rest: str, style: str, own: RankHint) -> bool:
+        """Continue the wrapped record ``w`` with ``rest`` when it is a bare line (no writer
+        prefix, no rank of its own); match the record once it is finished, or alone when this
+        line is not its continuation. True when ``rest`` was taken into the record. The
+        patterns tried are the ones the record's first line triggered: the continuation's own
+        triggers are matched on its own line."""
+        body = rest.strip()
+        if style or not body or not own.empty or len(w.text) >= MAX_MATCHED_CHARS:
+            self._match_patterns(w.text, w.hint, w.src, w.gates)
+            return False
+        w.text, w.lines = f"{w.text} {body}"[:MAX_MATCHED_CHARS], w.lines + 1
+        if w.lines < MAX_WRAPPED_LINES and _unfinished(w.text):
+            self._wrapped = w
+        else:
+            self._match_patterns(w.text, w.hint, w.src, w.gates)
+        return True
 
     def _continues(self, p: _Pending, rest: str, style: str, lineno: int) -> None:
         """Join ``rest`` to the pending failure line when it is the bare next line of that
@@ -403,6 +454,13 @@ class LineHandler:
         slot.add_failure_line(fl, key=key)
         if slot.failure_lines.get(key) is fl:
             self._pending = _Pending(slot, key, fl, src.line or 0)
+
+    def _misses_all(self, rest: str, found: list[int]) -> bool:
+        """``rest`` holds a catalog pattern's trigger but matches none of those patterns: the
+        record may go on in the next line (a line some pattern takes whole is left alone)."""
+        assert self._patterns is not None
+        candidates = self._patterns.candidates(found)
+        return bool(candidates) and not any(p.regex.search(rest) for p in candidates)
 
     def _match_patterns(self, rest: str, hint: RankHint, src: SourceRef,
                         found: list[int]) -> None:

@@ -65,7 +65,8 @@ _GENERIC = re.compile(
     # kubectl logs --prefix, docker compose service column
     r"|\[pod/[^\]\s]{1,200}\] |[a-z][\w.-]{0,62}\s{1,20}\| "
 )
-_NCCL_RANK = re.compile(r"\[(?:PG [^\]]*?)?Rank (?P<n>\d{1,6})\]")
+# torch's "[Rank 4]" (or "[PG 0 Rank 4]"), and torchrun's "[rank4]" where a paste lost its ":"
+_NCCL_RANK = re.compile(r"\[(?:PG [^\]]*?)?(?:Rank |rank)(?P<n>\d{1,6})\]")
 # glog's level letter opens its prefix; TensorFlow's C++ logger puts it after the time
 # ("2019-11-11 11:45:07.181990: E tensorflow/...")
 _ERROR_LEVEL = re.compile(r"^\[?[EF](?:\d{4}){0,2} |\d: [EF] |\b(?:ERROR|CRITICAL|FATAL)\b")
