@@ -50,6 +50,9 @@ MAX_FATAL_FRAMES = 8
 """A crashed thread's innermost frames are often native ones no component owns."""
 TRUNCATED_STRENGTH = 0.6
 SITE_STRENGTH = 0.6
+UNNAMED_STORE_STRENGTH = 0.8
+"""A transfer engine's failure read as a store's when the input shows a KV store at work
+whose system it does not name, and no disaggregation: likely, not certain."""
 RAISED_COUNT = 3
 """A failure that raised ended the run: it stands for every retry it would have had, so it
 meets a mechanism's ``min_count``."""
@@ -126,8 +129,11 @@ def _system(component: str) -> str:
 def _in_context(raw: list[MechanismHit], ev: Evidence) -> list[MechanismHit]:
     """Resolve shared components: a transfer engine works for a store of its own system when
     the input shows one (Mooncake's engine under Mooncake Store, NIXL's under a NIXL storage
-    plug-in), for disaggregation when the input shows that, and for nobody known otherwise;
-    a file system's failures are a KV cache's only when the input shows a KV cache in use."""
+    plug-in), for disaggregation when the input shows that, for the KV store the input shows
+    at work when it names no system and nothing shows disaggregation (vLLM-Ascend's KV pool
+    "Storing KV cache for 1 out of 1 blocks" beside Mooncake's tcp_transport errors; weaker,
+    ``UNNAMED_STORE_STRENGTH``), and for nobody known otherwise; a file system's failures are
+    a KV cache's only when the input shows a KV cache in use."""
     pd = ev.kv.pd or any(h.role == "pd" for h in raw)
     own = [h for h in raw if not h.context]
     stores = {_system(h.component) for h in own if h.role == "storage"}
@@ -145,6 +151,11 @@ def _in_context(raw: list[MechanismHit], ev: Evidence) -> list[MechanismHit]:
                 h = replace(h, role="storage")
             elif pd:
                 h = replace(h, role="pd")
+            elif ev.kv.store and not stores:
+                h = replace(h, role="storage",
+                            strength=round(h.strength * UNNAMED_STORE_STRENGTH, 3),
+                            witness=replace(h.witness, text=h.witness.text
+                                            + " — under the KV store the input shows at work"))
             else:
                 continue
         out.append(h)

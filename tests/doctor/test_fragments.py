@@ -7,6 +7,7 @@ edge cases of the format itself are written here in the shape the tools print.
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 from doctor.model.builder import Evidence, EvidenceBuilder
 from doctor.model.evidence import ExceptionRecord, SourceRef, ThreadStack
@@ -274,3 +275,42 @@ def test_kv_layers_tell_store_pool_and_disaggregation_apart() -> None:
                     "(0 failed)", ctx) is None
     assert ctx.store
     assert ctx.pd
+
+
+def test_an_offloading_tier_at_work_is_a_store_whatever_its_name() -> None:
+    from doctor.read.text.kvstore import KvContext, classify
+
+    ctx = KvContext()
+    # what an offloading tier does shows a store in use, though it names no system
+    assert classify("(Worker_TP3 pid=1083631) INFO 05-30 21:34:20 [kv_transfer.py:297] Storing "
+                    "KV cache for 1 out of 1 blocks (missing_count=1) for request cmpl-1 in "
+                    "group 0", ctx) is None
+    assert ctx.store
+    assert not ctx.pd
+    assert classify("batchput failed,err code -800", KvContext()) == "store-failure"
+
+
+_TCP = ("E20260530 21:34:20.632956 1121220 tcp_transport.cpp:175] Session::writeBody failed. "
+        "Attempt to write data 0x401e37218000 using buffer 0x401e37218000. Error: Bad address "
+        "(value: 14), total_transferred_bytes_: 0, current transferred_bytes: 0\n")
+
+
+def test_a_transfer_engine_under_an_unnamed_store_is_the_store_s(tmp_path: Path) -> None:
+    """Mooncake's transfer engine serves Mooncake Store and disaggregation alike: beside a KV
+    store at work that names no system it is read as that store's I/O, weaker than where the
+    store is named; beside disaggregation, or alone, it is not a storage failure."""
+    from doctor.diagnose import diagnose
+
+    def top(text: str) -> tuple[str | None, float]:
+        f = tmp_path / "x.log"
+        f.write_text(text)
+        d = diagnose([str(f)])
+        return (d.verdicts[0].signature, d.verdicts[0].confidence) if d.verdicts \
+            else (None, 0.0)
+
+    storing = ("(Worker_TP3 pid=1083631) INFO 05-30 21:34:20 [kv_transfer.py:297] Storing KV "
+               "cache for 1 out of 1 blocks (missing_count=1) for request cmpl-1 in group 0\n")
+    assert top(storing + _TCP * 3)[0] == "storage-backend-failure"
+    assert top(_TCP * 3)[0] is None  # whose transfer, nothing says
+    assert top("[2026-01-01 00:00:00 TP0] Prefill bootstrap_room=5 disaggregation transfer\n"
+               + storing + _TCP * 3)[0] is None

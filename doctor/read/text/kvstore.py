@@ -39,7 +39,10 @@ _STORE = re.compile(
     r"\bhf3fs\b|\binfinistore\b|\bkvbm\b|block_manager|\bGDS_MT\b|\bkv_?offload|"
     r"\bCPUOffloading|\bkv[_ ]?pool\b|\bmooncake_master\b)"
     # a logger tag that names a store ("[UCMNFSSTORE] [E] Failed to commit ...")
-    r"|\[[A-Z0-9_]{0,30}STORE\]")
+    r"|\[[A-Z0-9_]{0,30}STORE\]"
+    # what an offloading tier does, whatever its name: LMCache's and vLLM-Ascend's KV pool's
+    # "Storing KV cache for 2048 out of 32768 tokens", a store client's batch put
+    r"|\bStoring KV cache for \d+ out of \d+|(?i:\bbatch_?put\b)")
 #: Components every KV transfer uses, cache tier or disaggregation alike.
 _TRANSFER = re.compile(r"\b(?:transfer_task|transfer_engine\w*|rdma_transport|tcp_transport|"
                        r"worker_pool|rdma_endpoint)\.cpp:\d+\]|\bCQ error\b")
@@ -74,7 +77,7 @@ GATE = ("lmcache", "infini", ".cpp:", "mooncake", "hicache", "hf3fs", "kvbm", "b
          "gds_mt", "offload", "kv_pool", "kvpool", "kv pool", "connector", "_backend", "_storage",
          "disaggregation", "kvtransfer", "nixl", "bootstrap", "kvpoll", "cq error", "kv_producer",
          "kv_consumer", "prefill", "pd_backend", "pdbackend", "p2pnccl", "mooncake_master",
-         "store]", "transfer_channel")
+         "store]", "transfer_channel", "storing kv cache", "batchput", "batch_put")
 
 
 #: :data:`GATE` as one pattern (also an entry of the line reader's one-pass gate set).
