@@ -55,6 +55,10 @@ class Fact(str, Enum):
     """Ranks consumed different numbers of write/load acks at the same drain."""
     PREFIX_LENGTH_DIVERGENCE = "prefix-length-divergence"
     """Ranks disagree on the prefix, hit or settled length of the same request or batch."""
+    MESSAGE_SKIPPED = "message-skipped"
+    """A rank never received a point-to-point message its peer sent, and went on to wait for
+    that peer in another exchange: the two ran different sequences of steps (a pipeline stage
+    ran no micro-batch where its upstream stage sent one)."""
     PREFETCH_ACKS_STOPPED = "prefetch-acks-stopped"
     """For the same prefetch op, one rank emitted fewer progress acks than its peers (or its
     IO thread recorded that it stopped acking an op it had not finished)."""

@@ -414,6 +414,29 @@ def _fact_collectives(findings: list[CollectiveFinding], facts: FactSet) -> None
             facts.add(Fact.RANK_MISSING_FROM_COLLECTIVE, Witness(
                 f"group {f.group}: ranks {f.ranks} each wait for ranks that never entered "
                 "their collective", ev.file if ev else None, ev.line if ev else None, -1))
+    _fact_message_skipped(findings, facts)
+
+
+def _fact_message_skipped(findings: list[CollectiveFinding], facts: FactSet) -> None:
+    """A send its receiver never took, while that receiver waits for the same sender in
+    another group: the receiver did not die or stall before the message, it went past it (a
+    pipeline stage that ran no micro-batch where its upstream stage sent one)."""
+    waits = {(f.ranks[0], f.peer, f.group) for f in findings
+             if f.kind == FindingKind.UNMATCHED_RECV and f.peer is not None and f.ranks}
+    for f in findings:
+        if f.kind != FindingKind.UNRECEIVED_SEND or f.peer is None:
+            continue
+        dst = f.peer
+        src = next((r for r in f.ranks if r != dst), None)
+        later = [g for r, s, g in waits if r == dst and s == src and g != f.group]
+        if src is None or not later:
+            continue
+        ev = f.evidence[0] if f.evidence else None
+        facts.add(Fact.MESSAGE_SKIPPED, Witness(
+            f"group {f.group}: rank {dst} never received rank {src}'s {f.detail.split(' ')[2]} "
+            f"#{f.seq} and waits for rank {src} in group {later[0]}", ev.file if ev else None,
+            ev.line if ev else None, -1))
+        return
 
 
 def _fact_exceptions(ev: Evidence, frames: FrameClassifier, facts: FactSet) -> None:

@@ -99,6 +99,9 @@ class CollectiveFinding(BaseModel):
     detail: str
     ranks: list[int]
     evidence: list[EvidenceItem] = []
+    peer: int | None = None
+    """A point-to-point finding's other end: the receiver a send never reached, the sender a
+    receive waits for."""
 
 
 class Divergence(BaseModel):

@@ -91,7 +91,7 @@ def _channel_findings(group: str, src: int, dst: int, sent: Channel, got: Channe
         if k in sent:
             c = sent[k]
             out.append(_finding(
-                group, FindingKind.UNRECEIVED_SEND, c, src, [src, dst],
+                group, FindingKind.UNRECEIVED_SEND, c, src, [src, dst], peer=dst, detail=
                 f"rank {src}'s {c.op} #{c.seq} to rank {dst} from {site_label(c.site)} "
                 f"({_nth(k)} on this channel) was never received: rank {dst} received "
                 f"{last_got + 1} from rank {src}" + _last(got, last_got)))
@@ -100,7 +100,7 @@ def _channel_findings(group: str, src: int, dst: int, sent: Channel, got: Channe
         if k in got:
             c = got[k]
             out.append(_finding(
-                group, FindingKind.UNMATCHED_RECV, c, dst, [dst],
+                group, FindingKind.UNMATCHED_RECV, c, dst, [dst], peer=src, detail=
                 f"rank {dst}'s {c.op} #{c.seq} from rank {src} at {site_label(c.site)} "
                 f"({c.state}) waits for a send that never came: rank {src} sent "
                 f"{last_sent + 1} to rank {dst}" + _last(sent, last_sent)))
@@ -130,10 +130,11 @@ def _nth(k: int) -> str:
 
 
 def _finding(group: str, kind: FindingKind, c: Collective, rank: int, ranks: list[int], detail: str,
-             extra: tuple[Collective, int] | None = None) -> CollectiveFinding:
+             extra: tuple[Collective, int] | None = None,
+             peer: int | None = None) -> CollectiveFinding:
     items = [_item(c, rank)] + ([_item(*extra)] if extra else [])
     return CollectiveFinding(group=group, seq=c.seq, kind=kind, ranks=sorted(ranks),
-                             detail=detail, evidence=items)
+                             detail=detail, evidence=items, peer=peer)
 
 
 def _item(c: Collective, rank: int) -> EvidenceItem:

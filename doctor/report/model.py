@@ -29,7 +29,7 @@ from doctor.model.findings import (
     RankRow,
 )
 
-DIAGNOSIS_SCHEMA_VERSION = "1.5"
+DIAGNOSIS_SCHEMA_VERSION = "1.6"
 DIAGNOSIS_KIND = "hicache-diagnosis"
 EXIT_DIAGNOSED, EXIT_NO_SIGNATURE, EXIT_UNREADABLE = 0, 1, 2
 

@@ -86,6 +86,25 @@ def test_local_ack_drain_first_divergence_is_the_drain_vote() -> None:
     assert d.ranks[0].frame.startswith("_result_tokens")
 
 
+def test_local_ack_drain_hang_is_a_stage_that_skipped_the_batch() -> None:
+    """The same switch and fault, the other way the run can go (a run under load, kept as it
+    came): PP1's view of step 38's batch was empty, so it ran none where PP0 sent one; PP0
+    waits for the result and PP1 for PP0's next step until gloo times both out. The ranks wait
+    in different exchanges (collective-order-deadlock, certain) because the stages' views of
+    the batch diverged at the drain (the cause, named first)."""
+    d = _diagnose("prefix-length-mismatch/runtime-pp2-local-ack-drain-hang")
+    assert [v.signature for v in d.verdicts] == ["prefix-length-mismatch",
+                                                 "collective-order-deadlock"]
+    assert "message-skipped" in d.fingerprint.facts
+    fd = d.first_divergence
+    assert fd is not None
+    assert (fd.kind, fd.key) == ("sync.vote", "writing_check")
+    skipped = [f for f in d.collectives if f.kind == "unreceived-send"]
+    assert [(f.group, f.ranks, f.peer) for f in skipped] == [("pp_act", [0, 1], 1)]
+    waits = {(f.group, f.peer) for f in d.collectives if f.kind == "unmatched-recv"}
+    assert ("pp_sync", 0) in waits  # PP1 went past the batch and waits for PP0's next step
+
+
 def test_host_capacity_first_divergence_is_a_host_eviction() -> None:
     d = _diagnose("host-capacity-divergence/runtime-pp2-local-host-capacity")
     fd = d.first_divergence

@@ -79,16 +79,28 @@ def test_local_ack_drain_breaks_the_downstream_batch(bundle_root: Path) -> None:
                        "legacy": frozenset({LegacySwitch.LOCAL_ACK_DRAIN}),
                        "faults": (parse_fault("dma-lag:pp=1,ms=30"),)})
     s = run(cfg, bundle_root=bundle_root)
+    bundle = Path(s.bundle or "")
+    assert load_manifest(bundle).legacy == ["local-ack-drain"]
+    from doctor.diagnose import diagnose
+
+    d = diagnose([bundle])
+    # The stages' views of a batch diverge at the drain; what follows depends on timing. PP1
+    # runs a batch of its own that disagrees with the one PP0 sent (its reshape fails), or,
+    # when its view is empty, runs none where PP0 sent one, and the two wait for each other
+    # until gloo times them out (tests/doctor/test_real_bundles.py keeps such a run).
+    if s.outcome is RunOutcome.HANG:
+        assert "message-skipped" in d.fingerprint.facts, s.error
+        assert d.verdicts[0].signature == "prefix-length-mismatch"
+        return
     assert s.outcome is RunOutcome.CRASH, s.error
+    assert d.verdicts[0].signature in ("prefix-length-mismatch", "write-ack-pop-empty")
     err = s.error or ""
     assert "rank 1" in err
     assert "pop from empty list" in err or "shape" in err
-    bundle = Path(s.bundle or "")
     events = [json.loads(x) for x in (bundle / "rank1" / "events.jsonl").read_text().splitlines()]
     recv = [e["attrs"] for e in events if e["kind"] == "pp.recv"]
     assert any(r["sender_rids"] != r["local_rids"] or r["sender_tokens"] != r["local_tokens"]
                for r in recv), "the stage's own batch disagreed with what PP0 sent"
-    assert load_manifest(bundle).legacy == ["local-ack-drain"]
 
 
 def test_fixed_protocols_survive_the_same_faults(bundle_root: Path, tmp_path: Path) -> None:
