@@ -13,6 +13,10 @@ temporary directory, then in one run:
   to the normal rate, peak RSS. Same size, so that the fixed start-up cost (loading the
   catalog and the upstream index, about 0.3 s) weighs the same in both rates.
 
+The doctor runs ``--repeat`` times on each set, alternating, and each rate is the best run: a
+shared machine's noise only slows a run down (single runs of one build gave ratios from 0.48
+to 0.62).
+
 Prints the figures; the last line is one JSON object.
 """
 
@@ -151,6 +155,13 @@ def _doctor(path: Path) -> dict[str, float | str | None]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _best(runs: list[dict[str, float | str | None]]) -> dict[str, float | str | None]:
+    """The fastest run, with the highest peak RSS of them all."""
+    best = dict(min(runs, key=lambda r: float(r["wall_s"] or 0.0)))
+    best["rss_mb"] = max(float(r["rss_mb"] or 0.0) for r in runs)
+    return best
+
+
 def _grep(root: Path) -> float:
     from doctor.read.text.lines import LineHandler
     from signatures.loader import load_catalog
@@ -168,29 +179,39 @@ def _grep(root: Path) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mb", type=int, default=512, help="total log size in MB (>= 500)")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="runs of the doctor on each set, alternating between the normal and "
+                         "the adversarial one; each rate is the best (a shared machine's noise "
+                         "only ever slows a run down)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="doctor-bench-"))
     try:
         small_bytes = generate(tmp / "small", max(8, args.mb // 10))
         big_bytes = generate(tmp / "big", args.mb)
         small = _doctor(tmp / "small")
-        big = _doctor(tmp / "big")
         grep_s = _grep(tmp / "big") if shutil.which("grep") else float("nan")
         bad_bytes = adversarial(tmp / "adversarial", args.mb)
-        bad = _doctor(tmp / "adversarial")
+        bigs, bads = [], []
+        for _ in range(max(1, args.repeat)):
+            bigs.append(_doctor(tmp / "big"))
+            bads.append(_doctor(tmp / "adversarial"))
+        big = _best(bigs)
+        bad = _best(bads)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     mb = big_bytes / (1 << 20)
     mbps = mb / float(big["wall_s"])
     grep_mbps = mb / grep_s
     print(f"input: {mb:.0f} MB in {RANKS} rank logs (and {small_bytes / (1 << 20):.0f} MB)")
-    print(f"doctor: {big['wall_s']:.2f} s = {mbps:.0f} MB/s, peak RSS {big['rss_mb']:.0f} MB "
+    print(f"doctor (best of {len(bigs)}): {big['wall_s']:.2f} s = {mbps:.0f} MB/s, peak RSS "
+          f"{big['rss_mb']:.0f} MB "
           f"(at {small_bytes / (1 << 20):.0f} MB input: {small['rss_mb']:.0f} MB), "
           f"verdict {big['verdict']}")
     print(f"grep -c -F (same literals): {grep_s:.2f} s = {grep_mbps:.0f} MB/s; doctor/grep = "
           f"{mbps / grep_mbps:.2f}")
     bad_mbps = bad_bytes / (1 << 20) / float(bad["wall_s"])
-    print(f"adversarial set ({bad_bytes / (1 << 20):.0f} MB): {bad['wall_s']:.2f} s = "
+    print(f"adversarial set ({bad_bytes / (1 << 20):.0f} MB, best of {len(bads)}): "
+          f"{bad['wall_s']:.2f} s = "
           f"{bad_mbps:.0f} MB/s ({bad_mbps / mbps:.2f} of the normal rate), peak RSS "
           f"{bad['rss_mb']:.0f} MB")
     print(json.dumps({"bench": "doctor_throughput", "mb": round(mb), "mb_per_s": round(mbps, 1),
@@ -200,7 +221,8 @@ def main() -> None:
                       "adversarial_mb": round(bad_bytes / (1 << 20)),
                       "adversarial_mb_per_s": round(bad_mbps, 1),
                       "adversarial_ratio": round(bad_mbps / mbps, 2),
-                      "adversarial_peak_rss_mb": round(float(bad["rss_mb"]), 1)}))
+                      "adversarial_peak_rss_mb": round(float(bad["rss_mb"]), 1),
+                      "repeat": len(bigs)}))
 
 
 if __name__ == "__main__":

@@ -46,6 +46,8 @@ from doctor.read.text.threaddumps import FaulthandlerParser, PySpyTextParser
 from doctor.read.text.torchrun import TorchrunParser
 from doctor.read.text.tracebacks import TRIGGERS as TRACEBACK_TRIGGERS
 from doctor.read.text.tracebacks import TracebackParser
+from doctor.read.text.versions import NAMED_PATTERN as VERSION_NAMED
+from doctor.read.text.versions import NUMBER_PATTERN as VERSION_NUMBER
 from doctor.read.text.versions import TRIGGERS as VERSION_TRIGGERS
 from doctor.read.text.versions import stated_versions
 from signatures.linear import PatternSet, any_of, linear
@@ -90,8 +92,8 @@ _ARROWS = ("->", "<-", "→", "←")
 #: literals), so a line without it skips that check. A long line otherwise costs one scan
 #: per check; a log made of such lines (the adversarial set of bench/doctor_throughput.py)
 #: ran five times slower per byte than an ordinary one.
-_GATE_FAILURE, _GATE_LEVEL, _GATE_KV, _GATE_VERSION, _GATE_TOPOLOGY, _GATE_NCCL, _GATE_ARROW = \
-    range(7)
+(_GATE_FAILURE, _GATE_LEVEL, _GATE_KV, _GATE_VERSION, _GATE_TOPOLOGY, _GATE_NCCL, _GATE_ARROW,
+ _GATE_VNAME, _GATE_VNUMBER) = range(9)
 #: The block parsers in the order they may claim a line that opens a block (``_Stream.parsers``).
 BLOCK_PARSERS = (TorchrunParser, CppTerminateParser, FaulthandlerParser, PySpyTextParser,
                  NativeStackParser, TracebackParser)
@@ -101,10 +103,11 @@ _GATE_PATTERNS = [
     GATE_PATTERN,  # the KV store line classifier's
     any_of(VERSION_TRIGGERS), any_of(_TOPOLOGY_TRIGGERS), any_of([NCCL_COLL_TRIGGER]),
     any_of(_ARROWS),
+    VERSION_NAMED, VERSION_NUMBER,  # what every version statement holds besides a trigger
     # then one per block parser, in BLOCK_PARSERS order: what its starts() needs
     *(any_of(p.START_LITERALS) for p in BLOCK_PARSERS),
 ]
-_GATE_PARSERS = _GATE_ARROW + 1
+_GATE_PARSERS = _GATE_VNUMBER + 1
 MAX_MATCHED_CHARS = 1000
 """Only the head of a long line is matched against upstream's templates."""
 MAX_BLOCK_LINES = 20000
@@ -114,6 +117,9 @@ that holds newlines (LMCache's double-unpin warning is three sentences on three 
 its first line with the writer's prefix and the rest bare."""
 
 
+MAX_WRAP_HEAD = 300
+"""Only a line this short may be the head of a record wrapped over lines (a reporter's wrap
+cuts a record into fragments; a long line that matches nothing is not one)."""
 MAX_WRAPPED_LINES = 4
 """Lines one wrapped record may span: a watchdog record pasted as three lines (the message,
 ``WorkNCCL(SeqNum=..., OpType=...,``, ``NumelIn=..., Timeout(ms)=...)``) is one record."""
@@ -160,6 +166,8 @@ class _Stream:
     cpp: CppTerminateParser
     nat: NativeStackParser
     opened_at: int = 0
+    gates: list[int] = field(default_factory=list)
+    """The gate scan of the line being fed (see :data:`_GATE_PATTERNS`)."""
     parsers: tuple[TorchrunParser | CppTerminateParser | FaulthandlerParser | PySpyTextParser
                    | NativeStackParser | TracebackParser, ...] = ()
     """In the order they may claim a line that opens a block: the most specific first (a
@@ -182,8 +190,11 @@ class _Stream:
             p.close()
 
     def claimed(self, line: str) -> bool:
-        """Whether a parser other than the traceback's starts a block on ``line``."""
-        return any(p.starts(line) for p in self.parsers if p is not self.tb)
+        """Whether a parser other than the traceback's starts a block on ``line`` (the line
+        being fed: a parser whose literals its gate scan did not find cannot)."""
+        gates = self.gates
+        return any(_GATE_PARSERS + i in gates and p.starts(line)
+                   for i, p in enumerate(self.parsers) if p is not self.tb)
 
 
 @dataclass
@@ -317,14 +328,19 @@ class LineHandler:
             self._upstream(rest, pre.site, "error" if pre.error else
                            "warning" if pre.warning else "", hint, src)
         if triggered:
-            if not continued and _unfinished(rest) and self._misses_all(rest, gates):
+            matched = self._found(rest, gates)
+            if not matched and not continued and len(rest) <= MAX_WRAP_HEAD \
+                    and _unfinished(rest):
+                # a short line that stops inside its record and matches none of the patterns
+                # it triggers: the record may go on in the next line
                 self._wrapped = _Wrapped(rest.strip(), hint, src, gates)
             else:
-                self._match_patterns(rest, hint, src, gates)
+                self._record(matched, rest, hint, src)
             if _GATE_TOPOLOGY in gates and any(t in rest for t in _TOPOLOGY_TRIGGERS):
                 self._topology(rest)
-            if _GATE_VERSION in gates and any(t in rest for t in VERSION_TRIGGERS):
-                for system, version in stated_versions(rest):
+            if _GATE_VERSION in gates and _GATE_VNAME in gates and _GATE_VNUMBER in gates \
+                    and any(t in rest for t in VERSION_TRIGGERS):
+                for system, version in stated_versions(rest, gated=True):
                     self.sink.note_version(system, version, src)
             if _GATE_NCCL in gates and NCCL_COLL_TRIGGER in rest:
                 found = self._nccl.read(rest, src)
@@ -423,6 +439,7 @@ class LineHandler:
                 hint: RankHint, gates: list[int]) -> bool:
         """Feed the line to the stream's block parsers; True when one took it."""
         was_open = s.open
+        s.gates = gates
         parsers = s.parsers
         for parser in parsers:
             if parser.open and parser.feed(rest, src):
@@ -455,20 +472,23 @@ class LineHandler:
         if slot.failure_lines.get(key) is fl:
             self._pending = _Pending(slot, key, fl, src.line or 0)
 
-    def _misses_all(self, rest: str, found: list[int]) -> bool:
-        """``rest`` holds a catalog pattern's trigger but matches none of those patterns: the
-        record may go on in the next line (a line some pattern takes whole is left alone)."""
-        assert self._patterns is not None
-        candidates = self._patterns.candidates(found)
-        return bool(candidates) and not any(p.regex.search(rest) for p in candidates)
-
     def _match_patterns(self, rest: str, hint: RankHint, src: SourceRef,
-                        found: list[int]) -> None:
+                        gates: list[int]) -> None:
+        self._record(self._found(rest, gates), rest, hint, src)
+
+    def _found(self, rest: str, gates: list[int]) -> list[tuple[_Compiled, Any]]:
+        """The catalog patterns the line's triggers (``gates``) name that match it."""
         assert self._patterns is not None
-        for p in self._patterns.candidates(found):
+        out = []
+        for p in self._patterns.candidates(gates):
             m = p.regex.search(rest)
-            if m is None:
-                continue
+            if m is not None:
+                out.append((p, m))
+        return out
+
+    def _record(self, found: list[tuple[_Compiled, Any]], rest: str, hint: RankHint,
+                src: SourceRef) -> None:
+        for p, m in found:
             groups = {k: v for k, v in m.groupdict().items() if v is not None}
             slot = self.sink.slot(hint)
             slot.hits.setdefault(p.id, HitStats()).add(

@@ -32,9 +32,11 @@ _PATTERNS = [
 _NAMED = ("sglang", "lmcache", "mooncake", "nixl", "torch")
 #: Any of the names, in any case: one automaton pass instead of a lower-cased copy and a scan
 #: per name.
-_ANY_NAMED = linear("|".join(_NAMED), re.I)
+NAMED_PATTERN = "(?i)" + "|".join(_NAMED)
+_ANY_NAMED = linear(NAMED_PATTERN)
 #: Every pattern above needs a version number.
-_NUMBER = linear(r"[0-9]\.[0-9]")
+NUMBER_PATTERN = r"[0-9]\.[0-9]"
+_NUMBER = linear(NUMBER_PATTERN)
 TRIGGERS = ("==", "dist-info", "ersion", "sglang ", "sglang:", "SGLang ", "lmcache ", "lmcache:",
             "LMCache ", "nixl ", "nixl:", "torch ", "torch:", "mooncake")
 
@@ -46,11 +48,12 @@ def _canonical(pkg: str) -> str:
     return PACKAGES.get(low, low)
 
 
-def stated_versions(line: str) -> list[tuple[str, str]]:
-    """``(system, version)`` pairs ``line`` states (at most a few)."""
+def stated_versions(line: str, gated: bool = False) -> list[tuple[str, str]]:
+    """``(system, version)`` pairs ``line`` states (at most a few). ``gated``: the caller
+    has found :data:`NAMED_PATTERN` and :data:`NUMBER_PATTERN` in the line."""
     if len(line) > 2000:
         line = line[:2000]
-    if _ANY_NAMED.search(line) is None or _NUMBER.search(line) is None:
+    if not gated and (_ANY_NAMED.search(line) is None or _NUMBER.search(line) is None):
         return []  # most lines: five regexes spared
     out: list[tuple[str, str]] = []
     for rx in _PATTERNS:
