@@ -433,8 +433,8 @@ def _fact_message_skipped(findings: list[CollectiveFinding], facts: FactSet) -> 
             continue
         ev = f.evidence[0] if f.evidence else None
         facts.add(Fact.MESSAGE_SKIPPED, Witness(
-            f"group {f.group}: rank {dst} never received rank {src}'s {f.detail.split(' ')[2]} "
-            f"#{f.seq} and waits for rank {src} in group {later[0]}", ev.file if ev else None,
+            f"group {f.group}: rank {dst} never received rank {src}'s send #{f.seq} and waits "
+            f"for rank {src} in group {later[0]}", ev.file if ev else None,
             ev.line if ev else None, -1))
         return
 
