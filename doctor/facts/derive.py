@@ -22,6 +22,7 @@ from doctor.model.evidence import (
     Frame,
     InputStatus,
     KvLineKind,
+    LogHit,
     RankEvidence,
     ThreadState,
 )
@@ -67,6 +68,7 @@ def derive_facts(evidence: Evidence, frames: FrameClassifier, rows: list[RankRow
         lambda: _fact_exceptions(evidence, frames, facts),
         lambda: _fact_logs(evidence, facts),
         lambda: _fact_same_collective(evidence, sites, rows, facts),
+        lambda: _fact_stated_sizes(evidence, facts),
         lambda: _fact_collective_reports(evidence, facts),
         lambda: _fact_fingerprints(evidence, facts),
         lambda: _fact_unranked_stacks(evidence, frames, facts),
@@ -235,6 +237,39 @@ def _read_otherwise(text: str, kind: KvLineKind, index: UpstreamIndex) -> bool:
     if kind == KvLineKind.POOL_PRESSURE:
         return False
     return comp is None or comp.role not in ("storage", "transfer")
+
+
+_DIGITS = re.compile(r"\d+")
+
+
+def _fact_stated_sizes(ev: Evidence, facts: FactSet) -> None:
+    """A report's own prints of what each rank fed a collective (``collective-size-stated``):
+    the first statement of each rank per print (its text with the numbers taken out) and
+    collective; ranks of one print that state different sizes fed that collective different
+    sizes. Prints of different wording (before and after an all-gather) are never compared."""
+    stated: dict[tuple[str, str], dict[int, tuple[str, LogHit]]] = {}
+    for r in ev.all_ranks():  # an unprefixed print is the unranked slot's
+        stats = r.hits.get("collective-size-stated")
+        if not stats:
+            continue
+        for h in stats.kept:
+            rank = h.groups.get("rank", "")
+            size = (h.groups.get("shape") or h.groups.get("size") or "").replace(" ", "")
+            if not rank.isdigit() or not size:
+                continue
+            key = (_DIGITS.sub("#", h.text), h.groups.get("op", "").replace("_", "").lower())
+            stated.setdefault(key, {}).setdefault(int(rank), (size, h))
+    for (_, op), by_rank in stated.items():
+        sizes: dict[str, list[int]] = {}
+        for who, (stated_size, _) in sorted(by_rank.items()):
+            sizes.setdefault(stated_size, []).append(who)
+        if len(by_rank) >= 2 and len(sizes) >= 2:
+            h = next(iter(by_rank.values()))[1]
+            facts.add(Fact.COLLECTIVE_SIZE_MISMATCH, Witness(
+                f"the report's prints of {op}: " + "; ".join(
+                    f"ranks {rs} state size [{sz}]" for sz, rs in sizes.items()),
+                h.source.file, h.source.line, -1))
+            return
 
 
 def _fact_same_collective(ev: Evidence, sites: list[BlockedSite], rows: list[RankRow],

@@ -229,3 +229,30 @@ def test_watchdog_records_far_apart_are_separate_hangs(tmp_path: Path) -> None:
         1, 1320347, 8))
     behind = [c for c in diagnose([str(tmp_path)]).collectives if c.kind == "seq-behind"]
     assert [(c.ranks, c.seq) for c in behind] == [([1], 1320347)]
+
+
+_HUNG = ("[rank1]:[E1218 20:27:21.426415540 ProcessGroupNCCL.cpp:632] [Rank 1] Watchdog caught "
+         "collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE, NumelIn=32768000, "
+         "NumelOut=32768000, Timeout(ms)=600000) ran for 600081 milliseconds before timing out.\n")
+
+
+def test_ranks_that_print_different_sizes_for_one_collective(tmp_path: Path) -> None:
+    """A reporter's debug print of what each rank feeds a collective: ranks of one print
+    that state different sizes fed it different sizes (NCCL#1417's rank 0)."""
+    def prints(sizes: dict[int, int], verb: str = "before allreduce") -> str:
+        return "".join(f"# Rank {r} tensor {verb}: torch.Size([{n}]) 1.0\n"
+                       for r, n in sizes.items()) + _HUNG
+
+
+    (tmp_path / "a.log").write_text(prints({7: 32768000, 0: 409600, 1: 32768000}))
+    d = diagnose([str(tmp_path / "a.log")])
+    assert "collective-size-mismatch" in d.fingerprint.facts
+    assert d.verdicts[0].signature == "collective-shape-mismatch"
+    # the same sizes everywhere, or two prints of different wording (an all-gather's input
+    # and its output), say nothing
+    (tmp_path / "b.log").write_text(prints({0: 8, 1: 8}))
+    (tmp_path / "c.log").write_text(prints({0: 8}, "before all_gather")
+                                    + prints({1: 16}, "after all_gather"))
+    for name in ("b.log", "c.log"):
+        assert "collective-size-mismatch" not in diagnose(
+            [str(tmp_path / name)]).fingerprint.facts, name
