@@ -155,7 +155,7 @@ def test_wallclock_lru_diverges_through_stamps_taken_when_a_ranks_own_copy_finis
     without a fault the wall clock changes nothing. With rank 1's copies lagging, the stamps
     each rank takes when it finds its own copies finished land later on rank 1 than nodes both
     ranks touched meanwhile: the ranks evict different victims."""
-    cfg = mr_config(**{"topology.tp": 2, "workload.requests": 48,
+    cfg = mr_config(**{"topology.tp": 2, "workload.requests": 96,
                        "cache.device_tokens": 1024, "cache.host_tokens": 512,
                        "legacy": frozenset({LegacySwitch.WALLCLOCK_LRU}),
                        "faults": (parse_fault(fault),) if fault else (),
