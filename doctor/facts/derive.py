@@ -292,11 +292,11 @@ def _fact_same_collective(ev: Evidence, sites: list[BlockedSite], rows: list[Ran
                                                              for n, rs in by_size.items()),
                     t.item.file, t.item.line, t.rank))
                 return
-        t = next(iter(moments[0].values()))
+        heads = [next(iter(m.values())) for m in moments]  # one (seq, op) per moment
         facts.add(Fact.SAME_COLLECTIVE_EVERYWHERE, Witness("; ".join(
-            f"ranks {sorted(m)} all time out in SeqNum {next(iter(m.values())).seq} "
-            f"({next(iter(m.values())).op})" for m in moments), t.item.file, t.item.line,
-            t.rank))
+            f"ranks {sorted(m)} all time out in SeqNum {t.seq} ({t.op})"
+            for m, t in zip(moments, heads, strict=True)), heads[0].item.file,
+            heads[0].item.line, heads[0].rank))
         return
     main = [s for s in sites if s.role == "main"]
     others = [r for r in rows

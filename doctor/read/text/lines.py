@@ -330,9 +330,10 @@ class LineHandler:
         if triggered:
             matched = self._found(rest, gates)
             if not matched and not continued and len(rest) <= MAX_WRAP_HEAD \
-                    and _unfinished(rest):
+                    and _unfinished(rest) and self._patterns.candidates(gates):
                 # a short line that stops inside its record and matches none of the patterns
-                # it triggers: the record may go on in the next line
+                # it triggers (a line that triggers none, a block parser's, is not held: it
+                # would only make the scanner feed the next line for nothing)
                 self._wrapped = _Wrapped(rest.strip(), hint, src, gates)
             else:
                 self._record(matched, rest, hint, src)
