@@ -162,11 +162,29 @@ class LocalMooncakeStore:
                                          f"(logs in {self.workdir})")
             time.sleep(_POLL_S)
 
-    def pause_holder(self) -> None:
-        """SIGSTOP the segment holder: transfers to its segment wait, and past the client TTL
-        the master expires its lease (its segment and every object in it)."""
+    def pause_holder(self, timeout_s: float = 5.0) -> None:
+        """SIGSTOP the segment holder and return once the kernel reports it stopped (a signal
+        is delivered asynchronously): its heartbeats stop, and past the client TTL the master
+        expires its lease (its segment and every object in it)."""
         if self._holder is not None and self._holder.poll() is None:
             os.kill(self._holder.pid, signal.SIGSTOP)
+            deadline = time.monotonic() + timeout_s
+            while not self.holder_stopped():
+                if time.monotonic() > deadline:
+                    raise StorageUnavailable(f"the segment holder (pid {self._holder.pid}) did "
+                                             f"not stop in {timeout_s:g} s")
+                time.sleep(0.005)
+
+    def holder_stopped(self) -> bool:
+        """Whether the holder is stopped by a signal (state ``T`` in ``/proc/PID/stat``)."""
+        if self._holder is None or self._holder.poll() is not None:
+            return False
+        try:
+            stat = Path(f"/proc/{self._holder.pid}/stat").read_text()
+        except OSError:
+            return False
+        # the state follows the command name, which is in parentheses and may hold spaces
+        return stat[stat.rfind(")") + 2 :][:1] == "T"
 
     def resume_holder(self) -> None:
         """SIGCONT the segment holder (it remounts its segment if its lease expired)."""
