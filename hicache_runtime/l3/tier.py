@@ -118,8 +118,9 @@ class L3Tier:
         self.stats = {"prefetch_issued": 0, "prefetch_revoked": 0, "prefetch_rate_limited": 0,
                       "prefetched_tokens": 0, "backup_pages": 0, "backup_failed_pages": 0,
                       "query_errors": 0, "io_errors": 0, "backup_errors": 0,
-                      "query_shed": 0, "backup_shed_pages": 0}
-        """Scheduler-side counters; the last five mirror the threads' (see ``drain``)."""
+                      "query_shed": 0, "backup_shed_pages": 0,
+                      "late_writes_on_new_data": 0, "late_writes_early": 0}
+        """Scheduler-side counters; the last seven mirror the threads' (see ``drain``)."""
 
     # --- backup -------------------------------------------------------------------------------
 
@@ -187,7 +188,8 @@ class L3Tier:
         w = self.workers
         w.check_alive()
         self.stats.update({f"{k}_errors": n for k, n in w.errors.items()},
-                          query_shed=w.shed["query_ops"], backup_shed_pages=w.shed["backup_pages"])
+                          query_shed=w.shed["query_ops"], backup_shed_pages=w.shed["backup_pages"],
+                          **{f"late_writes_{k}": n for k, n in w.late_writes.items()})
         for op in _take(w.prefetch_hit_queue, agreed.prefetch_hits, w):
             self._on_hit(op)
         for ack in _take(w.ack_prefetch_queue, agreed.prefetch_acks, w):

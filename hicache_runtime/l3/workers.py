@@ -104,6 +104,9 @@ class StorageWorkers:
         """Storage calls that raised, per thread (each key is written by one thread only)."""
         self.shed = {"query_ops": 0, "backup_pages": 0}
         """Work given up when the IO budget ran out."""
+        self.late_writes = {"on_new_data": 0, "early": 0}
+        """``abort-frees-in-flight``: late batches that landed on a new owner's data (its
+        copy is now wrong) or before it came (the owner's own write then covers them)."""
         self.page_size = codec.layout.page_size
         self.prefetch_queue: queue.Queue[PrefetchOperation] = queue.Queue()
         self.prefetch_hit_queue: queue.Queue[PrefetchOperation] = queue.Queue()
@@ -296,12 +299,14 @@ class StorageWorkers:
                     len(payloads))
         deadline = time.monotonic() + _ABORT_WAIT_S
         reused_at = None
+        on_new_data = False
         while time.monotonic() < deadline and not self.stop_event.is_set():
             used = [i for i, p in enumerate(pages) if self.host.allocator.is_used(p)]
             if used and reused_at is None:
                 reused_at = self.tracer.step
             if any(not torch.equal(self.host.read_pages(slots[i * ps : (i + 1) * ps])[0],
                                    freed[:, i * ps : (i + 1) * ps]) for i in used):
+                on_new_data = True
                 break  # a new owner's data is in: land on top of it
             if reused_at is not None and self.tracer.step >= reused_at + 2:
                 break
@@ -310,6 +315,7 @@ class StorageWorkers:
             self.codec.write_pages(self.host, slots[: good * ps],
                                    payloads[:good])  # type: ignore[arg-type]
         reused = [p for p in pages[:good] if self.host.allocator.is_used(p)]
+        self.late_writes["on_new_data" if on_new_data else "early"] += 1
         self.tracer.emit_durable(Ev.PREFETCH_LATE_WRITE, rid=op.rid, pages=pages[:good],
                          reused=reused)
 
