@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, Verbosity, settings
 
 from hicache_runtime.contracts.event_payloads import STRICT_ENV
 from hicache_runtime.l3.backends.redis_server import LocalRedisServer, redis_server_binary
+from tests import durations
 
 try:
     import torch
@@ -68,42 +69,12 @@ _TORCH_FREE_RUN = ("tests/test_light_install.py::"
                    "test_the_doctor_and_catalog_tests_pass_without_torch")
 
 
-#: Seconds the longest tests take on two shared cores under ``-n 2`` (``--durations``), by
-#: node id prefix; other ``slow`` tests count SLOW_S, the rest FAST_S. Only the order in which
-#: tests start depends on these: the longest first, so that pytest-xdist hands the short ones
-#: out last and no worker is left alone with a long test at the end (collected in file order,
-#: the three torch-free parts, about six minutes together, came last and made the tail).
-LONGEST_S = {
-    "tests/multirank/test_property_campaign.py::": 333,
-    "tests/multirank/test_campaigns.py::test_default_campaign": 224,
-    "tests/runtime/test_l3_mooncake.py::test_tp2xpp2_second_run": 193,
-    _TORCH_FREE_RUN: 130,
-    "tests/runtime/test_mooncake_campaign.py::": 120,
-    "tests/runtime/test_mem_layouts.py::test_tp2_pp2_outputs_match": 90,
-    "tests/multirank/test_topologies.py::test_outputs_match_with_every_tier[tp2xpp2]": 96,
-    "tests/multirank/test_concurrent_runs.py::test_two_runs_at_once": 72,
-    "tests/faults/test_ray_executor.py::": 70,
-    "tests/multirank/test_soak.py::": 55,
-    "tests/multirank/test_legacy.py::test_fixed_protocols_survive": 54,
-}
-SLOW_S = 20
-FAST_S = 1
-
-
-def expected_s(item: pytest.Item) -> int:
-    """How long ``item`` is expected to take (for the order only; see LONGEST_S)."""
-    for prefix, seconds in LONGEST_S.items():
-        if item.nodeid.startswith(prefix):
-            return seconds
-    return SLOW_S if "slow" in item.keywords else FAST_S
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The doctor's and the catalog's tests run once: when this session also runs them in a
     torch-free interpreter (tests/test_light_install.py, as the triage install runs them),
     they are not run here a second time; alone (``pytest tests/doctor``) they run here.
-    The longest tests start first (a stable sort: every xdist worker collects the same
-    order). ``gpu`` tests skip cleanly on a machine without CUDA."""
+    The longest tests start first (tests/durations.py; a stable sort: every xdist worker
+    collects the same order). ``gpu`` tests skip cleanly on a machine without CUDA."""
     if torch is not None and any(item.nodeid.startswith(_TORCH_FREE_RUN + "[")
                                  for item in items):
         from tests.test_light_install import NEEDS_TORCH_MODULES, NEEDS_TORCH_TESTS
@@ -118,7 +89,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if twice:
             config.hook.pytest_deselected(items=twice)
             items[:] = [item for item in items if not torch_free(item)]
-    items.sort(key=lambda item: -expected_s(item))
+    recorded = durations.load()
+    items.sort(key=lambda item: -durations.expected_s(item.nodeid, "slow" in item.keywords,
+                                                      recorded))
     if torch is not None and torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

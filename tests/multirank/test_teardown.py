@@ -34,9 +34,11 @@ def cpu_hog() -> Iterator[None]:
         hog.wait()
 
 
-def _exit_records(res: LaunchResult) -> dict[int, dict[str, object]]:
-    return {r: json.loads((res.run_dir / f"rank{r}.exit.json").read_text())
-            for r in res.exit_codes}
+def _exit_records(res: LaunchResult) -> dict[int, dict[str, object] | None]:
+    """Each rank's exit record; None for a rank that never got to its teardown (the run's
+    outcome then says why: a test reports it rather than stopping at the missing file)."""
+    paths = {r: res.run_dir / f"rank{r}.exit.json" for r in res.exit_codes}
+    return {r: json.loads(p.read_text()) if p.exists() else None for r, p in paths.items()}
 
 
 def _aborts(res: LaunchResult) -> list[str]:
@@ -59,6 +61,7 @@ def test_a_healthy_rank_joins_every_thread_before_exit(bundle_root: Path,
         assert res.outcome is RunOutcome.HEALTHY, res.error
         assert res.exit_codes == {0: 0, 1: 0}
         for rank, rec in _exit_records(res).items():
+            assert rec is not None, f"rank {rank} wrote no exit record"
             assert rec["gloo_workers"] == 0, f"rank {rank}: {rec}"
             assert rec["python_threads"] == [], f"rank {rank}: {rec}"
             assert "pt_gloo_runloop" not in rec["native_threads"], f"rank {rank}: {rec}"
@@ -79,8 +82,10 @@ def test_repeated_reference_runs_never_abort_at_exit(bundle_root: Path, cpu_hog:
                 failures.append(f"run {i}: {res.outcome.value} {res.error} {res.exit_codes}")
             failures += [f"run {i}: {a}" for a in _aborts(res)]
             records = _exit_records(res)
+            failures += [f"run {i}: rank {r} wrote no exit record"
+                         for r, rec in records.items() if rec is None]
             failures += [f"run {i}: rank {r} left {rec['gloo_workers']} gloo workers"
-                         for r, rec in records.items() if rec["gloo_workers"]]
+                         for r, rec in records.items() if rec is not None and rec["gloo_workers"]]
         finally:
             res.cleanup()
     assert not failures, failures

@@ -313,6 +313,43 @@ def test_paused_holder_is_not_a_failure(
 
 
 @needs_mooncake
+def test_close_waits_for_a_call_under_way_on_another_thread(
+        make: Callable[..., StorageBackend], store: LocalMooncakeStore) -> None:
+    """A rank's last storage thread may still be inside a put when the tier closes the
+    backend (its join timed out): freeing the native client under that call crashed the
+    whole process (a segfault in a full-suite run). ``close`` returns only after the call,
+    and a call after it fails soft without touching the client."""
+    b = make()
+    b.clear()
+    keys = hashes(4, seed=19)
+    b.batch_set(keys, [payload_for(k, 64 << 10) for k in keys])
+    got: list[object] = []
+    ended: list[float] = []
+
+    def read() -> None:
+        got.append(b.batch_get(keys))
+        ended.append(time.monotonic())
+
+    store.pause_holder()
+    resume = threading.Timer(1.0, store.resume_holder)
+    resume.start()
+    reader = threading.Thread(target=read)
+    try:
+        reader.start()
+        time.sleep(0.3)  # the read is under way, waiting for the stopped holder
+        b.close()
+        closed_at = time.monotonic()
+        reader.join(timeout=30)
+    finally:
+        resume.join()
+        store.resume_holder()
+    assert got == [[payload_for(k, 64 << 10) for k in keys]]
+    assert ended[0] <= closed_at
+    assert b.batch_get(keys) == [None] * 4
+    assert b.batch_set(keys, [b"x"] * 4) == [False] * 4
+
+
+@needs_mooncake
 def test_expired_holder_lease_loses_its_pages_softly(tmp_path: Path) -> None:
     """The holder misses its heartbeats past the client TTL: the master drops its segment and
     the pages in it. Reads miss, nothing fails or counts as an outage; once the holder is back

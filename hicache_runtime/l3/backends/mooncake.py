@@ -59,6 +59,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _MIN_ARENA_BYTES = 4 << 20
+_CLOSE_WAIT_S = 10.0
+"""How long ``close`` waits for calls still running on other threads before it gives up and
+leaves the client open: freeing the native client under a call crashes the process."""
 """Smallest per-thread buffer: a few batches of ordinary pages, so it rarely grows."""
 
 
@@ -151,6 +154,9 @@ class MooncakeBackend(StorageBackend):
         self.connect_timeout_s = connect_timeout_s
         self._client: Any = None
         self._arenas: dict[int, _Arena] = {}
+        self._calls = threading.Condition()
+        self._running = 0
+        """Client calls under way (``_call``); ``close`` frees the client only at none."""
         self.outage = Outage("mooncake", self.target.master, base_backoff_s=reconnect_backoff_s,
                              max_backoff_s=max_backoff_s, count=self._count, emit=self._emit,
                              url=self.url)
@@ -359,9 +365,18 @@ class MooncakeBackend(StorageBackend):
         return self._call("discard", run, False)
 
     def _close(self) -> None:
-        client = self._client
-        self._client = None
+        # A caller that is past the closed check holds the native client: wait for it (the
+        # last rank threads to stop may still be inside a put after their join timed out).
+        with self._calls:
+            idle = self._calls.wait_for(lambda: self._running == 0, timeout=_CLOSE_WAIT_S)
+            client = self._client
+            self._client = None
         if client is None:
+            return
+        if not idle:
+            log.warning("L3 mooncake at %s: %d calls still under way %g s after close; the "
+                        "client is left open (freeing it under them would crash the process)",
+                        self.target.master, self._running, _CLOSE_WAIT_S)
             return
         for arena in self._arenas.values():
             arena.release(client)
@@ -412,7 +427,20 @@ class MooncakeBackend(StorageBackend):
             self._warn_once(str(code), "L3 mooncake %s failed: %s", op, mc.code_name(code))
 
     def _call(self, op: str, run: Callable[[Any], T], fallback: T) -> T:
-        """Run one client operation, or fail soft with ``fallback``."""
+        """Run one client operation, or fail soft with ``fallback`` (also once closed)."""
+        with self._calls:
+            if self._closed:
+                self._count(errors=1)
+                return fallback
+            self._running += 1
+        try:
+            return self._call_client(op, run, fallback)
+        finally:
+            with self._calls:
+                self._running -= 1
+                self._calls.notify_all()
+
+    def _call_client(self, op: str, run: Callable[[Any], T], fallback: T) -> T:
         client = self._may_try()
         if client is None:
             self._count(errors=1)
