@@ -12,7 +12,6 @@ from hypothesis import HealthCheck, Verbosity, settings
 
 from hicache_runtime.contracts.event_payloads import STRICT_ENV
 from hicache_runtime.l3.backends.redis_server import LocalRedisServer, redis_server_binary
-from tests import durations
 
 try:
     import torch
@@ -73,8 +72,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """The doctor's and the catalog's tests run once: when this session also runs them in a
     torch-free interpreter (tests/test_light_install.py, as the triage install runs them),
     they are not run here a second time; alone (``pytest tests/doctor``) they run here.
-    The longest tests start first (tests/durations.py; a stable sort: every xdist worker
-    collects the same order). ``gpu`` tests skip cleanly on a machine without CUDA."""
+    ``gpu`` tests skip cleanly on a machine without CUDA."""
     if torch is not None and any(item.nodeid.startswith(_TORCH_FREE_RUN + "[")
                                  for item in items):
         from tests.test_light_install import NEEDS_TORCH_MODULES, NEEDS_TORCH_TESTS
@@ -89,9 +87,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if twice:
             config.hook.pytest_deselected(items=twice)
             items[:] = [item for item in items if not torch_free(item)]
-    recorded = durations.load()
-    items.sort(key=lambda item: -durations.expected_s(item.nodeid, "slow" in item.keywords,
-                                                      recorded))
     if torch is not None and torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
