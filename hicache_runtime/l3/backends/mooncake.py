@@ -59,10 +59,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _MIN_ARENA_BYTES = 4 << 20
+"""Smallest per-thread buffer: a few batches of ordinary pages, so it rarely grows."""
 _CLOSE_WAIT_S = 10.0
 """How long ``close`` waits for calls still running on other threads before it gives up and
 leaves the client open: freeing the native client under a call crashes the process."""
-"""Smallest per-thread buffer: a few batches of ordinary pages, so it rarely grows."""
 
 
 class _Arena:
