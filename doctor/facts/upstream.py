@@ -27,7 +27,7 @@ from dataclasses import replace
 
 from doctor.model.builder import Evidence
 from doctor.model.evidence import ExceptionRecord, FailureLine, Frame, RankEvidence
-from doctor.model.frames import startup_phase
+from doctor.model.frames import configuration_check, startup_phase
 from doctor.ranks.table import is_comm_error
 from signatures.index import UpstreamIndex
 from signatures.index.components import Component
@@ -111,7 +111,7 @@ def mechanisms(ev: Evidence, index: UpstreamIndex) -> list[MechanismHit]:
                     "{component} code", t.source.file, t.source.line, r.rank), False,
                     depth=MAX_FATAL_FRAMES)
                 raw += [hit] if hit else []
-    return _in_context(raw, ev)
+    return _in_context(raw, ev, index)
 
 
 #: Which system a store the input names belongs to (``KvContext.store`` holds those names).
@@ -126,17 +126,24 @@ def _system(component: str) -> str:
     return component.rpartition(".")[2]
 
 
-def _in_context(raw: list[MechanismHit], ev: Evidence) -> list[MechanismHit]:
+def _in_context(raw: list[MechanismHit], ev: Evidence,
+                index: UpstreamIndex) -> list[MechanismHit]:
     """Resolve shared components: a transfer engine works for a store of its own system when
     the input shows one (Mooncake's engine under Mooncake Store, NIXL's under a NIXL storage
     plug-in), for disaggregation when the input shows that, for the KV store the input shows
     at work when it names no system and nothing shows disaggregation (vLLM-Ascend's KV pool
     "Storing KV cache for 1 out of 1 blocks" beside Mooncake's tcp_transport errors; weaker,
     ``UNNAMED_STORE_STRENGTH``), and for nobody known otherwise; a file system's failures are
-    a KV cache's only when the input shows a KV cache in use."""
+    a KV cache's only when the input shows a KV cache in use: a store's own failure, a store
+    the lines name, or a logger of a KV store's own module at work on any line (AIBrix's
+    ``vineyard_llm_cache.py`` logging its set-up before Vineyard's client fails to connect)."""
     pd = ev.kv.pd or any(h.role == "pd" for h in raw)
     own = [h for h in raw if not h.context]
     stores = {_system(h.component) for h in own if h.role == "storage"}
+    for site in sorted(ev.kv.sites):
+        comp = index.component(site)
+        if comp is not None and comp.role == "storage" and not comp.context:
+            stores.add(_system(comp.id))
     for name in ev.kv.store:
         low = name.lower()
         stores |= {system for key, system in _STORE_SYSTEMS if key in low}
@@ -273,7 +280,8 @@ def _type(e: ExceptionRecord) -> str:
 def _exception_kind(e: ExceptionRecord, t: Template | None) -> FailureKind | None:
     """The failure an exception states: its type first when the type says it, then the
     message (through its template when one matched). An assertion that fails while the
-    process is still starting checks a configuration, not state built at run time."""
+    process is still starting, or in a function that works out a configuration (a stack cut
+    above it hides the phase), checks a configuration, not state built at run time."""
     short = _type(e)
     kind = classify(e.message, None, short)
     if t is not None:
@@ -281,7 +289,8 @@ def _exception_kind(e: ExceptionRecord, t: Template | None) -> FailureKind | Non
         if tk is not None and not (kind in (FailureKind.INDEX, FailureKind.SHAPE,
                                             FailureKind.CAPACITY) and tk != kind):
             kind = tk
-    if kind in (FailureKind.INVARIANT, FailureKind.INDEX) and startup_phase(e.frames):
+    if kind in (FailureKind.INVARIANT, FailureKind.INDEX) and (
+            startup_phase(e.frames) or configuration_check(e.frames)):
         return FailureKind.CONFIG
     return kind
 

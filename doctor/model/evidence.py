@@ -476,7 +476,14 @@ class InputRecord:
 class KvContext:
     """What the whole input says about which KV layers are in use (all ranks together): the
     store components seen anywhere (even on healthy lines) and whether prefill/decode
-    disaggregation is in the picture (``doctor.read.text.kvstore`` notes both)."""
+    disaggregation is in the picture (``doctor.read.text.kvstore`` notes both), and the
+    source files loggers named on any line (``vineyard_llm_cache.py:296]``: a KV store module
+    at work, healthy lines included; :data:`MAX_SITES` of them)."""
 
     store: set[str] = field(default_factory=set)
     pd: bool = False
+    sites: set[str] = field(default_factory=set)
+
+
+#: Distinct logger source files a :class:`KvContext` keeps (a log names a few dozen).
+MAX_SITES = 64

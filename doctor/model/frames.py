@@ -156,6 +156,25 @@ _SETUP = re.compile(r"(?:^|\.)(?:__init__|__post_init__|__new__|init_\w+|_init_\
                     r"_warmup\w*|compile\w*)$")
 
 
+#: Words of a function name that say it works out a configuration: a spec, a plan, the
+#: arguments. An assertion there checks what the deployment asked for (layers whose page sizes
+#: cannot be unified, a block size the backend does not take), not state built while serving.
+_CONFIG_WORDS = frozenset({"spec", "specs", "config", "configs", "cfg", "plan", "planning",
+                           "args", "schema"})
+
+
+def configuration_check(frames: list[Frame]) -> bool:
+    """Whether the raising frame (innermost with a function) works out a configuration:
+    ``unify_kv_cache_spec_page_size``, ``get_kv_cache_config``, ``_verify_args``. Split on
+    ``.`` and ``_`` (no pattern over the untrusted name), so any length reads in linear time."""
+    for f in frames:
+        if not f.func or f.file == "(cut off)":
+            continue
+        words = f.func.rsplit(".", 1)[-1].lower().split("_")
+        return not _CONFIG_WORDS.isdisjoint(words)
+    return False
+
+
 def startup_phase(frames: list[Frame]) -> bool:
     """Whether a stack (innermost first) is a process still starting: below its entry point,
     the outermost frame constructs, sets up or loads something (``Scheduler.__init__``,

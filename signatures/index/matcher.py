@@ -43,6 +43,9 @@ MAX_TIES = 8
 """Readings kept per line: the same message is often built in several files and releases."""
 ANCHOR_SLACK = 2
 PREFIX_SIMILARITY = 0.75
+#: What a quoted condition compares with (a line with none of them and no "assert" is no
+#: bare assert's report).
+_COMPARISONS = ("==", "!=", "<=", ">=", " < ", " > ", " is not ", " not in ", "isinstance(")
 """A line that is a template's opening sentence whole (see ``TemplateMatcher._prefix``): the
 rest of the message cut by the paste, or not yet in the release that printed it."""
 PREFIX_MIN_TOKENS = 6
@@ -101,6 +104,13 @@ class TemplateMatcher:
         # a template that fixes too little names no component, but it is still indexed: a line
         # it explains whole must not be taken for a longer template it resembles
         self._generic = ~((self._nlit >= MIN_TOKENS) & (self._total >= MIN_WEIGHT))
+        # a bare assert's condition ("assert self.layout == 'page_first'") is printed only
+        # where the assertion is (its traceback line, an AssertionError, a quote of the
+        # condition): a line that neither says "assert" nor compares anything and holds the
+        # same words (a server-args echo, layout='page_first') was not printed by it, however
+        # rare its words
+        self._bare_assert = np.array([t.text.startswith("assert ") for t in self.templates],
+                                     dtype=bool)
         max_df = max(50, n // 100)
         # every template is reachable through its rarest token, common or not (a generic
         # message has no rare one), and through every rare one
@@ -157,7 +167,10 @@ class TemplateMatcher:
             cands = cands[top]
         scored: list[tuple[float, float, int]] = []
         anchored: dict[int, bool] = {}
+        says_assert = "assert" in text.lower() or any(op in text for op in _COMPARISONS)
         for tid in cands.tolist():
+            if not says_assert and self._bare_assert[tid]:
+                continue
             s, explained, first = self._score(tid, positions, len(ids))
             if s >= MIN_SIMILARITY:
                 scored.append((s, explained, tid))

@@ -110,6 +110,56 @@ AssertionError
     assert _top(_diag(text))[0] != "tree-invariant-violation"
 
 
+def test_an_assertion_in_a_function_that_works_out_a_spec_is_a_configuration_check() -> None:
+    # vLLM v1/core/kv_cache_utils.py unify_kv_cache_spec_page_size, the stack cut above it (the
+    # phase cannot be read from it): the layers' page sizes, not state built while serving
+    text = """\
+  File "/usr/local/lib/python3.12/dist-packages/vllm/v1/core/kv_cache_utils.py", line 1740, in get_kv_cache_groups
+    filtered_spec = unify_kv_cache_spec_page_size(filtered_spec)
+  File "/usr/local/lib/python3.12/dist-packages/vllm/v1/core/kv_cache_utils.py", line 1096, in unify_kv_cache_spec_page_size
+    assert new_spec.page_size_bytes == max_page_size
+AssertionError
+Process EngineCore:
+Traceback (most recent call last):
+"""
+    d = _diag(text)
+    assert _top(d)[0] == "none"
+    assert "start-up" in d.summary
+    # the same assertion in a function that keeps the block pool's books still counts
+    kept = text.replace("unify_kv_cache_spec_page_size", "free_blocks")
+    assert _top(_diag(kept))[0] == "tree-invariant-violation"
+
+
+def test_the_banner_of_the_next_dying_process_is_not_part_of_a_message() -> None:
+    text = """\
+Traceback (most recent call last):
+  File "/opt/app/worker.py", line 10, in step
+    raise RuntimeError("step failed")
+RuntimeError: step failed
+Process EngineCore_DP0:
+Traceback (most recent call last):
+"""
+    d = _diag(text)
+    assert d.fingerprint is not None
+    assert d.fingerprint.exception is not None
+    assert "step failed" in d.fingerprint.exception
+    assert "EngineCore" not in d.fingerprint.exception
+
+
+def test_a_store_s_own_module_at_work_on_healthy_lines_shows_a_kv_cache_in_use() -> None:
+    # Vineyard src/client/io.cc connect_rpc_socket_retry (std::clog): a general-purpose object
+    # store's client; AIBrix's vLLM logs its KV cache on Vineyard from vineyard_llm_cache.py
+    fail = ("[info] Connection to RPC socket failed for endpoint kvcache-rpc:9600 with ret = "
+            "IOError: getaddrinfo() failed for endpoint kvcache-rpc:9600, retrying 9 more "
+            "times.\n")
+    assert _top(_diag(fail * 3))[0] == "none"  # a store serving anything
+    kv = ("INFO 02-17 17:03:44 vineyard_llm_cache.py:306] VineyardLLMCache from_envs None\n"
+          + fail * 3)
+    sig, conf = _top(_diag(kv))
+    assert sig == "storage-backend-failure"
+    assert conf < 0.8  # one kind of evidence: lines in its own words
+
+
 def test_a_transfer_engine_failure_is_whoever_the_input_shows_it_working_for() -> None:
     # mooncake-transfer-engine/src/transport/rdma_transport/rdma_endpoint.cpp
     # RdmaEndPoint::submitPostSend: the engine under a store and under disaggregation alike

@@ -179,6 +179,16 @@ ErrorCode Client::Put(const std::string& key, size_t size) {
     throw std::runtime_error("BatchGet failed for key '" + key + "'");
 }
 }  // namespace mc
+
+// Vineyard src/client/io.cc connect_ipc_socket_retry: what goes to the error streams, and
+// Arrow-style status builders
+Status connect_ipc_socket_retry(const std::string& pathname, int& socket_fd) {
+    std::clog << "[info] Connection to IPC socket failed for pathname " << pathname
+              << " with ret = " << status << ", retrying " << n << " more times." << std::endl;
+    std::cout << "ordinary output" << std::endl;
+    return Status::ConnectionFailed("Failed to connect to IPC socket: " + pathname);
+    return Status::OK();
+}
 '''
 
 
@@ -198,6 +208,11 @@ def test_cpp_messages_become_templates() -> None:
     assert "BatchGet failed for key '{*}'" in texts
     assert {"SEGMENT_NOT_FOUND", "RPC_TIMEOUT"} <= texts
     assert "nope" not in " ".join(texts)
+    assert ("[info] Connection to IPC socket failed for pathname {*} with ret = {*}, retrying "
+            "{*} more times.", "connect_ipc_socket_retry", Level.WARNING) in got
+    raised = {(f.text, f.exception) for f in cpp_src.extract(CPP)}
+    assert ("Failed to connect to IPC socket: {*}", "ConnectionFailed") in raised
+    assert "ordinary output" not in texts
 
 
 # --- templates and matching --------------------------------------------------------------------
@@ -332,6 +347,17 @@ def test_a_bare_assert_s_condition_matches_its_template_whole(index) -> None:  #
     assert m
     assert m[0].template.file.startswith("sglang/srt/mem_cache/allocator")
     assert m[0].similarity == 1.0
+
+
+def test_a_bare_assert_s_words_in_a_line_that_asserts_nothing_are_not_its_report(index) -> None:  # type: ignore[no-untyped-def]
+    # SGLang 0.5.2 memory_pool_host.py get_buffer_with_hash: "assert self.layout == 'page_first'";
+    # a server-args echo holds the same words and compares nothing
+    echo = ("server_args=ServerArgs(tp_size=4, enable_hierarchical_cache=True, "
+            "hicache_mem_layout='page_first', hicache_storage_prefetch_policy='timeout')")
+    assert not [m for m in index.match(echo, limit=8) if m.template.text.startswith("assert ")]
+    quoted = index.match("assert self.layout == 'page_first'")
+    assert quoted
+    assert quoted[0].template.file.endswith("memory_pool_host.py")
 
 
 def test_a_line_that_is_a_message_s_opening_sentence_matches_it_lower(index) -> None:  # type: ignore[no-untyped-def]

@@ -22,6 +22,7 @@ from typing import Any
 from doctor.model.builder import EvidenceBuilder
 from doctor.model.evidence import (
     MAX_EXITS,
+    MAX_SITES,
     ExceptionRecord,
     ExitRecord,
     FailureLine,
@@ -52,6 +53,9 @@ from doctor.read.text.versions import TRIGGERS as VERSION_TRIGGERS
 from doctor.read.text.versions import stated_versions
 from signatures.linear import PatternSet, any_of, linear
 from signatures.models import Catalog
+
+#: A logger's source file kept for the KV context is cut to this many characters.
+MAX_SITE_CHARS = 120
 
 #: Lines that may report a failure or a warning (matched against upstream's templates): the
 #: level words of loggers and the usual failure words, and C/C++ source sites (glog lines).
@@ -313,8 +317,12 @@ class LineHandler:
         stream = self._stream(hint, key, lineno)
         if new_record:
             stream.tb.boundary()
-        if pre.site and pre.warning:
-            self.sink.slot(hint).add_site(pre.site, src)
+        if pre.site:
+            if pre.warning:
+                self.sink.slot(hint).add_site(pre.site, src)
+            sites = self.sink.kv.sites
+            if len(sites) < MAX_SITES:
+                sites.add(pre.site[:MAX_SITE_CHARS])
         failing = bool((pre.error or (_GATE_FAILURE in gates and _FAILURE_WORDS.search(rest)))
                        and rest.strip())
         if failing:

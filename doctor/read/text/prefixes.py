@@ -55,7 +55,9 @@ _GENERIC = re.compile(
     # (CRI runtimes, as kubelet stores them, add the stream and a full/partial tag:
     # 2026-06-24T17:38:03.765641375+02:00 stderr F <text>)
     rf"|(?:{_LEVEL} )?\d{{4}}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)? "
-    rf"(?:(?:stdout|stderr) [FP] )?(?:{_LEVEL}\s+)?"
+    # (a level only when it is no logger's own: vLLM's "INFO 02-17 17:03:44 file.py:306]"
+    # after the runtime's prefix keeps its level for its own alternative, which takes the site)
+    rf"(?:(?:stdout|stderr) [FP] )?(?:{_LEVEL}\s++(?!\d\d-\d\d \d\d:))?"
     # Python logging / loguru: 2025-01-01 00:00:00,123 - name - ERROR - / ... | ERROR | mod:f:1 -
     rf"|\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d(?:[.,]\d+)?(?: - [\w.]+)? [-|] {_LEVEL}\s*[-|]"
     r"(?: [\w.]+:[\w<>]+:\d+ -)? ?"

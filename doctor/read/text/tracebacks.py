@@ -50,6 +50,11 @@ _CARETS = re.compile(r"^\s*[\^~]+\s*$")
 #: ``if self.load_back(node, quota):``, ``return func(*args)``.
 _CALL = re.compile(r"(?:^|(?<=[\s=(,!]))(?:[A-Za-z_]\w*\.)*(?P<func>[A-Za-z_]\w*)\(")
 _RULE = re.compile(r"^[=\-_*#]{4,}$")
+#: What Python prints before the traceback of a process or thread that died
+#: (multiprocessing's ``BaseProcess._bootstrap``, threading's ``excepthook``): the next
+#: failure's header, never more of the last message.
+_BANNER = re.compile(r"^(?:Process [\w.:-]{1,80}"
+                     r"|Exception in thread [^\s:]{1,80}(?: \([^)]{0,80}\))?):$")
 MAX_FRAMES = 200
 _MAX_NOISE = 20
 _MAX_MESSAGE = 2000
@@ -236,7 +241,7 @@ class TracebackParser:
         """A further line of the last exception's message (NCCL/CUDA errors span several)."""
         last = self._last
         if (last is None or self._continued >= _MAX_CONTINUATION or _FRAME.match(stripped)
-                or _RULE.match(stripped)):
+                or _RULE.match(stripped) or _BANNER.match(stripped)):
             return False
         if len(last.message) + len(stripped) < _MAX_MESSAGE:
             last.message = f"{last.message}\n{stripped}" if last.message else stripped
