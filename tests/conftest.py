@@ -3,11 +3,13 @@ redis-server."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import typer.testing
 from hypothesis import HealthCheck, Verbosity, settings
 
 from hicache_runtime.contracts.event_payloads import STRICT_ENV
@@ -26,6 +28,12 @@ os.environ[STRICT_ENV] = "1"
 # where spinning OpenMP threads make everything many times slower.
 if torch is not None:
     torch.set_num_threads(1)
+
+# typer's CliRunner.invoke builds the whole click command tree from the app's functions on
+# every call (about 0.1 s for hicache's, from their signatures and type hints; the corpus tests
+# alone invoke it hundreds of times): build each app's tree once. Nothing the tests change
+# between invocations (environment, monkeypatched helpers) is read while building it.
+typer.testing._get_command = functools.cache(typer.testing._get_command)  # type: ignore[attr-defined]
 
 settings.register_profile("ci", max_examples=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -87,9 +95,51 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if twice:
             config.hook.pytest_deselected(items=twice)
             items[:] = [item for item in items if not torch_free(item)]
+    workers = getattr(config, "workerinput", {}).get("workercount", 0)
+    if workers > 1:
+        items[:] = _spread_long_first(items, workers)
     if torch is not None and torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+#: The tests that take a minute or more on two shared cores (``--durations``): each worker
+#: should start its share of them first, so that none is left to start while the other
+#: worker has nothing it can take over.
+LONG_TESTS = (
+    "tests/test_light_install.py::test_the_doctor_and_catalog_tests_pass_without_torch",
+    "tests/multirank/test_property_campaign.py::",
+    "tests/multirank/test_campaigns.py::test_default_campaign_every_cell_behaves",
+    "tests/runtime/test_l3_mooncake.py::test_tp2xpp2_second_run_from_l3_then_master_killed",
+    "tests/runtime/test_mooncake_campaign.py::",
+    "tests/test_typecheck.py::",
+)
+
+
+def _spread_long_first(items: list[pytest.Item], workers: int) -> list[pytest.Item]:
+    """The order for pytest-xdist's ``worksteal`` scheduling (``--dist worksteal`` in
+    pyproject.toml), which hands the first ``len/workers`` items to one worker, the next
+    share to the next, and later moves queued (never running) items to a worker that ran dry:
+    each share opens with its part of the long tests (longest known first, dealt round
+    robin), then the other items in file order. The same order on every worker."""
+    long_ = [i for i in items if i.nodeid.startswith(LONG_TESTS)]
+    if not long_:
+        return items
+    rank = {prefix: n for n, prefix in enumerate(LONG_TESTS)}
+    long_.sort(key=lambda i: next(rank[p] for p in LONG_TESTS if i.nodeid.startswith(p)))
+    rest = [i for i in items if not i.nodeid.startswith(LONG_TESTS)]
+    out: list[pytest.Item] = []
+    left = len(items)
+    for k in range(workers):
+        # the share xdist sends this worker first: what is left, over the workers still to serve
+        size = left // (workers - k)
+        mine = long_[k::workers]
+        take = max(0, size - len(mine))
+        share = mine + rest[:take]
+        del rest[:take]
+        out += share
+        left -= len(share)
+    return out + rest

@@ -52,6 +52,22 @@ def _cases() -> tuple[Case, ...]:
     return tuple(load_cases())
 
 
+@cache
+def _plain(case_id: str) -> Diagnosis:
+    """The excerpt's diagnosis, made once per session: several tests read the same one."""
+    c = next(c for c in _cases() if c.id == case_id)
+    return diagnose_bytes(f"{c.id}.log", c.text)
+
+
+@cache
+def _perturbed(case_id: str) -> Diagnosis:
+    """The diagnosis of the excerpt as another deployment would print it (other paths, ranks,
+    line numbers, timestamps, addresses, and another file name), made once per session."""
+    c = next(c for c in _cases() if c.id == case_id)
+    return diagnose_bytes(f"copy-of-{c.id}.log",
+                          perturb(c.text.decode("utf-8", "replace"), seed=len(c.id)).encode())
+
+
 def _accuracy(run: Callable[[Case], Diagnosis]) -> tuple[float, list[str]]:
     wrong = []
     for c in _cases():
@@ -117,7 +133,7 @@ def test_quoted_and_container_logs_read_as_the_logs_they_are(
     stores it (``<RFC 3339 time> stderr F ``) gets the answers the plain excerpt gets."""
     differ = []
     for c in _cases():
-        plain = answer(diagnose_bytes(f"{c.id}.log", c.text))[0]
+        plain = answer(_plain(c.id))[0]
         wrapped = answer(diagnose_bytes(f"{c.id}.log", wrap(c)))[0]
         if wrapped != plain:
             differ.append(f"{c.id}: {plain} -> {wrapped}")
@@ -138,8 +154,7 @@ def test_top1_on_excerpts_piped_on_stdin() -> None:
 
 def test_top1_on_a_perturbed_copy() -> None:
     """Other install paths, ranks, line numbers, timestamps, addresses: the same answers."""
-    acc, wrong = _accuracy(lambda c: diagnose_bytes(
-        f"{c.id}.log", perturb(c.text.decode("utf-8", "replace"), seed=len(c.id)).encode()))
+    acc, wrong = _accuracy(lambda c: _perturbed(c.id))
     assert acc >= FLOOR_PERTURBED, "\n".join(wrong)
 
 
@@ -147,8 +162,8 @@ def test_no_wrong_answer_at_high_confidence() -> None:
     """Calibration: a verdict at confidence >= 0.8 is right (plain and perturbed copies)."""
     wrong = []
     for c in _cases():
-        for data in (c.text, perturb(c.text.decode("utf-8", "replace"), 7).encode()):
-            said, conf = answer(diagnose_bytes(f"{c.id}.log", data))
+        for d in (_plain(c.id), _perturbed(c.id)):
+            said, conf = answer(d)
             if said != NONE and conf >= HIGH and said not in c.label:
                 wrong.append(f"{c.id}: {said} at {conf:.2f}")
     assert not wrong
@@ -160,7 +175,7 @@ def test_a_look_alike_says_what_it_does_see() -> None:
     for c in _cases():
         if c.positive:
             continue
-        d = diagnose_bytes(f"{c.id}.log", c.text)
+        d = _plain(c.id)
         if not d.verdicts and not d.observations and not d.lookalikes:
             silent.append(c.id)
     assert len(silent) <= 2, silent
@@ -169,9 +184,9 @@ def test_a_look_alike_says_what_it_does_see() -> None:
 def test_fingerprints_group_the_same_failure_and_split_different_ones() -> None:
     ids = {}
     unstable = []
-    for i, c in enumerate(_cases()):
-        fp = diagnose_bytes("a.log", c.text).fingerprint
-        again = diagnose_bytes("b.log", perturb(c.text.decode("utf-8", "replace"), i).encode())
+    for c in _cases():
+        fp = _plain(c.id).fingerprint
+        again = _perturbed(c.id)
         assert fp is not None
         assert again.fingerprint is not None
         if fp.id != again.fingerprint.id:
