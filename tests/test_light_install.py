@@ -87,10 +87,11 @@ TORCH_FREE_PARTS = 3
 
 #: Seconds the heavier modules take on two shared cores (measured with --durations); the
 #: rest take about DEFAULT_MODULE_S. Only the balance of the parts depends on these.
-MODULE_S = {"test_corpus.py": 67, "test_hostile.py": 30, "test_without_torch.py": 15,
-            "test_fuzz.py": 9, "test_linear_time.py": 9, "test_capture.py": 8,
-            "test_unknowns.py": 6, "test_cli.py": 6, "test_memory.py": 5}
-DEFAULT_MODULE_S = 3
+MODULE_S = {"test_corpus.py": 105, "test_hostile.py": 64, "test_linear_time.py": 36,
+            "test_regression.py": 26, "test_fuzz.py": 23, "test_without_torch.py": 18,
+            "test_real_bundles.py": 16, "test_flight_recorder.py": 16, "test_capture.py": 15,
+            "test_cli.py": 14, "test_unknowns.py": 14, "test_memory.py": 9}
+DEFAULT_MODULE_S = 2
 
 
 def torch_free_modules(part: int) -> list[str]:

@@ -243,3 +243,19 @@ def test_a_block_starts_only_on_a_line_holding_one_of_its_parsers_start_literals
                     started[p] += 1
                     assert any(lit in rest for lit in p.START_LITERALS), (p.__name__, rest)
     assert all(started.values()), started  # every parser starts somewhere in that text
+
+
+def test_a_container_runtime_s_stamp_is_no_record_of_its_own() -> None:
+    # CRI (kubelet) and `docker logs -t` stamp every physical line: a message that goes on over
+    # lines goes on under their stamps, and a logger's own prefix after one keeps its level
+    # and names its site
+    cont = strip_prefixes("2026-06-24T17:38:03.000000002+02:00 stderr F but Rank 0 is running")
+    assert (cont.rest, cont.style) == ("but Rank 0 is running", "")
+    vllm = strip_prefixes("2026-06-24T17:38:03.1+02:00 stderr F INFO 02-17 17:03:44 "
+                          "vineyard_llm_cache.py:306] VineyardLLMCache from_envs None")
+    assert (vllm.site, vllm.style, vllm.rest) == ("vineyard_llm_cache.py", "generic",
+                                                  "VineyardLLMCache from_envs None")
+    sev = strip_prefixes("ERROR 2026-06-15T14:10:59.392125190Z the store is gone")
+    assert (sev.rest, sev.error, sev.style) == ("the store is gone", True, "generic")
+    torch_rank = strip_prefixes("2026-06-12T04:13:18.902123456Z [rank3]: RuntimeError: x")
+    assert (torch_rank.hint.rank, torch_rank.rest) == (3, "RuntimeError: x")

@@ -50,14 +50,6 @@ _GENERIC = re.compile(
     r"|\[?[IWEF] [\w./-]+\.(?:cc|cpp|c|h|hpp|cu|rs):\d+\] ?"
     # TensorFlow's C++ logger: 2019-11-11 11:45:07.181990: E tensorflow/core/x/ring_alg.cc:279]
     r"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWEF] [\w./-]+:\d+\] ?"
-    # container runtimes and collectors: 2026-06-12T04:13:18.902123456Z (then maybe a level);
-    # cloud logging exports put the severity first: ERROR 2026-06-15T14:10:59.392125190Z
-    # (CRI runtimes, as kubelet stores them, add the stream and a full/partial tag:
-    # 2026-06-24T17:38:03.765641375+02:00 stderr F <text>)
-    rf"|(?:{_LEVEL} )?\d{{4}}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)? "
-    # (a level only when it is no logger's own: vLLM's "INFO 02-17 17:03:44 file.py:306]"
-    # after the runtime's prefix keeps its level for its own alternative, which takes the site)
-    rf"(?:(?:stdout|stderr) [FP] )?(?:{_LEVEL}\s++(?!\d\d-\d\d \d\d:))?"
     # Python logging / loguru: 2025-01-01 00:00:00,123 - name - ERROR - / ... | ERROR | mod:f:1 -
     rf"|\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d(?:[.,]\d+)?(?: - [\w.]+)? [-|] {_LEVEL}\s*[-|]"
     r"(?: [\w.]+:[\w<>]+:\d+ -)? ?"
@@ -67,6 +59,17 @@ _GENERIC = re.compile(
     # kubectl logs --prefix, docker compose service column
     r"|\[pod/[^\]\s]{1,200}\] |[a-z][\w.-]{0,62}\s{1,20}\| "
 )
+# Container runtimes and collectors: 2026-06-12T04:13:18.902123456Z (then maybe a level);
+# cloud logging exports put the severity first: ERROR 2026-06-15T14:10:59.392125190Z (CRI
+# runtimes, as kubelet stores them, add the stream and a full/partial tag:
+# 2026-06-24T17:38:03.765641375+02:00 stderr F <text>). A level only when it is no logger's
+# own: vLLM's "INFO 02-17 17:03:44 file.py:306]" after the runtime's prefix keeps its level for
+# its own prefix, which names the site. The runtime stamps every physical line, so without a
+# level the stamp says nothing about where a record starts (a traceback's message goes on over
+# lines that each carry one).
+_CONTAINER = re.compile(
+    rf"(?P<sev>{_LEVEL} )?\d{{4}}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)? "
+    rf"(?:(?:stdout|stderr) [FP] )?(?P<level>{_LEVEL}\s++(?!\d\d-\d\d \d\d:))?")
 # torch's "[Rank 4]" (or "[PG 0 Rank 4]"), and torchrun's "[rank4]" where a paste lost its ":"
 _NCCL_RANK = re.compile(r"\[(?:PG [^\]]*?)?(?:Rank |rank)(?P<n>\d{1,6})\]")
 # glog's level letter opens its prefix; TensorFlow's C++ logger puts it after the time
@@ -121,6 +124,14 @@ def strip_prefixes(line: str) -> Prefixed:
                 tp, pp, dp = _tagged(tag, int(num), tp, pp, dp)
             stream = stream or f"pid {m['pid']}"
             line, style = line[m.end():], style or "torch"
+            continue
+        m = _CONTAINER.match(line)
+        if m:
+            if m["sev"] or m["level"]:
+                error = error or bool(_ERROR_LEVEL.search(m[0]))
+                warning = warning or error or bool(_WARN_LEVEL.search(m[0]))
+                style = style or "generic"
+            line = line[m.end():]
             continue
         m = _LMCACHE.match(line) or _GENERIC.match(line)
         if m:
