@@ -162,7 +162,6 @@ class Zygote:
             if "error" in reply:
                 raise ZygoteError(f"the zygote could not fork: {reply['error']}")
             pid = int(reply["pid"])
-            self._live.add(pid)
         return ForkedRank(self, pid, argv)
 
     def exit_code(self, pid: int) -> int | None:
@@ -197,6 +196,16 @@ class Zygote:
                     self._exits[pid] = int(msg["code"])
                     self._live.discard(pid)
                 else:
+                    if "pid" in msg:
+                        # The kernel reuses pids (pid_max is often 32768, and a test session
+                        # forks tens of thousands of ranks): an exit kept for an earlier
+                        # process of this pid would make the new one read as exited with
+                        # its code, so a live rank was taken for a finished one, never
+                        # signalled, and its result missed. Dropped here, in the order the
+                        # zygote sent the messages, before the new process's own exit.
+                        new = int(msg["pid"])
+                        self._exits.pop(new, None)
+                        self._live.add(new)
                     self._replies[int(msg["seq"])] = msg
                 self._cond.notify_all()
         # The zygote is gone, and with it (death signal) every rank it forked.

@@ -50,6 +50,35 @@ def test_exit_codes_as_popen_reports_them(zyg: zygote.Zygote, tmp_path: Path) ->
     p.kill()  # after the exit was reported: no signal goes to a pid someone else may hold
 
 
+_LAST_PID = Path("/proc/sys/kernel/ns_last_pid")
+
+
+def test_a_rank_that_gets_an_earlier_rank_s_pid_is_not_taken_for_it(zyg: zygote.Zygote,
+                                                                      tmp_path: Path) -> None:
+    """The kernel reuses pids (pid_max is often 32768; a test session forks far more ranks):
+    a new rank with the pid of one that exited earlier is alive until it exits itself. Before,
+    it read as exited with the old code: a launcher took a running rank for a finished one,
+    never signalled it and missed its result. The reuse is made, not waited for: the pid
+    namespace's last pid is set so that the next fork gets the old one."""
+    if not os.access(_LAST_PID, os.W_OK):
+        pytest.skip("cannot choose the next pid here (no writable ns_last_pid)")
+    env = dict(os.environ)
+    first = zyg.spawn(_argv("exit", "0"), env, tmp_path / "a.log")
+    assert first.wait(30) == 0
+    for _ in range(20):  # other processes on the machine may fork in between: try again
+        _LAST_PID.write_text(str(first.pid - 1))
+        again = zyg.spawn(_argv("sleep", "30"), env, tmp_path / "b.log")
+        if again.pid == first.pid:
+            break
+        again.kill()
+        again.wait(30)
+    else:
+        pytest.skip("another process took the pid each time")
+    assert again.poll() is None, "a live rank read as exited"
+    again.terminate()  # and it can be signalled: it is no longer taken for the exited one
+    assert again.wait(30) == -signal.SIGTERM
+
+
 def test_a_rank_shows_its_own_command_line_and_environment(zyg: zygote.Zygote,
                                                            tmp_path: Path) -> None:
     env = {**os.environ, "RANK": "3", "HICACHE_TEST_MARK": "x" * 300}
