@@ -34,7 +34,7 @@ from doctor.model.findings import (
     RankCondition,
     RankRow,
 )
-from doctor.model.frames import FrameClassifier, configuration_check, startup_phase
+from doctor.model.frames import FrameClassifier, checks_configuration
 from doctor.ranks.collectives import watchdog_moments
 from doctor.ranks.table import failing_exception, is_comm_error, site_label
 from doctor.read.ingest import EMPTY
@@ -495,7 +495,7 @@ def _one_exception(r: RankEvidence, e: ExceptionRecord, frames: FrameClassifier,
     lost_key = e.short_type == "KeyError" and e.message.strip("'\"").isdigit()
     # a node or slot that should hold a value does not: None where the tree promised pages
     lost_value = e.short_type in ("TypeError", "AttributeError") and "NoneType" in e.message
-    starting = startup_phase(e.frames) or configuration_check(e.frames)
+    starting = checks_configuration(e.frames)
     if _INVARIANT_TYPES.search(e.type) or (in_cache and not starting and (
             e.short_type == "AssertionError" or lost_key or lost_value)):
         facts.add(Fact.INVARIANT_BROKEN, witness(text, e.source, r.rank))

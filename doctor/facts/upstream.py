@@ -27,7 +27,7 @@ from dataclasses import replace
 
 from doctor.model.builder import Evidence
 from doctor.model.evidence import ExceptionRecord, FailureLine, Frame, RankEvidence
-from doctor.model.frames import configuration_check, startup_phase
+from doctor.model.frames import checks_configuration
 from doctor.ranks.table import is_comm_error
 from signatures.index import UpstreamIndex
 from signatures.index.components import Component
@@ -289,8 +289,7 @@ def _exception_kind(e: ExceptionRecord, t: Template | None) -> FailureKind | Non
         if tk is not None and not (kind in (FailureKind.INDEX, FailureKind.SHAPE,
                                             FailureKind.CAPACITY) and tk != kind):
             kind = tk
-    if kind in (FailureKind.INVARIANT, FailureKind.INDEX) and (
-            startup_phase(e.frames) or configuration_check(e.frames)):
+    if kind in (FailureKind.INVARIANT, FailureKind.INDEX) and checks_configuration(e.frames):
         return FailureKind.CONFIG
     return kind
 

@@ -163,7 +163,15 @@ _CONFIG_WORDS = frozenset({"spec", "specs", "config", "configs", "cfg", "plan", 
                            "args", "schema"})
 
 
-def configuration_check(frames: list[Frame]) -> bool:
+def checks_configuration(frames: list[Frame]) -> bool:
+    """Whether a failure on this stack (innermost first) checks a configuration rather than
+    state built while serving: the process is still starting (:func:`startup_phase`), or the
+    raising frame works out a configuration (:func:`_works_out_configuration`; a stack cut
+    above it hides the phase)."""
+    return startup_phase(frames) or _works_out_configuration(frames)
+
+
+def _works_out_configuration(frames: list[Frame]) -> bool:
     """Whether the raising frame (innermost with a function) works out a configuration:
     ``unify_kv_cache_spec_page_size``, ``get_kv_cache_config``, ``_verify_args``. Split on
     ``.`` and ``_`` (no pattern over the untrusted name), so any length reads in linear time."""

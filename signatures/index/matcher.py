@@ -43,9 +43,6 @@ MAX_TIES = 8
 """Readings kept per line: the same message is often built in several files and releases."""
 ANCHOR_SLACK = 2
 PREFIX_SIMILARITY = 0.75
-#: What a quoted condition compares with (a line with none of them and no "assert" is no
-#: bare assert's report).
-_COMPARISONS = ("==", "!=", "<=", ">=", " < ", " > ", " is not ", " not in ", "isinstance(")
 """A line that is a template's opening sentence whole (see ``TemplateMatcher._prefix``): the
 rest of the message cut by the paste, or not yet in the release that printed it."""
 PREFIX_MIN_TOKENS = 6
@@ -53,6 +50,9 @@ PREFIX_MIN_WEIGHT = 2 * MIN_WEIGHT
 _SENTENCE_END = (".", ":", "!")
 _TAIL = re.compile(r"(?:\s*\([^()]{1,200}\))?\s*$")
 """A logger's trailing call site (LMCache's ``(file.py:724:module)``) after the message."""
+#: What a quoted condition compares with (a line with none of them and no "assert" is no
+#: bare assert's report).
+_COMPARISONS = ("==", "!=", "<=", ">=", " < ", " > ", " is not ", " not in ", "isinstance(")
 OPTIONAL_WORDS = ("assert", "self")
 """Template words a line may lack at no cost (see ``TemplateMatcher._optional``)."""
 _SHAPE = re.compile(r"0[xX][0-9a-fA-F]+|\d+")

@@ -30,16 +30,21 @@ sys.meta_path.insert(0, _NoTorch())
 """
 
 
-def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """``hicache ARGS`` in an interpreter where importing torch fails (sitecustomize runs
-    before anything else)."""
+def _no_torch_env(tmp_path: Path) -> dict[str, str]:
+    """An environment whose interpreters cannot import torch (sitecustomize runs before
+    anything else)."""
     site = tmp_path / "no_torch"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(_BLOCK_TORCH)
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
-    return subprocess.run([sys.executable, str(ROOT / "cli.py"), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120, check=False)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "NO_COLOR": "1", "TERMINAL_WIDTH": "120",
+            "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
+
+
+def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``hicache ARGS`` in an interpreter where importing torch fails."""
+    return subprocess.run([sys.executable, str(ROOT / "cli.py"), *args], cwd=ROOT,
+                          env=_no_torch_env(tmp_path), capture_output=True, text=True,
+                          timeout=120, check=False)
 
 
 _DOCTOR_EACH = """\
@@ -60,10 +65,7 @@ print(json.dumps(out))
 def without_torch(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, object]]:
     """``hicache doctor --json`` on every case, in one interpreter where importing torch
     fails (one start-up and one index load, not one per case)."""
-    site = tmp_path_factory.mktemp("no_torch")
-    (site / "sitecustomize.py").write_text(_BLOCK_TORCH)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "NO_COLOR": "1", "TERMINAL_WIDTH": "120",
-           "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
+    env = _no_torch_env(tmp_path_factory.mktemp("doctor_each"))
     proc = subprocess.run([sys.executable, "-c", _DOCTOR_EACH, *map(str, _cases())], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
