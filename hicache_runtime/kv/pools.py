@@ -26,6 +26,7 @@ import torch
 
 from hicache_runtime.kv.allocator import PageAllocator
 from hicache_runtime.kv.copy_engine import LayerDoneCounter
+from hicache_runtime.kv.late_writes import LateWrites
 from hicache_runtime.kv.layouts import LAYER_FIRST, buffer_shape, check_layout, page_view
 
 _DTYPES = {
@@ -201,6 +202,8 @@ class HostKVPool(KVPool):
         super().__init__(shape, capacity_tokens, page_size, "host", torch.device("cpu"), pin,
                          layout)
         self._alloc_fault = alloc_fault
+        self.late_writes = LateWrites()
+        """Pages a late writer still holds after they were freed (``kv/late_writes.py``)."""
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         if self._alloc_fault is not None and self._alloc_fault(num_tokens):

@@ -219,6 +219,8 @@ class L3Tier:
                              pages=tokens // self.ps)
             op.hit_pages = tokens // self.ps  # the IO thread reads only these pages
         op.host_slots = slots
+        if self.host.late_writes.armed:  # abort-frees-in-flight: kv/late_writes.py
+            self.host.late_writes.queued((slots[:: self.ps] // self.ps).tolist())
         self.occupied -= op.reserved - tokens
         op.reserved = tokens
         self.workers.prefetch_buffer.put(op)

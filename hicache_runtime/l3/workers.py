@@ -32,8 +32,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import torch
-
 from faults.kinds import KINDS
 from faults.points import FaultPoint
 from hicache_runtime.contracts.errors import WorkerDied
@@ -63,7 +61,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _POLL_S = 0.2
 _ABORT_WAIT_S = 5.0
-_LATE_POLL_S = 0.002
+_LATE_POLL_S = 0.01
+#: A late write waits this many scheduler steps (at most _LATE_OWNER_S) for a new owner of
+#: its pages; none by then: it lands on free pages, which the next owner's copy covers.
+_LATE_OWNER_STEPS, _LATE_OWNER_S = 32, 30.0
 _WARN_FIRST, _WARN_EVERY = 5, 100
 
 AbortRequester = Callable[[str], threading.Event]
@@ -243,9 +244,10 @@ class StorageWorkers:
         early_exit = LegacySwitch.ABORT_EARLY_EXIT in self.legacy
         late_writes = LegacySwitch.ABORT_FREES_IN_FLIGHT in self.legacy
         stopped = False
+        armed: list[int] = []
         try:
             for index, start in enumerate(range(0, len(hashes), batch)):
-                self._maybe_abort(op, index)
+                armed = self._maybe_abort(op, index, start, min(start + batch, len(hashes)))
                 if op.is_terminated():
                     if early_exit:
                         self.tracer.emit_durable(Ev.PREFETCH_ACK, rid=op.rid, batch=index,
@@ -258,6 +260,9 @@ class StorageWorkers:
                         except Exception as exc:  # as a read failure would be
                             self._caught("io", op.rid, exc)
                     failed = True
+                if armed:  # written, or no late write came (the abort freed nothing)
+                    self.host.late_writes.disarm(armed)
+                    armed = []
                 if not failed:
                     try:
                         failed = not self._read_batch(op, hashes[start : start + batch],
@@ -272,6 +277,8 @@ class StorageWorkers:
                 self.prefetch_sync_queue.put(PrefetchAck(op.rid, op.local_completed, index,
                                                          pool_pages=self._pool_pages(op)))
         finally:
+            if armed:
+                self.host.late_writes.disarm(armed)
             if not stopped:  # the completion ack, also if something above raised
                 self.prefetch_sync_queue.put(PrefetchAck(op.rid, op.local_completed, -1, True,
                                                          self._pool_pages(op)))
@@ -284,33 +291,31 @@ class StorageWorkers:
         abort came is not re-checked: it lands in the op's pages although the abort already
         gave them back to the pool. In production the read was slow (that is why the request
         was aborted) and could finish after the scheduler had handed the pages to another
-        owner; this read finishes then: as soon as a page of the batch holds its new owner's
-        data (allocated again and written), else when the scheduler has moved on two steps
-        after the reuse, bounded by the abort wait. The late data then sits in that owner's
-        host copy (and in its L3 copy, if backed up after): a use-after-free that shows as
-        wrong KV wherever that copy is loaded, not as a bookkeeping error."""
+        owner; this read finishes then: once a new owner's copy into one of the pages is
+        complete and before anything reads it (``kv/late_writes.py``: the owner reports and
+        waits), else as soon as a prefetch takes one of them (its copy, from this thread,
+        comes after), else after _LATE_OWNER_STEPS steps with no owner. The late data then
+        sits in that owner's host copy (and in its L3 copy, if backed up after): a
+        use-after-free that shows as wrong KV wherever that copy is loaded, not as a
+        bookkeeping error."""
         assert op.host_slots is not None
         ps = self.page_size
         slots = op.host_slots[first_page * ps : (first_page + len(keys)) * ps]
         pages = (slots[::ps] // ps).tolist()
-        freed = self.host.read_pages(slots)[0]  # what the pages held when the abort freed them
         payloads = self.backend.batch_get(keys, info)
         good = next((i for i, p in enumerate(payloads) if p is None or not self.codec.fits(p)),
                     len(payloads))
-        deadline = time.monotonic() + _ABORT_WAIT_S
-        reused_at = None
-        on_new_data = False
-        while time.monotonic() < deadline and not self.stop_event.is_set():
-            used = [i for i, p in enumerate(pages) if self.host.allocator.is_used(p)]
-            if used and reused_at is None:
-                reused_at = self.tracer.step
-            if any(not torch.equal(self.host.read_pages(slots[i * ps : (i + 1) * ps])[0],
-                                   freed[:, i * ps : (i + 1) * ps]) for i in used):
-                on_new_data = True
-                break  # a new owner's data is in: land on top of it
-            if reused_at is not None and self.tracer.step >= reused_at + 2:
-                break
-            time.sleep(_LATE_POLL_S)
+        # bounded in scheduler steps (what decides whether an owner comes, whatever this
+        # machine's speed), and in wall time against a scheduler that stopped stepping
+        last_step = self.tracer.step + _LATE_OWNER_STEPS
+        deadline = time.monotonic() + _LATE_OWNER_S
+        late = self.host.late_writes
+        owner = None
+        while owner is None and self.tracer.step <= last_step \
+                and time.monotonic() < deadline and not self.stop_event.is_set():
+            late.wait(_LATE_POLL_S)
+            owner = late.owner(pages)
+        on_new_data = owner == "copied"  # else lands before any owner's copy, which covers it
         if good:
             self.codec.write_pages(self.host, slots[: good * ps],
                                    payloads[:good])  # type: ignore[arg-type]
@@ -364,15 +369,27 @@ class StorageWorkers:
             return False
         return True
 
-    def _maybe_abort(self, op: PrefetchOperation, index: int) -> None:
+    def _maybe_abort(self, op: PrefetchOperation, index: int, first_page: int,
+                     end_page: int) -> list[int]:
+        """Ask for the abort a fault fires before batch ``index`` (pages ``first_page`` to
+        ``end_page`` of the op). Returns the host pages armed for a late write
+        (``abort-frees-in-flight``; the caller disarms them), else []."""
         if self.faults is None or self.request_abort is None:
-            return
+            return []
         fired = self.faults.fire(FaultPoint.PREFETCH_BATCH, step=self.tracer.step, rid=op.rid)
-        if any(KINDS[s.kind].aborts(s, batch=index) for s in fired):
-            if self.rendezvous is not None:  # the peers are past this op (faults.rendezvous)
-                self.rendezvous.wait_for_peers(op.rid)
-            # The abort must land while this op is in flight: wait until it was applied.
-            self.request_abort(op.rid).wait(_ABORT_WAIT_S)
+        if not any(KINDS[s.kind].aborts(s, batch=index) for s in fired):
+            return []
+        if self.rendezvous is not None:  # the peers are past this op (faults.rendezvous)
+            self.rendezvous.wait_for_peers(op.rid)
+        armed: list[int] = []
+        if LegacySwitch.ABORT_FREES_IN_FLIGHT in self.legacy and op.host_slots is not None:
+            # armed before the abort can free them: no owner's copy lands unreported
+            ps = self.page_size
+            armed = (op.host_slots[first_page * ps : end_page * ps : ps] // ps).tolist()
+            self.host.late_writes.arm(armed)
+        # The abort must land while this op is in flight: wait until it was applied.
+        self.request_abort(op.rid).wait(_ABORT_WAIT_S)
+        return armed
 
     # --- prefetch: per-batch MIN vote ---------------------------------------------------------
 
