@@ -28,9 +28,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import lru_cache
 from typing import Any
 
 from signatures.fact_names import Fact
+from signatures.index.components import Resolver, load_rules
 from signatures.linear import linear
 from signatures.models import (
     Catalog,
@@ -318,8 +320,11 @@ def match_lookalikes(catalog: Catalog, obs: Observation) -> list[LookalikeMatch]
     return sorted(out, key=lambda m: -m.score)
 
 
-def marker_hits(key: str, marker: Marker, obs: Observation) -> list[Witness]:
-    """Where ``marker`` shows in the observation (``key`` names its scanned log pattern)."""
+def marker_hits(key: str, marker: Marker, obs: Observation,
+                sig: Signature | None = None) -> list[Witness]:
+    """Where ``marker`` shows in the observation (``key`` names its scanned log pattern).
+    With ``sig``, a file marker says nothing for a file the component map puts elsewhere
+    (:func:`elsewhere`)."""
     kind = marker.kind
     if kind in (MarkerKind.LOG, MarkerKind.ERROR):
         return obs.log_hits.get(key, (0, []))[1][:3]
@@ -328,7 +333,30 @@ def marker_hits(key: str, marker: Marker, obs: Observation) -> list[Witness]:
         return [e.witness for e in obs.exceptions if rx.search(f"{e.type}: {e.message}")][:3]
     table = obs.functions if kind is MarkerKind.FUNCTION else obs.files
     return [Witness(f"{name} ({w.text})", w.file, w.line, w.rank)
-            for name, w in table.items() if rx.search(name)][:3]
+            for name, w in table.items() if rx.search(name)
+            and not (sig is not None and kind is MarkerKind.FILE and elsewhere(sig, name))][:3]
+
+
+_CATCH_ALL = frozenset({"cache.other", "storage.package"})
+
+
+@lru_cache(maxsize=1)
+def _components() -> Resolver:
+    return Resolver(list(load_rules()))
+
+
+def elsewhere(sig: Signature, path: str) -> bool:
+    """Whether the component map puts ``path`` in a component whose role none of ``sig``'s
+    mechanisms names. A path pattern of the signature's (a frame rule ``@FILE``, an upstream
+    file marker) then says nothing: LMCache's ``storage_backend/local_cpu_backend.py`` is the
+    host memory pool, not a storage tier, whatever its folder's name says."""
+    roles = {r for m in sig.recognisers.mechanisms for r in m.roles}
+    if not roles or not path:
+        return False
+    comp = _components().component(path)
+    # a catch-all (the rest of a package's cache folder) places a file too loosely to
+    # overrule a signature's own pattern for it
+    return comp is not None and comp.role not in roles and comp.id not in _CATCH_ALL
 
 
 def _rx(text: str) -> Any:
@@ -438,7 +466,7 @@ def _upstream_rules(sig: Signature, obs: Observation) -> list[RuleResult]:
     source = "; ".join(up.read_from)
     found: dict[bool, tuple[float, list[Witness]]] = {True: (0.0, []), False: (0.0, [])}
     for i, m in enumerate(up.evidence_for):
-        hits = marker_hits(f"{sig.id}+{i}", m, obs)
+        hits = marker_hits(f"{sig.id}+{i}", m, obs, sig)
         if hits:
             code = m.kind in _CODE_KINDS
             weight, wits = found[code]
@@ -515,7 +543,8 @@ def _frames_rule(sig: Signature, obs: Observation,
         files = files + [""] * (len(funcs) - len(files))
         pairs = list(zip(funcs, files))
         for func, file in pairs[:fr.innermost] if fr.innermost else pairs:
-            if any((f is None or f.search(func)) and (p is None or p.search(file))
+            if any((f is None or f.search(func))
+                   and (p is None or (p.search(file) and not elsewhere(sig, file)))
                    for f, p in rules):
                 name = f"{func} ({file.rsplit('/', 1)[-1]})" if file else func
                 w = Witness(f"{name} on the {fr.where if fr.where != 'any' else 'failing'} "

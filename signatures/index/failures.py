@@ -10,7 +10,8 @@ Kinds, most telling first (a message that states two is the first):
   below zero, a leak found by an accounting check, a lock held by another tree);
 * ``invariant``: any other assertion, ``CHECK`` or state that cannot be;
 * ``timeout``: a wait that ran out;
-* ``config``: an option, version or installation that is wrong or missing;
+* ``config``: an option, version or installation that is wrong or missing (an assertion on an
+  object's type included);
 * ``io``: any other failure to do something (connect, read, write, register, transfer).
 
 A warning that states none of these is no failure; a template of level ``code`` (an error
@@ -73,6 +74,11 @@ _INVARIANT = re.compile(
     r"\binconsisten|\bcorrupt(?:ed|ion)?\b|"
     r"\bsanity check\b|\bstale (?:parent|child|node|pointer)|\bnot (?:a )?leaf\b|"
     r"\bunexpected (?:state|status)\b")
+#: An assertion on an object's type (``assert isinstance(self.allocator, MixedAllocator)``)
+#: checks what the program was built with, which class a configuration or version put there:
+#: a configuration check, not a count or link of run-time state that went wrong.
+_TYPE_CHECK = re.compile(r"^\s*(?:assert\s+)?(?:isinstance|issubclass)\(|"
+                         r"^\s*(?:assert\s+)?type\([\w.]+\) (?:is|==) ")
 _TIMEOUT = re.compile(r"(?i)\btimed? ?out\b|\btimeout\b|\bdeadline exceeded\b|\bwatchdog\b|"
                       r"\bstuck\b|\bhang(?:ing|s)?\b")
 _CONFIG = re.compile(
@@ -168,7 +174,7 @@ def classify(text: str, level: Level | None = None, exception: str = "") -> Fail
             or _INVARIANT.search(text):
         # an assertion that states a requirement or an unsupported setting checks the
         # configuration, not state built at run time
-        if _CONFIG.search(text) and not _INVARIANT.search(text):
+        if (_CONFIG.search(text) or _TYPE_CHECK.search(text)) and not _INVARIANT.search(text):
             return FailureKind.CONFIG
         return FailureKind.INVARIANT
     if _TIMEOUT.search(text) or exc in ("TimeoutError", "TimeoutExpired"):

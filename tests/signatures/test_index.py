@@ -275,6 +275,12 @@ def test_failure_kinds_come_from_upstream_wording() -> None:
                     "RuntimeError") is FailureKind.SHAPE
     assert classify("Failed to connect to master", Level.ERROR) is FailureKind.IO
     assert classify("assert x > 0", Level.ASSERT, "AssertionError") is FailureKind.INVARIANT
+    # an assertion on an object's type checks what the program was built with
+    assert classify("assert isinstance(self.memory_allocator, MixedMemoryAllocator)", None,
+                    "AssertionError") is FailureKind.CONFIG
+    assert classify("type(pool) is HostKVPool", Level.ASSERT) is FailureKind.CONFIG
+    assert classify("assert self.size == len(self.free) and isinstance(x, int)", None,
+                    "AssertionError") is FailureKind.INVARIANT
     assert classify("pool at {f}% capacity", Level.WARNING) is None
     assert classify("RPC_TIMEOUT", Level.CODE) is FailureKind.TIMEOUT
     assert classify("SUCCESS", Level.CODE) is None
@@ -307,6 +313,11 @@ def test_failure_kinds_come_from_upstream_wording() -> None:
     # device pools of a hardware backend (SGLang 0.5.20 hardware_backend/npu/)
     ("sglang/srt/hardware_backend/npu/memory_pool_npu.py", "cache.pool"),
     ("/workspace/LMCache/lmcache/v1/lazy_memory_allocator.py", "cache.host-pool"),
+    # LMCache's local CPU "backend" is its host memory tier, whatever its folder says
+    ("/usr/local/lib/python3.12/dist-packages/lmcache/v1/storage_backend/local_cpu_backend.py",
+     "cache.host-pool"),
+    # SGLang's Mooncake store module before it moved into a folder of its own
+    ("/sgl-workspace/sglang/python/sglang/srt/mem_cache/mooncake_store.py", "storage.mooncake"),
 ])
 def test_paths_map_to_components_wherever_they_are_installed(index, path: str,  # type: ignore[no-untyped-def]
                                                              component: str) -> None:

@@ -10,6 +10,7 @@ from signatures.matching import (
     ObservedException,
     ObservedStack,
     Witness,
+    elsewhere,
     score_all,
     score_one,
 )
@@ -79,3 +80,20 @@ def test_log_pattern_needs_its_minimum_count() -> None:
     many = Observation(log_hits={"prefetch-rate-limited": (5, [W])})
     assert not score_one(sig, catalog, few).named
     assert score_one(sig, catalog, many).named
+
+
+def test_a_path_pattern_says_nothing_for_a_file_the_component_map_puts_elsewhere() -> None:
+    """A storage signature's ``lmcache/v1/storage_backend/`` rule, on a stack whose only
+    LMCache frame is the local CPU backend (the host memory tier in the component map)."""
+    catalog = load_catalog()
+    sig = catalog.get("storage-backend-failure")
+    host = "/usr/lib/python3/dist-packages/lmcache/v1/storage_backend/local_cpu_backend.py"
+    disk = "/usr/lib/python3/dist-packages/lmcache/v1/storage_backend/local_disk_backend.py"
+    assert elsewhere(sig, host)
+    assert not elsewhere(sig, disk)
+    for path, counts in ((host, False), (disk, True)):
+        exc = ObservedException("RuntimeError", "boom", ["calculate_chunk_budget"], W,
+                                files=[path])
+        s = score_one(sig, catalog, Observation(exceptions=[exc]))
+        frame_rule = next(r for r in s.rules if r.recogniser.startswith("in-app frame"))
+        assert frame_rule.matched is counts, path
