@@ -87,6 +87,14 @@ SPEC = {
 }
 
 
+def _sigint_ignored() -> bool:
+    """Whether this process ignores SIGINT (what a child would inherit), from the kernel."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+    return False
+
+
 @pytest.mark.slow
 def test_a_run_stopped_by_sigint_resumes_and_runs_no_cell_twice(tmp_path: Path) -> None:
     spec = tmp_path / "spec.json"
@@ -95,16 +103,25 @@ def test_a_run_stopped_by_sigint_resumes_and_runs_no_cell_twice(tmp_path: Path) 
     cmd = [sys.executable, str(ROOT / "cli.py"), "campaign", str(spec), "--resume", str(log),
            "--json", "--bundle-dir", str(tmp_path / "bundles")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    first = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    # started as from a terminal: an ignored SIGINT is inherited across exec (a handler is
+    # not), and a loaded full run once ran this test in a worker whose SIGINT was ignored (the
+    # campaign ran all four cells through the interrupt and exited 0); a handler for the
+    # moment of the fork gives the child the default disposition whatever this worker's
+    ignored = _sigint_ignored()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        first = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # stop it once a cell has its result, not before
         if log.exists() and len(log.read_text().splitlines()) >= 2:
             break
         time.sleep(0.05)
     first.send_signal(signal.SIGINT)
-    first.communicate(timeout=120)
-    assert first.returncode != 0
+    _, err = first.communicate(timeout=120)
+    assert first.returncode != 0, (f"SIGINT ignored in this worker: {ignored}", err[-2000:])
     done_first = [json.loads(x)["id"] for x in log.read_text().splitlines()[1:]]
     assert 1 <= len(done_first) < 4
     second = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
