@@ -28,11 +28,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from enum import StrEnum
-from functools import lru_cache
 from typing import Any
 
 from signatures.fact_names import Fact
-from signatures.index.components import Resolver, load_rules
+from signatures.index import load_index
 from signatures.linear import linear
 from signatures.models import (
     Catalog,
@@ -337,14 +336,6 @@ def marker_hits(key: str, marker: Marker, obs: Observation,
             and not (sig is not None and kind is MarkerKind.FILE and elsewhere(sig, name))][:3]
 
 
-_CATCH_ALL = frozenset({"cache.other", "storage.package"})
-
-
-@lru_cache(maxsize=1)
-def _components() -> Resolver:
-    return Resolver(list(load_rules()))
-
-
 def elsewhere(sig: Signature, path: str) -> bool:
     """Whether the component map puts ``path`` in a component whose role none of ``sig``'s
     mechanisms names. A path pattern of the signature's (a frame rule ``@FILE``, an upstream
@@ -353,10 +344,9 @@ def elsewhere(sig: Signature, path: str) -> bool:
     roles = {r for m in sig.recognisers.mechanisms for r in m.roles}
     if not roles or not path:
         return False
-    comp = _components().component(path)
-    # a catch-all (the rest of a package's cache folder) places a file too loosely to
-    # overrule a signature's own pattern for it
-    return comp is not None and comp.role not in roles and comp.id not in _CATCH_ALL
+    # the map as the doctor's mechanisms read it (paths qualified against the index's files)
+    comp = load_index().component(path)
+    return comp is not None and comp.role not in roles and not comp.catch_all
 
 
 def _rx(text: str) -> Any:

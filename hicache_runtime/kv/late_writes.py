@@ -26,8 +26,8 @@ import threading
 from collections.abc import Iterable
 
 LATE_WRITE_WAIT_S = 5.0
-"""Longest an owner waits for a late write pending on its pages (the writer's own wait for
-an owner is as long, from when the abort was applied)."""
+"""Longest an owner waits for a late write pending on its pages (the writer, once told, only
+writes the batch it already read)."""
 
 
 class LateWrites:

@@ -57,6 +57,9 @@ class ComponentRule(BaseModel):
     role: str
     paths: list[str | PathPattern] = Field(min_length=1)
     context: str = ""
+    catch_all: bool = False
+    """The rest of a package, placed by its root alone: too loose to overrule a signature's
+    own pattern for a file (``signatures.matching.elsewhere``)."""
 
     @field_validator("role")
     @classmethod
@@ -84,6 +87,7 @@ class Component:
     id: str
     role: str
     context: str = ""
+    catch_all: bool = False
 
 
 def normalise(path: str) -> str:
@@ -103,8 +107,8 @@ class Resolver:
     """Qualifies paths against the index's files and maps them to components."""
 
     def __init__(self, rules: list[ComponentRule], files: Iterable[tuple[str, str]] = ()):
-        self._rules = [(Component(r.id, r.role, r.context), [_matcher(p) for p in r.paths])
-                       for r in rules]
+        self._rules = [(Component(r.id, r.role, r.context, r.catch_all),
+                        [_matcher(p) for p in r.paths]) for r in rules]
         by_base: dict[str, list[str]] = {}
         for system, path in files:
             base = path.rsplit("/", 1)[-1]
