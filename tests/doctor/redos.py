@@ -78,32 +78,41 @@ def adversarial(pattern: str, flags: int, n: int) -> Iterator[str]:
         yield anchor + ("| " + " " * 60) * (n // 62)
 
 
-def worst(rx: Any, pattern: str, flags: int, n: int, as_bytes: bool, tries: int = 1) -> float:
-    """The slowest adversarial input's search time; each input timed ``tries`` times and its
-    fastest kept (on a shared machine preemption only ever adds time)."""
-    out = 0.0
-    for s in adversarial(pattern, flags, n):
-        data: Any = s.encode("latin-1", "replace") if as_bytes else s
-        best = float("inf")
-        for _ in range(tries):
-            t = time.perf_counter()
-            rx.search(data)
-            best = min(best, time.perf_counter() - t)
-        out = max(out, best)
-    return out
+def worst(rx: Any, pattern: str, flags: int, as_bytes: bool, tries: tuple[int, int]
+          ) -> tuple[float, float]:
+    """The slowest adversarial inputs' search times at SMALL and at LARGE characters.
+
+    Each input shape is timed at both sizes back to back (``tries`` times at each size), the
+    fastest of each kept: on a shared machine preemption only ever adds time, and a load
+    that lasts seconds (two test workers and their subprocesses on two cores) slows both
+    sizes of one shape alike, so it leaves their ratio alone; timing every small input first
+    and every large one after let such a load fall on the large ones only and read a linear
+    pattern as quadratic."""
+    small_out = large_out = 0.0
+    for small_s, large_s in zip(adversarial(pattern, flags, SMALL),
+                                adversarial(pattern, flags, LARGE), strict=True):
+        data = [x.encode("latin-1", "replace") if as_bytes else x for x in (small_s, large_s)]
+        best = [float("inf"), float("inf")]
+        for round_ in range(max(tries)):
+            for i, d in enumerate(data):
+                if round_ >= tries[i]:
+                    continue
+                t = time.perf_counter()
+                rx.search(d)
+                best[i] = min(best[i], time.perf_counter() - t)
+        small_out, large_out = max(small_out, best[0]), max(large_out, best[1])
+    return small_out, large_out
 
 
 def superlinear(rx: Any, pattern: str, flags: int, as_bytes: bool
                 ) -> tuple[float, float] | None:
     """(small, large) search times when ``rx`` grows faster than its input on its worst
     cases, else None. A first look that seems superlinear is measured again, each input's
-    fastest of five kept: one preempted search is not a finding. The small size is always
-    timed thrice (cheap): one preempted small search would hide a quadratic pattern."""
-    small = worst(rx, pattern, flags, SMALL, as_bytes, tries=3)
-    large = worst(rx, pattern, flags, LARGE, as_bytes)
+    fastest of five kept: one preempted search is not a finding. The first look times each
+    small input thrice (cheap): one preempted small search would hide a quadratic pattern."""
+    small, large = worst(rx, pattern, flags, as_bytes, tries=(3, 1))
     if _superlinear(small, large):
-        small = worst(rx, pattern, flags, SMALL, as_bytes, tries=5)
-        large = worst(rx, pattern, flags, LARGE, as_bytes, tries=5)
+        small, large = worst(rx, pattern, flags, as_bytes, tries=(5, 5))
     return (small, large) if _superlinear(small, large) else None
 
 
