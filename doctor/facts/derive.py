@@ -99,7 +99,8 @@ def _fact_collective_reports(ev: Evidence, facts: FactSet) -> None:
             seq_a, seq_b = g.get("seq_a"), g.get("seq_b")
             at_a = f" #{seq_a}" if seq_a else ""
             at_b = f" #{seq_b}" if seq_b else ""
-            if g["op_a"] != g["op_b"] or seq_a != seq_b:
+            aspects = _aspects(g.get("aspects") or "")
+            if g["op_a"] != g["op_b"] or seq_a != seq_b or aspects & {"seq", "op"}:
                 text = (f"rank {g['rank_a']} runs {g['op_a']}{at_a} while rank "
                         f"{g['rank_b']} runs {g['op_b']}{at_b}")
                 facts.add(Fact.COLLECTIVE_OP_MISMATCH, Witness(text, w.file, w.line, w.rank))
@@ -107,10 +108,17 @@ def _fact_collective_reports(ev: Evidence, facts: FactSet) -> None:
                 # different paths, as blocked stacks at two call sites would show
                 facts.add(Fact.BLOCKED_SITES_DIVERGE, Witness(
                     f"torch's collective check: {text}", w.file, w.line, w.rank))
-            elif g.get("shape_a") != g.get("shape_b"):
+            elif g.get("shape_a") != g.get("shape_b") or aspects & {"shape", "dtype"}:
+                what = ("dtypes" if aspects == {"dtype"} else "shapes")
                 facts.add(Fact.COLLECTIVE_SIZE_MISMATCH, Witness(
                     f"{g['op_a']}{at_a}: rank {g['rank_a']} shape [{g.get('shape_a')}], "
-                    f"rank {g['rank_b']} shape [{g.get('shape_b')}]", w.file, w.line, w.rank))
+                    f"rank {g['rank_b']} shape [{g.get('shape_b')}] (torch says the {what} "
+                    "differ)", w.file, w.line, w.rank))
+        for h in r.hits.get("collective-members-disagree", _EMPTY).kept:
+            if classify(h.text, None) is FailureKind.SHAPE:
+                facts.add(Fact.COLLECTIVE_SIZE_MISMATCH, witness(
+                    f"the collective's own check: its members fed it different sizes: "
+                    f"{h.text[:240]}", h.source, r.rank))
         for h in r.hits.get("nccl-desync-lagging", _EMPTY).kept:
             facts.add(Fact.RANK_MISSING_FROM_COLLECTIVE, witness(
                 f"ranks [{h.groups['ranks']}] never joined collective #{h.groups['seq']}: "
@@ -134,6 +142,19 @@ def _fact_collective_reports(ev: Evidence, facts: FactSet) -> None:
             + ", ".join(sorted(started)), w.file, w.line, w.rank))
 
 
+#: torch's list of what differs between two ranks' collectives (ProcessGroupWrapper.cpp,
+#: ``CollectiveFingerPrint::compute_collective_diff``): "Sequence number: 5vs 6", "Op type:
+#: ...", "Tensor Tensor shapes: ...", "Tensor Tensor dtypes: ...", "Tensor Tensor devices".
+_ASPECTS = {"seq": re.compile(r"Sequence number:"), "op": re.compile(r"Op type:"),
+            "shape": re.compile(r"Tensor shapes:"), "dtype": re.compile(r"Tensor dtypes:"),
+            "device": re.compile(r"Tensor devices:")}
+
+
+def _aspects(text: str) -> set[str]:
+    """Which aspects torch's collective check says differ (empty: it did not say)."""
+    return {k for k, rx in _ASPECTS.items() if rx.search(text)}
+
+
 _FINGERPRINT = re.compile(
     r"Rank\s+(?P<rank>\d{1,6})\s+is\s+running\s+(?:inconsistent\s+)?collective:\s*"
     r"CollectiveFingerPrint\((?:\s*SequenceNumber\s*=\s*(?P<seq>\d{1,12}),?)?\s*"
@@ -147,10 +168,12 @@ def _fact_fingerprints(ev: Evidence, facts: FactSet) -> None:
     or sequence positions took different paths; the same collective with other shapes was fed
     rank-dependent sizes."""
     seen: dict[int, tuple[str | None, str, str | None, Witness]] = {}
+    aspects: set[str] = set()
     for r in ev.all_ranks():
         for e in r.exceptions:
             if "CollectiveFingerPrint" not in e.message:
                 continue
+            aspects |= _aspects(e.message[:20000])
             for m in _FINGERPRINT.finditer(e.message[:20000]):
                 rank = int(m["rank"])
                 shape = " ".join(m["shape"].split()) if m["shape"] is not None else None
@@ -159,13 +182,13 @@ def _fact_fingerprints(ev: Evidence, facts: FactSet) -> None:
     if len(seen) < 2:
         return
     (ra, (sa, oa, sha, wa)), (rb, (sb, ob, shb, _)) = sorted(seen.items())[:2]
-    if oa != ob or (sa is not None and sb is not None and sa != sb):
+    if oa != ob or (sa is not None and sb is not None and sa != sb) or aspects & {"seq", "op"}:
         text = (f"rank {ra} runs {oa}{f' #{sa}' if sa else ''} while rank {rb} runs "
                 f"{ob}{f' #{sb}' if sb else ''}")
         facts.add(Fact.COLLECTIVE_OP_MISMATCH, Witness(text, wa.file, wa.line, wa.rank))
         facts.add(Fact.BLOCKED_SITES_DIVERGE, Witness(f"torch's collective check: {text}",
                                                       wa.file, wa.line, wa.rank))
-    elif sha is not None and shb is not None and sha != shb:
+    elif (sha is not None and shb is not None and sha != shb) or aspects & {"shape", "dtype"}:
         facts.add(Fact.COLLECTIVE_SIZE_MISMATCH, Witness(
             f"{oa}: rank {ra} shape [{sha}], rank {rb} shape [{shb}]", wa.file, wa.line,
             wa.rank))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 from bisect import bisect_right
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,6 +57,13 @@ _COMPARISONS = ("==", "!=", "<=", ">=", " < ", " > ", " is not ", " not in ", "i
 OPTIONAL_WORDS = ("assert", "self")
 """Template words a line may lack at no cost (see ``TemplateMatcher._optional``)."""
 _SHAPE = re.compile(r"0[xX][0-9a-fA-F]+|\d+")
+NEAR_MIN = 6
+"""A line's word of this many letters or more that no template has is read as the template
+word one edit away (a letter changed, added, dropped or two swapped: ``PR0CESSING``,
+``recieve``), when exactly one word is that close."""
+NEAR_CREDIT = 0.5
+"""What such a word weighs, as a share of the word it stands for: a misspelt word is weaker
+evidence than the word itself."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +133,29 @@ class TemplateMatcher:
         self._post = pair_owner[keep][order]
         self._ptr = np.searchsorted(pair_tok[keep][order], np.arange(v + 1))
         self._cache: dict[str, list[Match]] = {}
+        # every vocabulary word of NEAR_MIN letters or more under each of its one-letter
+        # deletions (-2 where two words share one): two words one edit apart share a deletion
+        # or one is a deletion of the other (the symmetric-deletion scheme)
+        self._near: dict[str, int] = {}
+        for i, w in enumerate(vocab):
+            if len(w) >= NEAR_MIN:
+                for k in range(len(w)):
+                    d = w[:k] + w[k + 1:]
+                    self._near[d] = i if self._near.get(d, i) == i else -2
+
+    def _nearest(self, word: str) -> int:
+        """The one vocabulary word one edit from ``word`` (an unknown word), or -1."""
+        found: set[int] = set()
+        for d in {word[:k] + word[k + 1:] for k in range(len(word))} | {word}:
+            hit = self._near.get(d, -1)
+            if hit == -2:
+                return -1
+            if hit >= 0:
+                found.add(hit)
+            if d != word and len(d) >= NEAR_MIN:
+                found.add(self._vocab.get(d, -1))
+        found.discard(-1)
+        return found.pop() if len(found) == 1 else -1
 
     def tokens_of(self, tid: int) -> list[int]:
         return self._toks[self._offs[tid]:self._offs[tid + 1]].tolist()
@@ -144,11 +175,17 @@ class TemplateMatcher:
     def _match(self, text: str, limit: int) -> list[Match]:
         if interpreter_message(text):
             return []  # the interpreter wrote it: no upstream template can own it
-        ids = [self._vocab.get(w, -1) for w in words(text)[:MAX_LINE_TOKENS]]
+        toks = words(text)[:MAX_LINE_TOKENS]
+        ids = [self._vocab.get(w, -1) for w in toks]
         if len(ids) < 2:
             return []
         positions: dict[int, list[int]] = {}
+        near: set[int] = set()  # line positions of words read as a word one edit away
         for i, t in enumerate(ids):
+            if t < 0 and len(toks[i]) >= NEAR_MIN:
+                t = self._nearest(toks[i])
+                if t >= 0:
+                    near.add(i)
             if t >= 0:
                 positions.setdefault(t, []).append(i)
         slices = [self._post[self._ptr[t]:self._ptr[t + 1]] for t in positions]
@@ -171,7 +208,7 @@ class TemplateMatcher:
         for tid in cands.tolist():
             if not says_assert and self._bare_assert[tid]:
                 continue
-            s, explained, first = self._score(tid, positions, len(ids))
+            s, explained, first = self._score(tid, positions, len(ids), near)
             if s >= MIN_SIMILARITY:
                 scored.append((s, explained, tid))
                 anchored[tid] = self._toks[self._offs[tid]] < 0 or 0 <= first <= ANCHOR_SLACK
@@ -221,10 +258,11 @@ class TemplateMatcher:
             return []
         return [Match(self.templates[best[1]], PREFIX_SIMILARITY, True)]
 
-    def _score(self, tid: int, positions: dict[int, list[int]],
-               n_line: int) -> tuple[float, float, int]:
+    def _score(self, tid: int, positions: dict[int, list[int]], n_line: int,
+               near: AbstractSet[int] = frozenset()) -> tuple[float, float, int]:
         """(similarity, weight of the line's tokens the template explains, the line position
-        of its first matched token or -1)."""
+        of its first matched token or -1). A token at a position in ``near`` (a misspelling
+        of the template's word) counts ``NEAR_CREDIT`` of its weight."""
         matched = 0.0
         found = 0
         extra = 0
@@ -244,7 +282,7 @@ class TemplateMatcher:
                 idx = lst[j]
                 if glued and pos >= 0:
                     extra += max(0, idx - pos - 1 - slack)
-                matched += float(weight[tok])
+                matched += float(weight[tok]) * (NEAR_CREDIT if idx in near else 1.0)
                 found += 1
                 pos = idx
                 if first < 0:

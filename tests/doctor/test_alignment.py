@@ -256,3 +256,52 @@ def test_ranks_that_print_different_sizes_for_one_collective(tmp_path: Path) -> 
     for name in ("b.log", "c.log"):
         assert "collective-size-mismatch" not in diagnose(
             [str(tmp_path / name)]).fingerprint.facts, name
+
+
+def _fingerprint(rank: int, seq: int, op: str, shape: str, dtype: str) -> str:
+    return (f"Rank {rank} is running collective: CollectiveFingerPrint(SequenceNumber={seq}, "
+            f"OpType={op}, TensorShape=[{shape}], TensorDtypes={dtype}, TensorDeviceTypes="
+            "TensorOptions(dtype=float (default), device=cuda, layout=Strided (default)))")
+
+
+def test_torch_s_list_of_differing_aspects_decides_order_or_size(tmp_path: Path) -> None:
+    """torch's check (ProcessGroupWrapper.cpp compute_collective_diff) lists what differs: the
+    same op, sequence number and shape in other dtypes is a size fault (each rank sends
+    another number of bytes); another sequence number is an ordering fault."""
+    def report(a: str, b: str, aspects: str) -> str:
+        return (f"[rank7]: RuntimeError: Detected mismatch between collectives on ranks. {a}, "
+                f"but {b}.Collectives differ in the following aspects: {aspects}\n")
+
+    (tmp_path / "dtype.log").write_text(report(
+        _fingerprint(7, 5, "_ALLGATHER_BASE", "1", "Float"),
+        _fingerprint(0, 5, "_ALLGATHER_BASE", "1", "BFloat16"),
+        "  Tensor Tensor dtypes: Floatvs BFloat16"))
+    d = diagnose([str(tmp_path / "dtype.log")])
+    assert "collective-size-mismatch" in d.fingerprint.facts
+    assert "collective-op-mismatch" not in d.fingerprint.facts
+    assert d.verdicts and d.verdicts[0].signature == "collective-shape-mismatch"
+    (tmp_path / "seq.log").write_text(report(
+        _fingerprint(7, 5, "ALLREDUCE", "4", "Float"),
+        _fingerprint(0, 5, "ALLREDUCE", "4", "Float"), "\t Sequence number: 5vs 6"))
+    d = diagnose([str(tmp_path / "seq.log")])
+    assert "collective-op-mismatch" in d.fingerprint.facts
+    assert "collective-size-mismatch" not in d.fingerprint.facts
+
+
+def test_a_collective_s_own_check_of_its_members_shapes_in_other_words(tmp_path: Path) -> None:
+    """A framework's own cross-member check (TensorFlow's "expected shape [A] but another
+    member in the group expected shape [B]") is a size fault; a line about a collective and
+    its other members that states no sizes (a member that went away) is not."""
+    (tmp_path / "tf.log").write_text(
+        "Collective ops is aborted by: Shape mismatch in the collective instance 100. Op at "
+        "device /job:localhost/replica:0/task:0/device:GPU:2 expected shape [28678440] but "
+        "another member in the group expected shape [39166184]. This is likely due to "
+        "different input shapes at different members of the collective op.\n")
+    d = diagnose([str(tmp_path / "tf.log")])
+    assert "collective-size-mismatch" in d.fingerprint.facts
+    assert d.verdicts and d.verdicts[0].signature == "collective-shape-mismatch"
+    (tmp_path / "gone.log").write_text(
+        "Collective ops is aborted by: another member of the collective group failed: "
+        "connection reset by peer\n")
+    assert "collective-size-mismatch" not in diagnose(
+        [str(tmp_path / "gone.log")]).fingerprint.facts

@@ -217,6 +217,11 @@ def test_prefixes_and_path_hints() -> None:
         rank=0, tp=3, dp=1)
     assert strip_prefixes("[PG 0 Rank 2] Timeout at NCCL work: 1").hint.rank == 2
     assert strip_prefixes("ERROR 02-12 03:41:17 engine.py:135] y").rest == "y"
+    # horovodrun's [3]<stderr>: and Open MPI's --tag-output [job,rank]<stderr>:
+    for line, rank in (("[3]<stderr>:  File \"a.py\", line 1, in f", 3),
+                       ("[1,2]<stderr>:  File \"a.py\", line 1, in f", 2)):
+        p = strip_prefixes(line)
+        assert (p.hint.rank, p.rest) == (rank, '  File "a.py", line 1, in f'), line
     assert path_hint("bundle/rank3/stacks.txt").rank == 3
     assert path_hint("run-tp8/server.log") == RankHint()
     assert path_hint("logs/tp1_pp0.log") == RankHint(tp=1, pp=0)

@@ -240,6 +240,27 @@ def test_a_line_is_matched_to_the_template_that_printed_it(index) -> None:  # ty
     assert changed.similarity < exact.similarity == 1.0
 
 
+def test_a_misspelt_word_reads_as_the_word_one_edit_away_at_half_its_weight(index) -> None:  # type: ignore[no-untyped-def]
+    # a Mooncake master's CHECK as one report quoted it, a digit for a letter (PR0CESSING):
+    # the word no template has is read as the one word one edit away, weaker than the word
+    line = "F0808 16:04:00.7 1 types.h:307] Check failed: status_ == ReplicaStatus::{} " \
+           "(COMPLETE vs. PROCESSING)"
+    exact = index.match(line.format("PROCESSING"))
+    typo = index.match(line.format("PR0CESSING"))
+    assert exact and typo
+    assert typo[0].template.id == exact[0].template.id
+    assert typo[0].template.file == "mooncake-store/include/types.h"
+    assert 0.7 <= typo[0].similarity < exact[0].similarity
+    # swapped letters and a dropped one too
+    right = index.match("No backup available on evicted nodes, should not happen")[0]
+    for typo_line in ("No bakcup available on evicted nodes, should not happen",
+                      "No backup avaliable on evicted nodes, should not happen",
+                      "No backup available on evited nodes, should not happen"):
+        assert index.match(typo_line)[0].template.id == right.template.id, typo_line
+    # a word two edits from every template word is no word of theirs
+    assert index.matcher._nearest("prxcexsing") == -1
+
+
 def test_a_template_of_common_words_is_found_among_many_that_share_them(index) -> None:  # type: ignore[no-untyped-def]
     # vLLM 0.20.2 vllm/v1/kv_offload/cpu/manager.py: every word of "Block {} not found in
     # cache" is common, so hundreds of templates share some of them; it is reachable only

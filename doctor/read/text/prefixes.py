@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from doctor.model.evidence import RankHint
 
 _TORCH = re.compile(r"\[(?:rank|default|trainer|worker|local_rank)(?P<n>\d{1,6})\]:(?: (?=\S))?"
-                    # horovodrun / mpirun --tag-output: [3]<stderr>:
-                    r"|\[(?P<h>\d{1,6})\]<std(?:out|err)>:")
+                    # horovodrun: [3]<stderr>:, Open MPI's --tag-output: [1,3]<stderr>:
+                    # (the job's id, then the rank)
+                    r"|\[(?:\d{1,6},)?(?P<h>\d{1,6})\]<std(?:out|err)>:")
 _SGLANG = re.compile(r"\[(?P<ts>\d{4}-\d\d-\d\d[ T_]\d\d:\d\d:\d\d(?:[.,]\d+)?)"
                      r"(?P<tags>(?: [A-Z][A-Z_]*\d+)*)\] ?")
 _TAG = re.compile(r"(?<![A-Z_])(TP|PP|DP)(\d{1,6})\b")
