@@ -279,7 +279,8 @@ def test_torch_s_list_of_differing_aspects_decides_order_or_size(tmp_path: Path)
     d = diagnose([str(tmp_path / "dtype.log")])
     assert "collective-size-mismatch" in d.fingerprint.facts
     assert "collective-op-mismatch" not in d.fingerprint.facts
-    assert d.verdicts and d.verdicts[0].signature == "collective-shape-mismatch"
+    assert d.verdicts
+    assert d.verdicts[0].signature == "collective-shape-mismatch"
     (tmp_path / "seq.log").write_text(report(
         _fingerprint(7, 5, "ALLREDUCE", "4", "Float"),
         _fingerprint(0, 5, "ALLREDUCE", "4", "Float"), "\t Sequence number: 5vs 6"))
@@ -299,7 +300,8 @@ def test_a_collective_s_own_check_of_its_members_shapes_in_other_words(tmp_path:
         "different input shapes at different members of the collective op.\n")
     d = diagnose([str(tmp_path / "tf.log")])
     assert "collective-size-mismatch" in d.fingerprint.facts
-    assert d.verdicts and d.verdicts[0].signature == "collective-shape-mismatch"
+    assert d.verdicts
+    assert d.verdicts[0].signature == "collective-shape-mismatch"
     (tmp_path / "gone.log").write_text(
         "Collective ops is aborted by: another member of the collective group failed: "
         "connection reset by peer\n")

@@ -247,7 +247,8 @@ def test_a_misspelt_word_reads_as_the_word_one_edit_away_at_half_its_weight(inde
            "(COMPLETE vs. PROCESSING)"
     exact = index.match(line.format("PROCESSING"))
     typo = index.match(line.format("PR0CESSING"))
-    assert exact and typo
+    assert exact
+    assert typo
     assert typo[0].template.id == exact[0].template.id
     assert typo[0].template.file == "mooncake-store/include/types.h"
     assert 0.7 <= typo[0].similarity < exact[0].similarity
