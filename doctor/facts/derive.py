@@ -109,11 +109,11 @@ def _fact_collective_reports(ev: Evidence, facts: FactSet) -> None:
                 facts.add(Fact.BLOCKED_SITES_DIVERGE, Witness(
                     f"torch's collective check: {text}", w.file, w.line, w.rank))
             elif g.get("shape_a") != g.get("shape_b") or aspects & {"shape", "dtype"}:
-                what = ("dtypes" if aspects == {"dtype"} else "shapes")
+                said = f" (torch: the {', '.join(sorted(aspects))} differ)" if aspects else ""
                 facts.add(Fact.COLLECTIVE_SIZE_MISMATCH, Witness(
                     f"{g['op_a']}{at_a}: rank {g['rank_a']} shape [{g.get('shape_a')}], "
-                    f"rank {g['rank_b']} shape [{g.get('shape_b')}] (torch says the {what} "
-                    "differ)", w.file, w.line, w.rank))
+                    f"rank {g['rank_b']} shape [{g.get('shape_b')}]{said}", w.file, w.line,
+                    w.rank))
         for h in r.hits.get("collective-members-disagree", _EMPTY).kept:
             if classify(h.text, None) is FailureKind.SHAPE:
                 facts.add(Fact.COLLECTIVE_SIZE_MISMATCH, witness(
@@ -145,14 +145,13 @@ def _fact_collective_reports(ev: Evidence, facts: FactSet) -> None:
 #: torch's list of what differs between two ranks' collectives (ProcessGroupWrapper.cpp,
 #: ``CollectiveFingerPrint::compute_collective_diff``): "Sequence number: 5vs 6", "Op type:
 #: ...", "Tensor Tensor shapes: ...", "Tensor Tensor dtypes: ...", "Tensor Tensor devices".
-_ASPECTS = {"seq": re.compile(r"Sequence number:"), "op": re.compile(r"Op type:"),
-            "shape": re.compile(r"Tensor shapes:"), "dtype": re.compile(r"Tensor dtypes:"),
-            "device": re.compile(r"Tensor devices:")}
+_ASPECTS = {"seq": "Sequence number:", "op": "Op type:", "shape": "Tensor shapes:",
+            "dtype": "Tensor dtypes:", "device": "Tensor devices:"}
 
 
 def _aspects(text: str) -> set[str]:
     """Which aspects torch's collective check says differ (empty: it did not say)."""
-    return {k for k, rx in _ASPECTS.items() if rx.search(text)}
+    return {k for k, said in _ASPECTS.items() if said in text}
 
 
 _FINGERPRINT = re.compile(
