@@ -125,7 +125,6 @@ class DeviceEviction:
         device_slots = torch.cat([n.value for n in copy])  # type: ignore[misc]
         host_slots = torch.cat([n.host_value for n in copy])  # type: ignore[misc]
         wb.controller.write_now(device_slots, host_slots)
-        wb.space.copied(copy)  # before anything reads the new copies
         for n in drop:
             self.device.free(self.tree.drop_device(n))
         self.counters.backup_tokens += int(host_slots.numel())

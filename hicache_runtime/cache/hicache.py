@@ -275,7 +275,6 @@ class HiCache(PrefixCache):
             for node_id in ack.node_ids:
                 node = self.in_flight.ongoing_write_through.pop(node_id)
                 fragments = self._fragments(node, self.in_flight.write_tokens.pop(node_id))
-                self.space.copied(fragments)  # before anything reads the new copies
                 self.tree.dec_lock_ref(node)
                 touch_on_io_done(node, ack, self.legacy)
                 for fragment in fragments:  # every fragment, top-down (as upstream)

@@ -11,25 +11,19 @@ leaves, least recently used first.
 from __future__ import annotations
 
 import heapq
-import logging
 from typing import TYPE_CHECKING
 
 from hicache_runtime.contracts.events import Ev
-from hicache_runtime.kv.late_writes import LATE_WRITE_WAIT_S
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
-
     import torch
 
     from hicache_runtime.cache.state import CacheCounters
     from hicache_runtime.dist.protocols import RankSync
     from hicache_runtime.kv.host_pins import HostPins
     from hicache_runtime.kv.pools import HostKVPool
-    from hicache_runtime.kv.radix_tree import RadixTree, TreeNode
+    from hicache_runtime.kv.radix_tree import RadixTree
     from hicache_runtime.telemetry.tracer import Tracer
-
-log = logging.getLogger(__name__)
 
 
 class HostSpace:
@@ -105,20 +99,6 @@ class HostSpace:
 
     def free(self, slots: torch.Tensor) -> None:
         self.host.free(slots)
-
-    def copied(self, nodes: Iterable[TreeNode]) -> None:
-        """The nodes' copies into host pages are complete and nothing has read them yet: a
-        late write pending on one of those pages lands now (``kv/late_writes.py``; only the
-        ``abort-frees-in-flight`` legacy switch arms any)."""
-        late = self.host.late_writes
-        if not late.armed:
-            return
-        ps = self.host.page_size
-        pages = {p for n in nodes if n.host_value is not None
-                 for p in (n.host_value[::ps] // ps).tolist()}
-        if not late.copied(pages, LATE_WRITE_WAIT_S):
-            log.warning("a late write armed on host pages %s did not land within %g s; "
-                        "their new copy goes on unwritten", sorted(pages), LATE_WRITE_WAIT_S)
 
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` of L2 from evicted, unreferenced leaves (LRU)."""

@@ -1,101 +1,100 @@
 """Host pages a late writer still holds after they went back to the pool.
 
 Only the ``abort-frees-in-flight`` legacy switch makes such writers (pre-#31296: an aborted
-prefetch's pages are freed while its IO thread still reads a batch into them). Which
-interleaving that read finishes in decides what the bug does: before a new owner's copy lands
-in the pages, the owner's copy covers it and nothing goes wrong; after the owner's copy landed
-and before anything read it, every reader of that copy (a load back to L1, the L3 backup)
-gets the late data. Left to thread timing the second happens in some runs and not in others,
-and a layer-by-layer copy still in progress is half overwritten: the reproduction would show
-the bug or not depending on this machine's load.
+prefetch's pages are freed while its IO thread still reads a batch into them). The batch's
+bytes reach the pages whenever that read finishes: a transfer into registered host memory
+(RDMA, a storage daemon's DMA) completes on its own time, not the giving-up thread's. When
+it lands decides what the bug does: into free pages or under a copy still to come, nothing
+goes wrong; on a new owner's complete copy, every later reader of that copy (a load back to
+L1, the L3 backup) gets the late data. Left to thread timing, whether a corrupted copy was
+ever loaded back before L2 evicted it varied with this machine's load (measured with the
+late write landing right after a new owner's copy: 1 to 17 outputs differ per run beside
+two busy loops, and a CI run in which none did).
 
-So the reproduction picks the interleaving that corrupts, as ``faults.rendezvous`` picks the
-one that exposes the ack bugs: the writer *arms* its batch's pages before it asks for the
-abort; the thread that completes a new owner's copy into an armed page (the write-through ack,
-the synchronous write-back copy) reports it and waits, bounded, until the late write landed;
-the writer waits for that report and then *disarms*. The owner's copy is then wrong, every
-time, before anyone reads it. A prefetch that takes an armed page reports too: its copy comes
-from the writer's own IO thread, so the late write lands first and is covered (the same every
-time as well). Only when no owner comes within a number of scheduler steps does the writer
-land early on free pages.
+So the reproduction picks the interleaving that corrupts and shows, as ``faults.rendezvous``
+picks the one that exposes the ack bugs: the writer *arms* its batch's pages before it asks
+for the abort and, once the abort freed them, *posts* the late write (the bytes it read and
+how to land them); the IO thread goes on. The write lands when a load-back is about to read
+one of its pages into L1 (``CacheController.start_loading`` calls :meth:`reading`), in that
+thread, before the read: the pages then hold a new owner's complete copy (only a backed-up
+node is evicted from L1, and only an evicted node is loaded back), and the load reads the
+late data, every time. A write whose pages nobody loads back never lands (it would have
+corrupted nothing anyone read); the run summary counts it as pending.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 LATE_WRITE_WAIT_S = 5.0
-"""Longest an owner waits for a late write pending on its pages (the writer, once told, only
-writes the batch it already read)."""
+"""Longest a load-back waits for the writer to post a write armed on its pages (the writer
+has read its batch or is reading it; it posts right after the abort it asked for)."""
+
+
+@dataclass
+class _Posted:
+    pages: frozenset[int]
+    land: Callable[[], None]
 
 
 class LateWrites:
-    """The host pool's armed pages. Cheap when nothing is armed (every run but the legacy
-    switch's): an owner's report then returns before taking the lock."""
+    """The host pool's armed pages and posted late writes. Cheap when nothing is armed (every
+    run but the legacy switch's): a reader returns before taking the lock."""
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
-        self._armed: set[int] = set()
-        self._landed: set[int] = set()
-        """Armed pages whose new owner's copy is complete (reported, not yet written over)."""
-        self._queued: set[int] = set()
-        """Armed pages a prefetch took: its copy comes from the writer's own thread, after."""
+        self._unposted: set[int] = set()
+        """Armed pages whose writer is still reading its batch."""
+        self._posted: list[_Posted] = []
+        """Late writes waiting for a reader, oldest first (the order they land in)."""
 
     @property
     def armed(self) -> bool:
-        """Whether any page is armed (read without the lock: a set's truth is atomic)."""
-        return bool(self._armed)
+        """Whether any write is armed or posted (read without the lock: a container's truth
+        is atomic)."""
+        return bool(self._unposted) or bool(self._posted)
+
+    @property
+    def pending(self) -> int:
+        """Posted late writes that have not landed."""
+        with self._cv:
+            return len(self._posted)
 
     def arm(self, pages: Iterable[int]) -> None:
         """Writer: these pages will be written late, whoever owns them by then."""
         with self._cv:
-            self._armed.update(pages)
+            self._unposted.update(pages)
 
     def disarm(self, pages: Iterable[int]) -> None:
-        """Writer: done with these pages (written or given up); owners waiting go on."""
-        pages = set(pages)
+        """Writer: no late write comes for these pages (the abort freed nothing, or reading
+        the batch failed)."""
         with self._cv:
-            self._armed -= pages
-            self._landed -= pages
-            self._queued -= pages
+            self._unposted -= set(pages)
             self._cv.notify_all()
 
-    def owner(self, pages: Iterable[int]) -> str | None:
-        """Writer: ``"copied"`` once a new owner's copy into one of ``pages`` is complete,
-        ``"queued"`` once a prefetch took one (its copy follows this thread's write), else
-        None."""
-        pages = set(pages)
+    def post(self, pages: Iterable[int], land: Callable[[], None]) -> None:
+        """Writer: the late write of ``pages``; ``land`` writes its bytes (called once, in the
+        thread of the load-back that reads one of the pages first)."""
+        posted = _Posted(frozenset(pages), land)
         with self._cv:
-            if not self._landed.isdisjoint(pages):
-                return "copied"
-            return "queued" if not self._queued.isdisjoint(pages) else None
-
-    def wait(self, timeout_s: float) -> None:
-        """Writer: sleep until an owner reports or ``timeout_s`` passes."""
-        with self._cv:
-            self._cv.wait(timeout_s)
-
-    def queued(self, pages: Iterable[int]) -> None:
-        """Owner: a prefetch took ``pages``; the IO thread that writes them is the one a late
-        write pending on them runs on, so its copy lands after that write."""
-        if not self.armed:
-            return
-        with self._cv:
-            self._queued |= self._armed.intersection(pages)
+            self._posted.append(posted)
+            self._unposted -= posted.pages
             self._cv.notify_all()
 
-    def copied(self, pages: Iterable[int], timeout_s: float) -> bool:
-        """Owner: a copy into ``pages`` is complete and nothing has read it yet. If a late
-        write is pending on one of them, report it and wait until it landed; False when it
-        did not within ``timeout_s`` (the owner goes on)."""
+    def reading(self, pages: Iterable[int], timeout_s: float) -> bool:
+        """Reader: a load-back is about to read ``pages``. Every late write posted on one of
+        them lands first, in posting order; a writer still reading a batch for one of them
+        is waited for up to ``timeout_s``. False when it had not posted by then (the
+        load-back goes on)."""
         if not self.armed:
             return True
         pages = set(pages)
         with self._cv:
-            hit = pages & self._armed
-            if not hit:
-                return True
-            self._landed |= hit
-            self._cv.notify_all()
-            return self._cv.wait_for(lambda: self._armed.isdisjoint(pages), timeout_s)
+            posted = self._cv.wait_for(lambda: self._unposted.isdisjoint(pages), timeout_s)
+            due = [w for w in self._posted if not w.pages.isdisjoint(pages)]
+            self._posted = [w for w in self._posted if w.pages.isdisjoint(pages)]
+        for w in due:  # outside the lock: the pages are this reader's until it reads them
+            w.land()
+        return posted

@@ -16,6 +16,7 @@ than a rank holds therefore fails exactly the way production did:
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -23,8 +24,11 @@ import torch
 
 from hicache_runtime.contracts.events import Ev
 from hicache_runtime.kv.copy_engine import CopyEngine, Event
+from hicache_runtime.kv.late_writes import LATE_WRITE_WAIT_S
 from hicache_runtime.kv.pools import DeviceKVPool, HostKVPool
 from hicache_runtime.telemetry.tracer import Tracer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -105,6 +109,7 @@ class CacheController:
             return None
         op = _merge(self.load_queue)
         self.load_queue = []
+        self._reading(op.host_slots)
         event, slot = self._engine.load(self.host, self.device, op.host_slots, op.device_slots,
                                        self.device.layer_counter)
         self.ack_load_queue.append(HiCacheAck(event, op.node_ids, int(op.host_slots.numel())))
@@ -112,6 +117,19 @@ class CacheController:
         self.tracer.emit(Ev.LOAD_SUBMIT, nodes=op.node_ids, tokens=int(op.host_slots.numel()),
                          counter_slot=slot)
         return slot
+
+    def _reading(self, host_slots: torch.Tensor) -> None:
+        """A late write pending on a page this load reads lands now, so that the load reads
+        it (``kv/late_writes.py``; only the ``abort-frees-in-flight`` legacy switch arms
+        any)."""
+        late = self.host.late_writes
+        if not late.armed:
+            return
+        ps = self.host.page_size
+        pages = set((host_slots[::ps] // ps).tolist())
+        if not late.reading(pages, LATE_WRITE_WAIT_S):
+            log.warning("a late write armed on host pages %s was not posted within %g s; "
+                        "the load-back reads them without it", sorted(pages), LATE_WRITE_WAIT_S)
 
     # --- acks -------------------------------------------------------------------------------
 

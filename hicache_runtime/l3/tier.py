@@ -119,7 +119,7 @@ class L3Tier:
                       "prefetched_tokens": 0, "backup_pages": 0, "backup_failed_pages": 0,
                       "query_errors": 0, "io_errors": 0, "backup_errors": 0,
                       "query_shed": 0, "backup_shed_pages": 0,
-                      "late_writes_on_new_data": 0, "late_writes_early": 0}
+                      "late_writes_posted": 0, "late_writes_read": 0}
         """Scheduler-side counters; the last seven mirror the threads' (see ``drain``)."""
 
     # --- backup -------------------------------------------------------------------------------
@@ -219,8 +219,6 @@ class L3Tier:
                              pages=tokens // self.ps)
             op.hit_pages = tokens // self.ps  # the IO thread reads only these pages
         op.host_slots = slots
-        if self.host.late_writes.armed:  # abort-frees-in-flight: kv/late_writes.py
-            self.host.late_writes.queued((slots[:: self.ps] // self.ps).tolist())
         self.occupied -= op.reserved - tokens
         op.reserved = tokens
         self.workers.prefetch_buffer.put(op)

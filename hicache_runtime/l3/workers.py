@@ -61,10 +61,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _POLL_S = 0.2
 _ABORT_WAIT_S = 5.0
-_LATE_POLL_S = 0.01
-#: A late write waits this many scheduler steps (at most _LATE_OWNER_S) for a new owner of
-#: its pages; none by then: it lands on free pages, which the next owner's copy covers.
-_LATE_OWNER_STEPS, _LATE_OWNER_S = 32, 30.0
 _WARN_FIRST, _WARN_EVERY = 5, 100
 
 AbortRequester = Callable[[str], threading.Event]
@@ -105,9 +101,8 @@ class StorageWorkers:
         """Storage calls that raised, per thread (each key is written by one thread only)."""
         self.shed = {"query_ops": 0, "backup_pages": 0}
         """Work given up when the IO budget ran out."""
-        self.late_writes = {"on_new_data": 0, "early": 0}
-        """``abort-frees-in-flight``: late batches that landed on a new owner's data (its
-        copy is now wrong) or before it came (the owner's own write then covers them)."""
+        self.late_writes = {"posted": 0, "read": 0}
+        """``abort-frees-in-flight``: late writes posted, and landed as a load-back read them."""
         self.page_size = codec.layout.page_size
         self.prefetch_queue: queue.Queue[PrefetchOperation] = queue.Queue()
         self.prefetch_hit_queue: queue.Queue[PrefetchOperation] = queue.Queue()
@@ -260,7 +255,7 @@ class StorageWorkers:
                         except Exception as exc:  # as a read failure would be
                             self._caught("io", op.rid, exc)
                     failed = True
-                if armed:  # written, or no late write came (the abort freed nothing)
+                if armed:  # posted, or no late write comes (the abort freed nothing)
                     self.host.late_writes.disarm(armed)
                     armed = []
                 if not failed:
@@ -288,16 +283,13 @@ class StorageWorkers:
     def _late_write(self, op: PrefetchOperation, keys: list[str], first_page: int,
                     info: StorageCallInfo) -> None:
         """``abort-frees-in-flight`` (pre-#31296): the batch that was being read when the
-        abort came is not re-checked: it lands in the op's pages although the abort already
-        gave them back to the pool. In production the read was slow (that is why the request
-        was aborted) and could finish after the scheduler had handed the pages to another
-        owner; this read finishes then: once a new owner's copy into one of the pages is
-        complete and before anything reads it (``kv/late_writes.py``: the owner reports and
-        waits), else as soon as a prefetch takes one of them (its copy, from this thread,
-        comes after), else after _LATE_OWNER_STEPS steps with no owner. The late data then
-        sits in that owner's host copy (and in its L3 copy, if backed up after): a
-        use-after-free that shows as wrong KV wherever that copy is loaded, not as a
-        bookkeeping error."""
+        abort came is not re-checked: its bytes reach the op's pages although the abort
+        already gave them back to the pool. In production the read was slow (that is why the
+        request was aborted) and could complete after the scheduler had handed the pages to
+        another owner. Here it is posted (``kv/late_writes.py``) and lands when a load-back
+        is about to read one of the pages, on that new owner's complete copy: a
+        use-after-free that shows as wrong KV in the request that loads it, not as a
+        bookkeeping error. A batch nobody loads back never lands."""
         assert op.host_slots is not None
         ps = self.page_size
         slots = op.host_slots[first_page * ps : (first_page + len(keys)) * ps]
@@ -305,24 +297,21 @@ class StorageWorkers:
         payloads = self.backend.batch_get(keys, info)
         good = next((i for i, p in enumerate(payloads) if p is None or not self.codec.fits(p)),
                     len(payloads))
-        # bounded in scheduler steps (what decides whether an owner comes, whatever this
-        # machine's speed), and in wall time against a scheduler that stopped stepping
-        last_step = self.tracer.step + _LATE_OWNER_STEPS
-        deadline = time.monotonic() + _LATE_OWNER_S
-        late = self.host.late_writes
-        owner = None
-        while owner is None and self.tracer.step <= last_step \
-                and time.monotonic() < deadline and not self.stop_event.is_set():
-            late.wait(_LATE_POLL_S)
-            owner = late.owner(pages)
-        on_new_data = owner == "copied"  # else lands before any owner's copy, which covers it
-        if good:
+        if not good:
+            self.host.late_writes.disarm(pages)
+            return
+
+        def land() -> None:  # in the reading load-back's thread, before it reads
             self.codec.write_pages(self.host, slots[: good * ps],
                                    payloads[:good])  # type: ignore[arg-type]
-        reused = [p for p in pages[:good] if self.host.allocator.is_used(p)]
-        self.late_writes["on_new_data" if on_new_data else "early"] += 1
-        self.tracer.emit_durable(Ev.PREFETCH_LATE_WRITE, rid=op.rid, pages=pages[:good],
-                         reused=reused)
+            reused = [p for p in pages[:good] if self.host.allocator.is_used(p)]
+            self.late_writes["read"] += 1
+            self.tracer.emit_durable(Ev.PREFETCH_LATE_WRITE, rid=op.rid, pages=pages[:good],
+                                     reused=reused)
+
+        self.host.late_writes.post(pages[:good], land)
+        self.host.late_writes.disarm(pages[good:])
+        self.late_writes["posted"] += 1
 
     def _pool_pages(self, op: PrefetchOperation) -> tuple[int, ...]:
         return tuple(op.local_pool_pages.get(name, 0) for name in self.sidecars)

@@ -111,12 +111,12 @@ class L3Stats(BaseModel):
     """Prefetch queries given up: queued longer than the IO budget (a slow backend)."""
     backup_shed_pages: int = 0
     """Backup pages given up when the IO budget ran out (a slow backend)."""
-    late_writes_on_new_data: int = 0
-    """``abort-frees-in-flight`` only: late prefetch batches that landed on the data of the
-    pages' new owner (a host copy now wrong wherever it is loaded)."""
-    late_writes_early: int = 0
-    """``abort-frees-in-flight`` only: late batches that landed before any new owner's data
-    (free pages, or pages whose owner writes after them: harmless)."""
+    late_writes_posted: int = 0
+    """``abort-frees-in-flight`` only: late prefetch batches still arriving after the abort
+    freed their pages (each lands when a load-back reads one of those pages)."""
+    late_writes_read: int = 0
+    """``abort-frees-in-flight`` only: late batches that landed on a new owner's copy as a
+    load-back read it (that load read the late data); the rest were never read."""
     backend: StorageStats = Field(default_factory=StorageStats)
 
     @field_validator("backend", mode="after")

@@ -191,17 +191,16 @@ def test_abort_frees_in_flight_is_a_use_after_free_not_a_double_free(bundle_root
     wrote them: they went to other nodes' host copies, the late writes landed on top, and the
     outputs that loaded those copies are wrong. No bookkeeping check fires: the abort path
     frees each page once, and the op's own end frees nothing it already gave back. 96 requests,
-    as the switch's registry recipe: with 64 the late writes now and then land only on pages
-    no later request loads."""
+    as the switch's registry recipe."""
     cfg = mr_config(**{"topology.tp": 2, "workload.requests": 96, "cache.host_tokens": 768,
                        "storage.backend": "file", "storage.path": tmp_path / "l3",
                        "legacy": frozenset({LegacySwitch.ABORT_FREES_IN_FLIGHT}),
                        "faults": (parse_fault("mid-prefetch-abort:batch=0"),)})
     s = run(cfg, bundle_root=bundle_root)
-    # Each late batch lands on a new owner's data or before it; a healthy run says which.
-    landed = {r: (c.l3.late_writes_on_new_data, c.l3.late_writes_early)
+    # Each late batch lands as a load-back reads its pages, or never (kv/late_writes.py)
+    landed = {r: (c.l3.late_writes_posted, c.l3.late_writes_read)
             for r, c in s.cache_stats.ranks.items() if c.l3 is not None}
-    assert s.outcome is RunOutcome.WRONG_OUTPUT, (s.error, f"late writes (on data, early) "
+    assert s.outcome is RunOutcome.WRONG_OUTPUT, (s.error, f"late writes (posted, read) "
                                                            f"per rank: {landed}")
     assert s.output_match is False
     bundle = Path(s.bundle or "")
