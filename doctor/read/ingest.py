@@ -41,7 +41,7 @@ from doctor.read.text.lines import LineHandler
 from doctor.read.text.pages import HtmlText
 from doctor.read.trace import read_events, read_state
 from hicache_runtime.contracts.errors import DumpFormatError
-from hicache_runtime.contracts.jsonl import describe_mode
+from hicache_runtime.contracts.jsonl import describe_mode, open_regular
 from signatures.models import Catalog
 
 MAX_JSON_BYTES = 64 << 20
@@ -99,7 +99,7 @@ class Ingester:
         if stat.S_ISDIR(mode):
             count = len(self.sink.inputs)
             for f in _walk(path, self.sink):
-                self._read_file(f, display=str(f))
+                self._read_file(f, display=str(f), regular_only=True)
             if len(self.sink.inputs) == count:  # like an empty file: read, nothing in it
                 self.sink.inputs.append(InputRecord(arg, EMPTY, InputStatus.READ,
                                                     "empty directory"))
@@ -113,10 +113,16 @@ class Ingester:
         """An already open stream (tests, stdin)."""
         self._read_one(name, stream, depth=0)
 
-    def _read_file(self, path: Path, display: str) -> None:
+    def _read_file(self, path: Path, display: str, regular_only: bool = False) -> None:
+        """Read one file. ``regular_only`` (a directory's files): opened without blocking and
+        checked on the open descriptor, so a file swapped for a FIFO after the walk looked at
+        it is refused, never waited on."""
         try:
-            with path.open("rb") as fh:
+            with open_regular(path) if regular_only else path.open("rb") as fh:
                 self._read_one(display, fh, depth=0)
+        except DumpFormatError as exc:
+            self.sink.inputs.append(InputRecord(display, "?", InputStatus.ERROR,
+                                                str(exc).replace(f"{path}: ", "", 1)))
         except OSError as exc:
             self.sink.inputs.append(InputRecord(display, "?", InputStatus.ERROR,
                                                 f"cannot open: {exc.strerror or exc}"))

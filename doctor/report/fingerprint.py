@@ -29,19 +29,22 @@ from doctor.ranks.table import failing_exception, is_comm_error
 from doctor.report.model import Fingerprint
 from signatures.fact_names import Fact
 from signatures.index import load_index
+from signatures.linear import linear
 
 MAX_FUNCTIONS = 4
 MAX_ERRORS = 3
 _MARKER_KEY = re.compile(r"[+~-]\d+$")
 _OUTCOME = {Fact.HANG, Fact.CRASH, Fact.WRONG_OUTPUT, Fact.NO_FAILURE}
+#: RE2 (linear time): the path and the dashed-id patterns retried every start position in
+#: ``re`` (3.4 s and 0.55 s on 8000 characters of one message).
 _NORMALISE = [
-    (re.compile(r"(?:/[\w.@+-]+)+/([\w.-]+)"), r"\1"),          # paths: keep the file name
-    (re.compile(r"\b0x[0-9a-fA-F]+\b"), "X"),                   # addresses
-    (re.compile(r"\b[0-9a-f]{8}(?:-?[0-9a-f]{4}){3}-?[0-9a-f]{12}\b"), "ID"),  # uuids
-    (re.compile(r"\b[0-9a-fA-F]{16,}\b"), "ID"),                # hashes, request ids
-    (re.compile(r"\b\w*\d\w*-\w*\d\w*(?:-\w+)*\b"), "ID"),      # chatcmpl-2c45..., host-3f2
-    (re.compile(r"-?\d+(?:\.\d+)?(?:e[+-]?\d+)?"), "N"),        # numbers
-    (re.compile(r"\s+"), " "),
+    (linear(r"(?:/[\w.@+-]+)+/([\w.-]+)"), r"\1"),          # paths: keep the file name
+    (linear(r"\b0x[0-9a-fA-F]+\b"), "X"),                   # addresses
+    (linear(r"\b[0-9a-f]{8}(?:-?[0-9a-f]{4}){3}-?[0-9a-f]{12}\b"), "ID"),  # uuids
+    (linear(r"\b[0-9a-fA-F]{16,}\b"), "ID"),                # hashes, request ids
+    (linear(r"\b\w*\d\w*-\w*\d\w*(?:-\w+)*\b"), "ID"),      # chatcmpl-2c45..., host-3f2
+    (linear(r"-?\d+(?:\.\d+)?(?:e[+-]?\d+)?"), "N"),        # numbers
+    (linear(r"\s+"), " "),
 ]
 
 

@@ -140,6 +140,30 @@ def test_a_fifo_is_read_as_a_stream(tmp_path: Path) -> None:
     assert d.verdicts[0].signature == "write-ack-pop-empty"
 
 
+def test_a_directory_file_swapped_for_a_fifo_is_refused_not_waited_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A directory's files are checked on the descriptor that reads them: a file replaced by
+    a FIFO between the walk's look and the open (here the walk hands over the FIFO itself)
+    would otherwise block in open() forever, with no writer coming."""
+    import doctor.read.ingest as ingest
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "a.log").write_text("hello\n")
+    fifo = logs / "b.log"
+    os.mkfifo(fifo)
+    real_walk = ingest._walk
+    monkeypatch.setattr(ingest, "_walk", lambda root, sink: [*real_walk(root, sink), fifo])
+    done: list[Diagnosis] = []
+    t = threading.Thread(target=lambda: done.append(diagnose([str(logs)])), daemon=True)
+    t.start()
+    t.join(timeout=20)
+    assert done, "the doctor waited on a FIFO in a directory"
+    refused = [i for i in done[0].inputs if i.path.endswith("b.log")]
+    assert refused, done[0].inputs
+    assert "not a regular file (a FIFO)" in refused[0].message
+
+
 def test_malformed_events_are_counted_not_fatal(tmp_path: Path) -> None:
     path = hostile.malformed_events(tmp_path)
     d = diagnose([str(path)])

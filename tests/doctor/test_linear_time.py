@@ -88,6 +88,10 @@ FINDINGS = {
     "paragraphs.html": "<html><body><p>x</p>" + "<p " * 300_000,
     # 1 MB of long lines a catalog pattern's triggers pull into matching
     "memory.log": ("host memory usage" + "\t " * 4000 + "\n") * 128,
+    # package-listing lines whose blanks around a name and a version overlap (4 s a 612-byte
+    # line; 64 lines of 1900), and long messages of paths and dashed ids to fingerprint
+    "versions.log": ("torch" + " " * 900 + "1.2" + " " * 900 + "x y\n") * 64,
+    "paths.log": "RuntimeError: " + "/a" * 4000 + "-1" * 3000 + "\n",
 }
 
 

@@ -126,10 +126,26 @@ def test_seed_ranges_are_counted_before_they_are_materialised(tmp_path: Path) ->
     res = CliRunner().invoke(app, ["campaign", str(spec), "--seeds", "0-99999999999999999",
                                    "--list"])
     assert res.exit_code == 2
-    assert "more than 1000 seeds" in res.stderr
-    res = CliRunner().invoke(app, ["campaign", str(spec), "--seeds", "0-600", "--list"])
+    assert "more than 100000 seeds" in res.stderr
+    res = CliRunner().invoke(app, ["campaign", str(spec), "--seeds", "0-60000", "--list"])
     assert res.exit_code == 2
-    assert "1202 cell runs" in res.stderr
+    assert "120002 cell runs" in res.stderr
+
+
+def test_the_readme_nightly_run_lists_and_shards() -> None:
+    """The README's nightly line (--seeds 0-99 over the fixed cells: 1200 runs, past a spec's
+    own 1000 cells; the seeds are the user's multiplier, up to MAX_RUNS), listed whole and as
+    one shard of 30."""
+    args = ["campaign", "--seeds", "0-99", "--only", "*/fixed/*", "--list"]
+    whole = CliRunner().invoke(app, args)
+    assert whole.exit_code == 0, whole.output
+    ids = [line for line in whole.stdout.splitlines() if "/fixed/" in line]
+    assert len(ids) > MAX_CELLS
+    assert any(line.endswith("/seed99") for line in ids)
+    part = CliRunner().invoke(app, [*args, "--shard", "1/30"])
+    assert part.exit_code == 0, part.output
+    shard_ids = [line for line in part.stdout.splitlines() if "/fixed/" in line]
+    assert 0 < len(shard_ids) < len(ids) / 20
 
 
 def test_the_default_campaign_still_loads() -> None:
@@ -155,6 +171,29 @@ def test_a_spec_built_in_code_is_size_checked_before_its_cell_runs(tmp_path: Pat
     with pytest.raises(ConfigError, match=r"workload\.requests"):
         cell_config(spec, cell, tmp_path, tmp_path / "bundles")
     assert not (tmp_path / "bundles").exists()
+
+
+def _fields(model: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, f in model.model_fields.items():
+        ann = f.annotation
+        if isinstance(ann, type) and hasattr(ann, "model_fields"):
+            out |= _fields(ann, f"{prefix}{name}.")
+        else:
+            out[f"{prefix}{name}"] = ann
+    return out
+
+
+def test_every_config_key_that_names_a_place_is_a_location_key() -> None:
+    """LOCATION_KEYS is a list of what a spec may not set: a new path-, URL- or host-typed
+    config field must join it, or a spec could set it. Every field typed as a path or named
+    like a place is in it."""
+    from hicache_runtime.config import LOCATION_KEYS, RuntimeConfig
+
+    places = {key for key, ann in _fields(RuntimeConfig).items()
+              if "Path" in str(ann) or key.rsplit(".", 1)[-1].rsplit("_", 1)[-1] in
+              ("path", "url", "dir", "host", "addr", "address", "uri", "file", "socket")}
+    assert places == set(LOCATION_KEYS)
 
 
 @pytest.mark.parametrize("where", [

@@ -9,7 +9,6 @@ absent from the release the report runs weakens the match.
 
 from __future__ import annotations
 
-import re
 
 from signatures.linear import linear
 
@@ -22,12 +21,15 @@ PACKAGES = {"sglang": "sglang", "lmcache": "lmcache", "mooncake-transfer-engine"
 _VER = r"(?P<ver>[0-9]+\.[0-9]+(?:\.[0-9]+)?(?:\.?post[0-9]+|rc[0-9]+|\.dev[0-9]+)?)"
 _NAMES = (r"(?P<pkg>sglang|lmcache|mooncake[-_]transfer[-_]engine(?:[-_]non[-_]cuda)?|mooncake|"
           r"nixl|torch|pytorch)")
+#: Compiled with RE2: the listing form's runs of spaces around the name and the version
+#: overlap, which a backtracking engine tried in cubic time (a 612-byte line of spaces took
+#: 4 s; lines go up to 2000 characters).
 _PATTERNS = [
-    re.compile(rf"(?i)\b{_NAMES}(?:\[[\w,]+\])?\s*==\s*v?{_VER}\b"),
-    re.compile(rf"(?i)\b{_NAMES}-{_VER}(?:\+\w+)?(?:\.dist-info|-py3|-cp3|\.tar\.gz|/)"),
-    re.compile(rf"(?i)^\s*{_NAMES}\s*(?::|\s{{2,}}|\bversion\s*[:=]?)\s*v?{_VER}\s*(?:\S+\s*)?$"),
-    re.compile(rf"(?i)\b{_NAMES}\s+(?:version\s*[:=]?\s*)?v{_VER}\b"),
-    re.compile(rf"(?i)\b{_NAMES}\s+version\s*[:=]?\s*v?{_VER}\b"),
+    linear(rf"(?i)\b{_NAMES}(?:\[[\w,]+\])?\s*==\s*v?{_VER}\b"),
+    linear(rf"(?i)\b{_NAMES}-{_VER}(?:\+\w+)?(?:\.dist-info|-py3|-cp3|\.tar\.gz|/)"),
+    linear(rf"(?i)^\s*{_NAMES}\s*(?::|\s{{2,}}|\bversion\s*[:=]?)\s*v?{_VER}\s*(?:\S+\s*)?$"),
+    linear(rf"(?i)\b{_NAMES}\s+(?:version\s*[:=]?\s*)?v{_VER}\b"),
+    linear(rf"(?i)\b{_NAMES}\s+version\s*[:=]?\s*v?{_VER}\b"),
 ]
 _NAMED = ("sglang", "lmcache", "mooncake", "nixl", "torch")
 #: Any of the names, in any case: one automaton pass instead of a lower-cased copy and a scan
