@@ -442,7 +442,7 @@ def campaign(
              "campaigns run proposed).")] = None,
     executor: Annotated[str, typer.Option(
         help="local (one cell after the other, here) or ray: each cell a Ray task reserving "
-             "a CPU per rank (pip install 'hicache-doctor[ray]').")] = "local",
+             "a CPU per rank (pip install -e '.[ray]' in the checkout).")] = "local",
     address: Annotated[str | None, typer.Option(
         help="With --executor ray: the cluster's address (HOST:PORT of 'ray start --head', "
              "or auto); without it, a Ray instance of this command's own.")] = None,
@@ -469,7 +469,7 @@ def campaign(
     _require_runtime("campaign")
     import render
     from faults.campaign.cells import RayOptions, run_campaign, seed_bases, select
-    from faults.campaign.plan import MAX_CELLS, load_campaign, needs_store
+    from faults.campaign.plan import MAX_RUNS, load_campaign, needs_store
     from faults.campaign.reports import junit_xml
     from faults.campaign.reports import markdown as markdown_report
 
@@ -507,9 +507,9 @@ def campaign(
     seed_list = _seeds(seeds) if seeds else None
     if seed_list is not None:  # counted before select() multiplies the cells
         n = len(seed_bases(select(camp, only))) * len(seed_list)
-        if n > MAX_CELLS:
+        if n > MAX_RUNS:
             raise ConfigError("seeds", f"{n} cell runs ({len(seed_list)} seeds); at most "
-                                       f"{MAX_CELLS}")
+                                       f"{MAX_RUNS}")
     cells = select(camp, only, seed_list)
     if not cells:
         raise ConfigError("only", f"no cell of campaign {camp.name!r} matches {only!r}",
@@ -617,7 +617,7 @@ def _release_matrix(camp: Any, profiles: str, *, only: str | None, seeds: str | 
 
 
 def _seeds(text: str) -> list[int]:
-    from faults.campaign.plan import MAX_CELLS
+    from faults.campaign.plan import MAX_RUNS
 
     out: list[int] = []
     for part in filter(None, (p.strip() for p in text.split(","))):
@@ -626,8 +626,8 @@ def _seeds(text: str) -> list[int]:
                 or len(lo) > 18 or len(hi) > 18:
             raise ConfigError("seeds", f"{text[:60]!r}: expected seeds like 0-4 or 0,3,7")
         count = int(hi) - int(lo) + 1 if sep else 1
-        if len(out) + count > MAX_CELLS:  # counted before the range is materialised
-            raise ConfigError("seeds", f"more than {MAX_CELLS} seeds")
+        if len(out) + count > MAX_RUNS:  # counted before the range is materialised
+            raise ConfigError("seeds", f"more than {MAX_RUNS} seeds")
         out.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
     if not out:
         raise ConfigError("seeds", "no seeds given")

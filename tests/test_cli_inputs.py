@@ -239,7 +239,7 @@ def test_fault_selectors_outside_the_topology_are_refused(tmp_path: Path, args: 
     (["run", "--no-such-flag"], "No such option: --no-such-flag"),
     (["no-such-command"], "No such command 'no-such-command'"),
     (["trace", "export"], "Missing argument"),
-    (["campaign", "--seeds", "0-99999999999999"], "more than 1000 seeds"),
+    (["campaign", "--seeds", "0-99999999999999"], "more than 100000 seeds"),
 ])
 def test_usage_errors_are_one_line(tmp_path: Path, args: list[str], says: str) -> None:
     res = hicache(args, tmp_path, timeout=60)

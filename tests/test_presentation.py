@@ -582,6 +582,19 @@ def test_readme_commands_are_real_commands_and_options() -> None:
             assert any(re.fullmatch(glob.replace("*", ".*"), c) for c in cells)
 
 
+def test_install_lines_name_what_can_be_installed() -> None:
+    """The package is not on the package index: every install line the README, the help and
+    the hints show installs this checkout (``pip install .``, ``-e '.[extra]'``), never
+    ``hicache-doctor`` by name, which pip would look for on the index and not find."""
+    texts = {"README.md": (ROOT / "README.md").read_text()}
+    texts |= {str(p.relative_to(ROOT)): p.read_text() for d in ("doctor", "faults", "signatures")
+              for p in (ROOT / d).rglob("*.py")}
+    texts["cli.py"] = (ROOT / "cli.py").read_text()
+    for name, text in texts.items():
+        for m in re.finditer(r"pip install[^\n`\"]*", text):
+            assert "hicache-doctor" not in m.group(0), f"{name}: {m.group(0)}"
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_readme_inject_example_ends_named(tmp_path: Path) -> None:

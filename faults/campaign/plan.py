@@ -63,8 +63,13 @@ HEALTHY = "healthy"
 NO_SIGNATURE = "no-signature"
 DEFAULT_CAMPAIGN = "default.yaml"
 MAX_CELLS = 1000
-"""Cells one campaign may hold (seeds included): each is a real run of seconds, so more is a
-mistake, and a matrix is counted before it is expanded, never materialised past this."""
+"""Cells one campaign spec may hold (its own seeds included): a spec is untrusted input and
+each cell is a real run of seconds, so more is a mistake; a matrix is counted before it is
+expanded, never materialised past this."""
+MAX_RUNS = 100_000
+"""Cell runs one command may ask for with ``--seeds`` (the user's own multiplier, counted
+before anything is materialised): a nightly run of the default campaign under a thousand
+seeds is 24 000, meant to be sharded (``--shard``) and resumed (``--resume``)."""
 
 
 class Property(str, Enum):

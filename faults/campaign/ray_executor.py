@@ -14,7 +14,8 @@ says so (``reruns``); a second loss is a failed cell (``error``). A cell counts 
 when its run reached its verdict. Cells on different nodes share no warm-up store and no
 reference run (the local executor's memo): each task makes its own.
 
-Ray is an optional dependency (``pip install 'hicache-doctor[ray]'``), imported only here.
+Ray is an optional dependency (``pip install -e '.[ray]'`` in the
+checkout), imported only here.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def ray_module() -> Any:
         import ray
     except ImportError:
         raise ToolUnavailable("the Ray executor needs ray, which is not installed",
-                              hint="pip install 'hicache-doctor[ray]' (or pip install ray)")\
+                              hint="pip install -e '.[ray]' in the checkout (or pip install ray)")\
             from None
     return ray
 

@@ -21,7 +21,7 @@ from faults.campaign.plan import load_campaign
 from faults.campaign.ray_local import LocalRayCluster
 
 ray = pytest.importorskip("ray", reason="the Ray executor's tests need ray "
-                                        "(pip install 'hicache-doctor[ray]')")
+                                        "(pip install -e '.[ray]' in the checkout)")
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
