@@ -132,6 +132,41 @@ def test_the_incident_page_shows_each_rank_and_what_happened(browser: Any,
     assert v.page.locator(f"{svg} >> nth=0").locator("path.stop").count() == 2
 
 
+def test_a_folder_of_bundles_is_an_index_and_a_page_per_incident(browser: Any,
+                                                                 tmp_path: Path) -> None:
+    """hicache doctor DIR --html OUT with two runs' bundles in DIR: an index that lists both
+    incidents and links to each page, and each page with its own verdict and a lane per rank
+    of its own run (never one merged world)."""
+    work = tmp_path / "bundles"
+    work.mkdir()
+    cases = {"collective-order-deadlock": "runtime-tp2-skip-empty-sync",
+             "host-capacity-divergence": "runtime-pp2-local-host-capacity"}
+    for sig, case in cases.items():
+        with tarfile.open(FIXTURES / sig / case / "bundle.tar.gz") as tar:
+            tar.extractall(work, filter="data")
+    assert len([p for p in work.iterdir() if p.is_dir()]) == 2
+    out = tmp_path / "pages"
+    res = CliRunner().invoke(app, ["doctor", str(work), "--html", str(out)])
+    assert res.exit_code == 0, res.output
+    index = Visit(browser, out / "index.html")
+    index.check_structure()
+    links = index.page.eval_on_selector_all("a[href]",
+                                            "els => els.map(e => e.getAttribute('href'))")
+    pages = sorted({h for h in links if h.startswith("incident-")})
+    assert pages == ["incident-1.html", "incident-2.html"]
+    index.page.close()
+    seen = set()
+    for name in pages:
+        v = Visit(browser, out / name)
+        v.check_structure()
+        sig = v.page.locator(".verdict").first.get_attribute("data-signature")
+        seen.add(sig)
+        lanes = v.page.locator("figure.timeline svg >> nth=0").locator("g.lane")
+        assert lanes.count() == 2, f"{name}: {lanes.count()} lanes (each run has two ranks)"
+        v.page.close()
+    assert seen == set(cases)
+
+
 def test_runbook_pages_link_only_to_pages_that_exist(browser: Any, tmp_path: Path) -> None:
     out = tmp_path / "runbooks"
     res = CliRunner().invoke(app, ["runbook", "--out", str(out), "--html"])
