@@ -53,6 +53,8 @@ class CppTerminateParser:
         if not self.open:
             return False
         w = _WHAT.match(line)
+        if w:  # the record is one statement: cited where it says what failed (the same
+            self._src = src  # line a catalog pattern on the message matches)
         self._finish(w["msg"].strip()[:_MAX_MESSAGE] if w else "")
         return w is not None
 

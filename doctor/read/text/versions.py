@@ -9,7 +9,6 @@ absent from the release the report runs weakens the match.
 
 from __future__ import annotations
 
-
 from signatures.linear import linear
 
 #: System names as the index knows them, and how reports spell their packages.
