@@ -577,6 +577,8 @@ def campaign_summary(result: Any) -> None:
     for c in result.cells:
         if c.skipped is not None:
             con.print(f"  [{STYLE_WARN}]{esc(c.id)}[/]: {esc(c.detail)}", soft_wrap=True)
+        if c.rerun_note:
+            con.print(f"  [{STYLE_WARN}]{esc(c.id)}[/]: {esc(c.rerun_note)}", soft_wrap=True)
     for key, group in result.failure_groups():  # one line per way of failing
         c = group[0]
         more = f" and {len(group) - 1} more cell(s) that failed alike ({esc(key)})" \

@@ -97,6 +97,14 @@ class CellResult(BaseModel):
     """The Ray executor: how many times the cell was submitted again because the worker or
     node running it died (``ray_executor.RERUNS`` at most)."""
 
+    @property
+    def rerun_note(self) -> str | None:
+        """What the reports say of a cell that ran again, else None."""
+        if not self.reruns:
+            return None
+        return (f"ran again {self.reruns} time(s): the Ray worker or node running it died"
+                + (f"; its verdict is from {self.node}" if self.node else ""))
+
 
 class PropertyViolation(BaseModel):
     """A cell in which a property did not hold."""

@@ -39,7 +39,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--hicache-only", default=None, metavar="GLOB",
                     help="only the cells whose id matches this glob")
     group.addoption("--hicache-bundle-dir", default=None, metavar="DIR",
-                    help="where the cells' crash bundles go (default: a temporary directory)")
+                    help="where the cells' crash bundles go (default: under pytest's "
+                         "temporary directory, kept as long as pytest keeps it)")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -k/-m deselection, which then sees them
@@ -89,7 +90,10 @@ class CampaignCell(pytest.Item):
         parent = self.parent
         assert isinstance(parent, CampaignCollector)
         bundle_dir = self.config.getoption("--hicache-bundle-dir")
-        root = Path(bundle_dir) if bundle_dir else Path(tempfile.mkdtemp(prefix="hicache-"))
+        # pytest's own base temporary directory: kept for the last few sessions (a failed
+        # cell's bundle is still there to read), removed after, as every tmp_path is
+        root = Path(bundle_dir) if bundle_dir else \
+            self.config._tmp_path_factory.mktemp("hicache-bundles")  # type: ignore[attr-defined]
         with tempfile.TemporaryDirectory(prefix="hicache-cell-") as work:
             result = run_cell(parent.spec, self.cell, Path(work), root)
         self.user_properties.append(("observed", result.observed))

@@ -75,7 +75,8 @@ def _cells_suite(result: CampaignResult) -> ET.Element:
                 f"outcome: {cell.outcome}", f"error: {cell.error}" if cell.error else "",
                 f"bundle: {cell.bundle}" if cell.bundle else "") if x)
         out = ET.SubElement(case, "system-out")
-        out.text = cell.detail + (f"\nbundle: {cell.bundle}" if cell.bundle else "")
+        out.text = "\n".join(x for x in (cell.detail, cell.rerun_note,
+                                          f"bundle: {cell.bundle}" if cell.bundle else "") if x)
     return suite
 
 
@@ -106,6 +107,10 @@ def markdown(result: CampaignResult) -> str:
         lines += [f"- {md_code(c.id)}: " + ", ".join(f"{md_code(k)} {v}"
                                                      for k, v in c.not_a_release.items())
                   for c in weak]
+    reran = [c for c in result.cells if c.rerun_note]
+    if reran:
+        lines += ["", "## Cells that ran again", ""]
+        lines += [f"- {md_code(c.id)}: {md_escape(c.rerun_note or '')}" for c in reran]
     groups = result.failure_groups()
     if groups:
         lines += ["", "## Cells that did not behave", "",

@@ -161,6 +161,24 @@ def test_markdown_report_lists_cells_and_failures() -> None:
     assert "## Cells that did not behave" in text
 
 
+def test_a_cell_that_ran_again_says_so_in_every_report(capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    """The Ray executor's reruns (a worker or node died under the cell) in the terminal
+    summary, the Markdown page and the JUnit case, not only in the JSON."""
+    import render
+
+    result = _result()
+    result.cells[0].reruns, result.cells[0].node = 1, "node-b"
+    note = "ran again 1 time(s): the Ray worker or node running it died; its verdict is from node-b"
+    assert result.cells[0].rerun_note == note
+    assert result.cells[1].rerun_note is None
+    assert f"- `tp2/fixed/host-alloc-fail:tp=1`: {note}" in markdown(result)
+    case = ET.fromstring(junit_xml(result)).findall("testcase")[0]
+    assert note in (case.findtext("system-out") or "")
+    render.campaign_summary(result)
+    assert "node-b" in " ".join(capsys.readouterr().out.split())
+
+
 def test_cellspec_rejects_unknown_switch() -> None:
     with pytest.raises(ValueError, match="no-such"):
         CellSpec(legacy=["no-such"])

@@ -5,6 +5,7 @@ workers) and the ``hicache_run`` fixture."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -46,8 +47,18 @@ def test_k_selects_and_x_stops(pytester: pytest.Pytester) -> None:
     spec = _spec(pytester)
     picked = pytester.runpytest("--hicache-campaign", spec, "-k", "dma-lag")
     picked.assert_outcomes(passed=1, deselected=2)
-    only = pytester.runpytest("--hicache-campaign", spec, "--hicache-only", "*/crash*", "-x")
-    only.assert_outcomes(failed=1)
+    # the failing cell first: -x stops the session there, the healthy cells never run
+    crash_first = pytester.path / "crash-first.json"
+    crash_first.write_text(json.dumps({**SPEC, "cells": SPEC["cells"][::-1]}))
+    stopped = pytester.runpytest("--hicache-campaign", str(crash_first), "-x")
+    stopped.assert_outcomes(failed=1)
+    assert "stopping after 1 failures" in stopped.stdout.str()
+    # no --hicache-bundle-dir: the bundle is under pytest's base temporary directory (the
+    # inner session's sits in this session's), which pytest cleans, not a /tmp/hicache-*
+    bundle = Path(next(line.split("bundle: ", 1)[1].strip()
+                       for line in stopped.stdout.lines if "  bundle: " in line))
+    assert bundle.is_relative_to(pytester.path.parent), bundle
+    assert bundle.parent.name.startswith("hicache-bundles"), bundle
 
 
 def test_cells_spread_over_xdist_workers(pytester: pytest.Pytester) -> None:
