@@ -960,7 +960,8 @@ def signatures_list(
     catalog = load_catalog()
     if json_out:
         rows = [{"id": s.id, "title": s.title, "severity": s.severity.value, "kind": s.kind.value,
-                 "campaign_cell": s.campaign.cell if s.campaign else None}
+                 "campaign_cell": s.campaign.cell if s.campaign else None,
+                 "campaign_cell_not_a_release": s.campaign.not_a_release if s.campaign else {}}
                 for s in catalog.signatures]
         print(json.dumps({"catalog_version": catalog.version, "signatures": rows}, indent=2))
         return

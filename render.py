@@ -387,6 +387,7 @@ def _verdict_detail(con: Console, v: Any) -> None:
     con.print(f"[{STYLE_KEY}]runbook[/] {esc(v.runbook)}", soft_wrap=True)  # a command
     if v.campaign_cell:
         con.print(f"[{STYLE_KEY}]campaign cell[/] {esc(v.campaign_cell)}", soft_wrap=True)
+        _not_a_release(con, v.campaign_cell)
     if v.release_note:
         para(con, esc(v.release_note), f"[{STYLE_KEY}]release[/]")
     if v.tie_note:
@@ -464,6 +465,7 @@ def signature_detail(sig: Any) -> None:
     if sig.campaign:
         con.print(f"[{STYLE_KEY}]campaign cell[/] {esc(sig.campaign.cell)} -> "
                   f"{sig.campaign.expect}")
+        _not_a_release(con, sig.campaign.cell)
     a = sig.affected
     if a is not None:
         seen = ", ".join(a.reproduces) or "none of them"
@@ -619,6 +621,17 @@ def campaign_properties(result: Any) -> None:
             con.print(f"  {esc(v.cell)}: {esc(v.detail)}", soft_wrap=True)
             if v.bundle:
                 con.print(f"    bundle {esc(v.bundle)}", soft_wrap=True)
+
+
+def _not_a_release(con: Console, cell: str) -> None:
+    """Under a catalog campaign cell whose switch no release ran as the runtime does: that
+    it is a reproduction, not evidence about a release."""
+    from signatures.models import cell_not_a_release
+
+    for switch, why in cell_not_a_release(cell).items():
+        para(con, esc(f"{switch} is {why.rstrip('.')}. The cell reproduces the hazard; it is "
+                      "no evidence about a release (hicache profiles show)."),
+             f"[{STYLE_DIM}]not a release[/]")
 
 
 def campaign_cells(cells: list[Any], defaults: dict[str, Any]) -> None:

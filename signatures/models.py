@@ -23,11 +23,27 @@ from pydantic import (
     model_validator,
 )
 
+from hicache_runtime.contracts.legacy import REGISTRY, LegacySwitch
 from signatures.fact_names import Fact
 from signatures.linear import UnsafePattern, linear
 
 CELL_RE = re.compile(r"^(?P<topology>tp\d+(?:pp\d+)?|pp\d+)/(?P<legacy>[a-z-]+)/"
                      r"(?P<fault>[a-z-]+(?::\S+)?)$")
+
+
+def cell_not_a_release(cell: str) -> dict[str, str]:
+    """The legacy switch of a catalog campaign cell (``<topology>/<switch>/<fault>``) when no
+    release ran it as this runtime does, with its fidelity and why (``contracts/legacy.py``):
+    the cell is then a reproduction of the hazard, not evidence about a release."""
+    m = CELL_RE.match(cell)
+    if m is None or m["legacy"] == "fixed":
+        return {}
+    try:
+        entry = REGISTRY[LegacySwitch(m["legacy"])]
+    except ValueError:
+        return {}
+    return {} if entry.in_profiles else {
+        entry.switch.value: f"{entry.fidelity.value}: {entry.fidelity_note}"}
 
 
 class Severity(str, Enum):
@@ -301,6 +317,11 @@ class CampaignCell(_Strict):
     def fixed_twin(self) -> str:
         topo, _legacy, fault = self.parts
         return f"{topo}/fixed/{fault}"
+
+    @property
+    def not_a_release(self) -> dict[str, str]:
+        """:func:`cell_not_a_release` of this cell."""
+        return cell_not_a_release(self.cell)
 
     def run_command(self, fixed: bool = False) -> str:
         """The command that runs this cell (``fixed``: its twin without the legacy switch)."""

@@ -141,6 +141,46 @@ def test_campaign_output_marks_cells_that_are_no_evidence_about_a_release() -> N
     assert "`wallclock-lru` synthetic" in page
 
 
+def test_the_catalog_marks_cells_that_are_no_evidence_about_a_release(tmp_path: Path) -> None:
+    """A signature whose campaign cell needs a grafted or synthetic switch says so wherever
+    the cell is shown: signatures show and list --json, its runbook and the campaign's JUnit;
+    a release switch's cell says nothing of the kind."""
+    from xml.etree import ElementTree as ET
+
+    from cli import app
+    from faults.campaign.cells import CampaignResult, identity
+    from faults.campaign.reports import junit_xml
+    from signatures.loader import load_catalog
+
+    cat = {s.id: s for s in load_catalog().signatures}
+    weak = {sid for sid, s in cat.items() if s.campaign and s.campaign.not_a_release}
+    assert "lru-clock-divergence" in weak  # wallclock-lru: synthetic
+    assert "collective-order-deadlock" not in weak  # skip-empty-sync: a release's own code
+    for sid in weak:
+        switch = cat[sid].campaign.parts[1]  # type: ignore[union-attr]
+        assert not REGISTRY[LegacySwitch(switch)].in_profiles, sid
+    runner = CliRunner()
+    shown = runner.invoke(app, ["signatures", "show", "lru-clock-divergence"])
+    assert "no evidence about a release" in " ".join(shown.stdout.split())
+    plain = runner.invoke(app, ["signatures", "show", "collective-order-deadlock"])
+    assert "no evidence about a release" not in " ".join(plain.stdout.split())
+    listed = json.loads(runner.invoke(app, ["signatures", "list", "--json"]).stdout)
+    marks = {r["id"]: r["campaign_cell_not_a_release"] for r in listed["signatures"]}
+    assert set(marks["lru-clock-divergence"]) == {"wallclock-lru"}
+    assert marks["collective-order-deadlock"] == {}
+    res = runner.invoke(app, ["runbook", "-s", "lru-clock-divergence", "-o", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert "Not evidence about a release: `wallclock-lru` is synthetic" in \
+        (tmp_path / "lru-clock-divergence.md").read_text()
+    cell = next(c for c in load_campaign().expand() if c.id == cat["lru-clock-divergence"]
+                .campaign.cell)  # type: ignore[union-attr]
+    result = CampaignResult(name="c", started_at="now", wall_s=1.0, cells=[
+        CellResult(**identity(cell), observed="lru-clock-divergence", passed=True,
+                   outcome="crash", wall_s=1.0)])
+    out = ET.fromstring(junit_xml(result)).findall("testcase")[0].findtext("system-out")
+    assert "not evidence about a release: wallclock-lru (synthetic)" in (out or "")
+
+
 def _matrix_cell(profile: str, cell: str, observed: str) -> CellResult:
     topology, _mode, fault = cell.split("/", 2)
     clean = observed == "healthy"

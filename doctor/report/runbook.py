@@ -98,6 +98,10 @@ def _campaign(sig: Signature) -> list[str]:
            "the bundle the run leaves.",
            "", "```bash", f"# reproduce: {sig.campaign.cell}", sig.campaign.run_command(),
            f"# verify the fix: {fixed}", sig.campaign.run_command(fixed=True), "```"]
+    for switch, why in sig.campaign.not_a_release.items():
+        out += ["", f"Not evidence about a release: `{switch}` is {why.rstrip('.')}. The "
+                    "cell reproduces the hazard; which releases it reaches is `hicache "
+                    "profiles show`'s question."]
     if sig.campaign.note:
         out += ["", sig.campaign.note]
     return out

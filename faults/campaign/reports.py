@@ -75,8 +75,10 @@ def _cells_suite(result: CampaignResult) -> ET.Element:
                 f"outcome: {cell.outcome}", f"error: {cell.error}" if cell.error else "",
                 f"bundle: {cell.bundle}" if cell.bundle else "") if x)
         out = ET.SubElement(case, "system-out")
-        out.text = "\n".join(x for x in (cell.detail, cell.rerun_note,
-                                          f"bundle: {cell.bundle}" if cell.bundle else "") if x)
+        weak = ", ".join(f"{k} ({v})" for k, v in cell.not_a_release.items())
+        out.text = "\n".join(x for x in (
+            cell.detail, cell.rerun_note, f"bundle: {cell.bundle}" if cell.bundle else "",
+            f"not evidence about a release: {weak}" if weak else "") if x)
     return suite
 
 
