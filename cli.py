@@ -300,9 +300,6 @@ def run(
 ) -> None:
     """Run the runtime on a seeded workload and judge it against a cache-disabled run."""
     _require_runtime("run")
-    from faults.spec import parse_faults
-    from hicache_runtime.config import load_config
-    from hicache_runtime.contracts.legacy import parse_legacy
 
     data: dict[str, Any] = _read_config(config) if config else {}
     given = {  # config key -> (the flag that sets it, its value); errors name the flag
@@ -334,11 +331,7 @@ def run(
                                               True if enable_dynamic_chunking else None),
     }
     data.update({k: v for k, (_, v) in given.items() if v is not None})
-    if fault:
-        data["faults"] = parse_faults(fault)
-    if legacy:
-        data["legacy"] = parse_legacy(legacy)
-    cfg = load_config(data, names={k: f for k, (f, v) in given.items() if v is not None})
+    cfg = _config_from_flags(data, given, fault, legacy)
     if torchrun_dir is not None:
         # The ranks run on other machines: only their sizes are checked, not this machine.
         from hicache_runtime.config import check_run_limits
@@ -391,6 +384,41 @@ def _execute(cfg: Any, compare: bool, progress: bool) -> Any:
                   file=sys.stderr)
         with render.run_progress("running", enabled=progress and sys.stderr.isatty()) as update:
             return run(cfg, compare=compare, progress=update)
+
+
+def _config_from_flags(data: dict[str, Any], given: dict[str, tuple[str, Any]],
+                       faults: list[str] | None, legacy: list[str] | None) -> Any:
+    """The run's config from its flags (``given``: config key -> the flag and its value) over
+    ``data``. Every problem at once, the fault specs', the switches' and the other flags',
+    each named by the flag typed: fixing one typo per try costs a run start each."""
+    from faults.spec import parse_faults
+    from hicache_runtime.config import load_config
+    from hicache_runtime.contracts.errors import InvalidFaultSpec
+    from hicache_runtime.contracts.legacy import parse_legacy
+
+    problems: list[tuple[str, str, str]] = []  # (flag, what, hint); flag "" names its own
+    if faults:
+        try:
+            data["faults"] = parse_faults(faults)
+        except InvalidFaultSpec as exc:
+            problems.append(("--fault", str(exc), exc.hint))
+    if legacy:
+        try:
+            data["legacy"] = parse_legacy(legacy)
+        except ConfigError as exc:
+            problems.append(("--legacy", str(exc).removeprefix(f"{exc.field}: "), exc.hint))
+    try:
+        cfg = load_config(data, names={k: f for k, (f, v) in given.items() if v is not None})
+    except ConfigError as exc:
+        if not problems:
+            raise
+        problems.append(("", str(exc), exc.hint))
+    if problems:
+        (flag, what, _), rest = problems[0], problems[1:]
+        raise ConfigError(flag, what + "".join(f"; {f + ': ' if f else ''}{w}"
+                                               for f, w, _ in rest),
+                          hint="; ".join(h.rstrip(".") for *_, h in problems if h))
+    return cfg
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -508,11 +536,11 @@ def campaign(
     if seed_list is not None:  # counted before select() multiplies the cells
         n = len(seed_bases(select(camp, only))) * len(seed_list)
         if n > MAX_RUNS:
-            raise ConfigError("seeds", f"{n} cell runs ({len(seed_list)} seeds); at most "
+            raise ConfigError("--seeds", f"{n} cell runs ({len(seed_list)} seeds); at most "
                                        f"{MAX_RUNS}")
     cells = select(camp, only, seed_list)
     if not cells:
-        raise ConfigError("only", f"no cell of campaign {camp.name!r} matches {only!r}",
+        raise ConfigError("--only", f"no cell of campaign {camp.name!r} matches {only!r}",
                           hint="hicache campaign --list shows the cell ids")
     if shard_of is not None:
         from faults.campaign.shards import shard as shard_cells
@@ -596,7 +624,7 @@ def _release_matrix(camp: Any, profiles: str, *, only: str | None, seeds: str | 
     names = parse_profiles(profiles)
     cells = select(release_spec(camp, names[0]), only)
     if not cells:
-        raise ConfigError("only", f"no cell without legacy switches matches {only!r}",
+        raise ConfigError("--only", f"no cell without legacy switches matches {only!r}",
                           hint="hicache campaign --list shows the cell ids")
     if list_cells:  # each cell runs once per profile
         render.campaign_cells(cells, {**camp.defaults, "profile": ",".join(names)})
@@ -624,13 +652,13 @@ def _seeds(text: str) -> list[int]:
         lo, sep, hi = part.partition("-")
         if not lo.isdigit() or (sep and not hi.isdigit()) or (sep and int(hi) < int(lo)) \
                 or len(lo) > 18 or len(hi) > 18:
-            raise ConfigError("seeds", f"{text[:60]!r}: expected seeds like 0-4 or 0,3,7")
+            raise ConfigError("--seeds", f"{text[:60]!r}: expected seeds like 0-4 or 0,3,7")
         count = int(hi) - int(lo) + 1 if sep else 1
         if len(out) + count > MAX_RUNS:  # counted before the range is materialised
-            raise ConfigError("seeds", f"more than {MAX_RUNS} seeds")
+            raise ConfigError("--seeds", f"more than {MAX_RUNS} seeds")
         out.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
     if not out:
-        raise ConfigError("seeds", "no seeds given")
+        raise ConfigError("--seeds", "no seeds given")
     return out
 
 
@@ -763,19 +791,13 @@ def _inject_faults(faults: list[str], tp: int | None, pp: int | None,
                    json_out: bool) -> None:
     import render
     from faults.campaign.cells import run_and_diagnose
-    from faults.spec import parse_faults
-    from hicache_runtime.config import load_config
-    from hicache_runtime.contracts.legacy import parse_legacy
     from hicache_runtime.launch.run import DEFAULT_BUNDLE_ROOT
 
     data: dict[str, Any] = _read_config(config) if config else {}
     given = {"topology.tp": ("--tp", tp), "topology.pp": ("--pp", pp), "seed": ("--seed", seed),
              "workload.requests": ("--requests", requests), "profile": ("--profile", profile)}
     data.update({k: v for k, (_, v) in given.items() if v is not None})
-    data["faults"] = parse_faults(faults)
-    if legacy:
-        data["legacy"] = parse_legacy(legacy)
-    cfg = load_config(data, names={k: f for k, (f, v) in given.items() if v is not None})
+    cfg = _config_from_flags(data, given, faults, legacy)
     _check_machine(cfg)
     done = run_and_diagnose(cfg, warm=bool(warm), compare=True,
                             bundle_root=bundle_dir or cfg.observability.bundle_dir

@@ -16,7 +16,6 @@ are ``faults.kinds.KINDS``; validation here reads them from there.
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
 import re
 from collections.abc import Iterable
@@ -27,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from faults.kinds import DEFAULT_LAG_MS, KINDS, FaultKind
 from faults.points import FaultPoint
-from hicache_runtime.contracts.errors import InvalidFaultSpec, validation_problem
+from hicache_runtime.contracts.errors import InvalidFaultSpec, nearest, validation_problem
 
 
 class FaultSpec(BaseModel):
@@ -227,8 +226,8 @@ def _pair_problem(kind: str, keys: tuple[str, ...], key: str, value: str) -> str
 
 def _nearest(word: str, valid: Iterable[str]) -> str:
     """``"; did you mean 'x'?"`` for the closest valid word, or nothing."""
-    close = difflib.get_close_matches(word, list(valid), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    close = nearest(word, valid)
+    return f"; did you mean {close!r}?" if close else ""
 
 
 def parse_faults(texts: list[str]) -> list[FaultSpec]:

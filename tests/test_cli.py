@@ -87,6 +87,21 @@ def test_every_bad_flag_is_named_as_typed_at_once(tmp_path: Path) -> None:
     assert "topology.pp:" in line, line
 
 
+def test_fault_switch_and_flag_errors_come_together_with_suggestions() -> None:
+    """A bad fault spec, a mistyped switch and bad flags: one error naming each as typed, the
+    closest valid word for each typo (a key, a switch, a choice)."""
+    res = runner.invoke(app, ["run", "--fault", "dma-lag:msx=5", "--legacy", "skip-empty-synk",
+                              "--tp", "0", "--write-policy", "write_thru"])
+    assert res.exit_code == 2
+    line = res.stderr.splitlines()[0]
+    for part in ("--fault: 'dma-lag:msx=5'", "did you mean 'ms'",
+                 "--legacy: unknown switch 'skip-empty-synk'; did you mean 'skip-empty-sync'?",
+                 "--tp:", "--write-policy:", "did you mean 'write_through'?"):
+        assert part in line, line
+    campaign = runner.invoke(app, ["campaign", "--only", "zzz*", "--list"])
+    assert campaign.stderr.startswith("error: --only: "), campaign.stderr
+
+
 def test_unknown_fault_and_legacy() -> None:
     _one_line_error(["--fault", "gremlins:ms=3"], "unknown fault kind")
     _one_line_error(["--legacy", "not-a-switch"], "legacy")

@@ -36,7 +36,6 @@ expects healthy, and is judged on each property as well; the report adds a table
 
 from __future__ import annotations
 
-import difflib
 from enum import Enum
 from importlib import resources
 from pathlib import Path
@@ -55,7 +54,12 @@ from hicache_runtime.config import (
 )
 from hicache_runtime.config_files import load_file, parse_text, short_repr
 from hicache_runtime.contracts import l3_backends
-from hicache_runtime.contracts.errors import ConfigError, InvalidFaultSpec, first_problem
+from hicache_runtime.contracts.errors import (
+    ConfigError,
+    InvalidFaultSpec,
+    first_problem,
+    nearest,
+)
 from hicache_runtime.contracts.legacy import LegacySwitch, parse_legacy
 
 HEALTHY = "healthy"
@@ -406,10 +410,10 @@ def check_expectation(expect: str, known: set[str], where: str) -> None:
         raise ConfigError("campaign", f"{where}: empty expectation")
     for name in names:
         if name not in known:
-            close = difflib.get_close_matches(name, sorted(known), n=1)
+            close = nearest(name, sorted(known))
             raise ConfigError("campaign", f"{where}: expects {short_repr(name)}, which is "
                                           "neither healthy, no-signature nor a known signature"
-                              + (f" (did you mean {close[0]}?)" if close else ""),
+                              + (f" (did you mean {close}?)" if close else ""),
                               hint="hicache signatures list shows the signature ids")
 
 

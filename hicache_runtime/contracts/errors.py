@@ -12,7 +12,9 @@ catch them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import difflib
+import re
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -131,6 +133,16 @@ def printable(text: str, limit: int = 160) -> str:
     return out if len(out) <= limit else out[: limit - 3] + "..."
 
 
+def nearest(word: str, valid: Iterable[str]) -> str | None:
+    """The valid word closest to a mistyped ``word`` (a key, a switch, a choice), if any is
+    close enough to suggest."""
+    close = difflib.get_close_matches(word, list(valid), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+_QUOTED = re.compile(r"'([^']{1,80})'")
+
+
 def validation_problem(err: Mapping[str, Any], prefix: str = "") -> tuple[str, str]:
     """One pydantic validation error as ``(where, what)``: the dotted field path (after
     ``prefix``, empty when the error is about the whole input) and the message without
@@ -138,6 +150,11 @@ def validation_problem(err: Mapping[str, Any], prefix: str = "") -> tuple[str, s
     that came from an untrusted file may be long, or hold control characters)."""
     where = ".".join(str(p) for p in (prefix, *err.get("loc", ())) if p != "")
     what = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+    given, expected = err.get("input"), (err.get("ctx") or {}).get("expected")
+    if err.get("type") in ("enum", "literal_error") and isinstance(given, str) \
+            and isinstance(expected, str):  # a choice mistyped: name the closest one
+        close = nearest(given[:80], _QUOTED.findall(expected[:2000]))
+        what += f"; did you mean {close!r}?" if close else ""
     return printable(" ".join(where.split()), _FIELD_LIMIT), printable(what, _MSG_LIMIT)
 
 

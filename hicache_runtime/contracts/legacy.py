@@ -203,7 +203,7 @@ REGISTRY: Mapping[LegacySwitch, SwitchEntry] = _entries(
 
 def parse_legacy(names: list[str]) -> frozenset[LegacySwitch]:
     """Turn ``--legacy`` values into switches; unknown names raise ``ConfigError``."""
-    from hicache_runtime.contracts.errors import ConfigError
+    from hicache_runtime.contracts.errors import ConfigError, nearest
 
     out: set[LegacySwitch] = set()
     for name in names:
@@ -211,8 +211,10 @@ def parse_legacy(names: list[str]) -> frozenset[LegacySwitch]:
             try:
                 out.add(LegacySwitch(part))
             except ValueError:
-                known = ", ".join(s.value for s in LegacySwitch)
+                known = [s.value for s in LegacySwitch]
+                close = nearest(part, known)
                 raise ConfigError(
-                    "legacy", f"unknown switch {part!r}", hint=f"known: {known}"
-                ) from None
+                    "legacy", f"unknown switch {part!r}"
+                    + (f"; did you mean {close!r}?" if close else ""),
+                    hint=f"the switches: {', '.join(known)}.") from None
     return frozenset(out)
