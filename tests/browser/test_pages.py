@@ -167,6 +167,32 @@ def test_a_folder_of_bundles_is_an_index_and_a_page_per_incident(browser: Any,
     assert seen == set(cases)
 
 
+def test_an_incident_runbook_from_a_stored_diagnosis_draws_the_same_timeline(
+        browser: Any, incident: Path, tmp_path: Path) -> None:
+    """hicache runbook --from DIAGNOSIS.json --html: the stored diagnosis carries the run's
+    timeline, and the page draws it as the doctor's own page does (a lane per rank, the
+    fault on rank 1's)."""
+    bundle = next(p for p in incident.parent.iterdir() if p.is_dir())
+    diag = tmp_path / "d.json"
+    res = CliRunner().invoke(app, ["doctor", str(bundle), "--json", "--out", str(diag)])
+    assert res.exit_code == 0, res.output
+    page = tmp_path / "rb" / "incident.md"
+    res = CliRunner().invoke(app, ["runbook", "--from", str(diag), "--html", "-o", str(page)])
+    assert res.exit_code == 0, res.output
+    v = Visit(browser, page.with_suffix(".html"))
+    v.check_structure()
+    svg = v.page.locator("figure.timeline svg >> nth=0")
+    lanes = svg.locator("g.lane")
+    assert sorted(lanes.nth(i).get_attribute("data-rank") for i in range(lanes.count())) == \
+        ["0", "1"]
+    assert svg.locator('g.lane[data-rank="1"] line.mark[data-kind="fault"]').count() >= 1
+    assert svg.locator('g.lane[data-rank="0"] line.mark[data-kind="fault"]').count() == 0
+    img, origin = v.shot("figure.timeline svg")
+    band = lanes.nth(0).locator("rect.lane-bg").bounding_box()
+    assert img.getpixel((int(band["x"] - origin["x"] + 3), int(band["y"] - origin["y"] + 2))) \
+        == (247, 248, 250), "lane not drawn"
+
+
 def test_runbook_pages_link_only_to_pages_that_exist(browser: Any, tmp_path: Path) -> None:
     out = tmp_path / "runbooks"
     res = CliRunner().invoke(app, ["runbook", "--out", str(out), "--html"])
