@@ -361,22 +361,25 @@ def _become_rank(req: dict[str, Any], fds: list[int], zygote_pid: int) -> None:
     os._exit(code if isinstance(code, int) else 1)
 
 
-def _retitle(argv: Sequence[str], env: Mapping[str, str]) -> None:
+def _retitle(argv: Sequence[str], env: Mapping[str, str] | None) -> None:
     """Make ``/proc/self/cmdline`` and ``/proc/self/environ`` show the rank's own command line
     and environment, as a cold-started rank's do (``ps``, ``pgrep -f``, a supervisor that
     reads a process's environment, and py-spy users find ranks by them). They are read from
     the memory the kernel laid out at the zygote's exec (the zygote starts with room to spare
     in both); the rank's values are written there in place, cut short if they do not fit.
     Safe once ``os.environ`` has been rebuilt: the C environment then points at copies, not
-    into that memory."""
+    into that memory. ``env`` None leaves the environment alone (the zygote's own, which
+    the C environment still points into)."""
     try:
         fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
         # fields 48-51 of stat (counted from 1, the first two are before the ")")
         arg_start, arg_end, env_start, env_end = (int(x) for x in fields[45:49])
     except (OSError, ValueError, IndexError):
         return
-    for start, end, items in ((arg_start, arg_end, list(argv)),
-                              (env_start, env_end, [f"{k}={v}" for k, v in env.items()])):
+    areas = [(arg_start, arg_end, list(argv))]
+    if env is not None:
+        areas.append((env_start, env_end, [f"{k}={v}" for k, v in env.items()]))
+    for start, end, items in areas:
         size = end - start
         if size <= 0:
             continue
@@ -386,6 +389,9 @@ def _retitle(argv: Sequence[str], env: Mapping[str, str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if argv is None:  # its own command line without the room it keeps for the ranks' (ps)
+        _retitle([sys.executable, "-P", "-m", __spec__.name if __spec__ else __name__,
+                  args[0]], None)
     sock = socket.socket(fileno=int(args[0]))
     # Everything a rank imports, imported once here; nothing that starts a thread or touches
     # a device (a fork copies only the calling thread).

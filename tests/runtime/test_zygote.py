@@ -100,6 +100,24 @@ def test_a_rank_shows_its_own_command_line_and_environment(zyg: zygote.Zygote,
         p.wait(30)
 
 
+def test_the_zygote_shows_its_command_line_without_its_padding(zyg: zygote.Zygote) -> None:
+    """It starts with thousands of blanks of room for the ranks' command lines; ``ps`` and
+    /proc show its own arguments only."""
+    pid = zyg.proc.pid
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+        if b" " * 64 not in b"".join(cmd):
+            break
+        time.sleep(0.02)
+    assert cmd[-3:-1] == [b"-m", b"hicache_runtime.launch.zygote"], cmd[:6]
+    assert len(b" ".join(cmd)) < 400, cmd
+    ps = subprocess.run(["ps", "-o", "args=", "-p", str(pid)], capture_output=True, text=True,
+                        check=False).stdout
+    assert "hicache_runtime.launch.zygote" in ps
+    assert len(ps.strip()) < 400, len(ps)
+
+
 def test_log_and_passed_descriptors(zyg: zygote.Zygote, tmp_path: Path) -> None:
     log = tmp_path / "p.log"
     assert zyg.spawn(_argv("print"), dict(os.environ), log).wait(30) == 0
