@@ -470,7 +470,8 @@ def campaign(
              "campaigns run proposed).")] = None,
     executor: Annotated[str, typer.Option(
         help="local (one cell after the other, here) or ray: each cell a Ray task reserving "
-             "a CPU per rank (pip install -e '.[ray]' in the checkout).")] = "local",
+             "a CPU per rank and busy helper (pip install -e '.[ray]' in the checkout)."
+    )] = "local",
     address: Annotated[str | None, typer.Option(
         help="With --executor ray: the cluster's address (HOST:PORT of 'ray start --head', "
              "or auto); without it, a Ray instance of this command's own.")] = None,

@@ -1,9 +1,10 @@
 """Campaign cells as Ray tasks: ``hicache campaign --executor ray [--address ADDR]``.
 
-Each cell is one task that reserves as many CPUs as the cell has rank processes (capped at the
-largest node's CPUs, so a cell bigger than any node still runs), runs the cell as the local
-executor does (``cells.run_cell``: warm-up, judged run, doctor) in a working directory of its
-own on the node, and sends back its result with the crash bundle packed (a tar of at most
+Each cell is one task that reserves as many CPUs as the cell has rank processes and helpers
+working beside them (``_cpus``; capped at the largest node's CPUs, so a cell bigger than any
+node still runs), runs the cell as the local executor does (``cells.run_cell``: warm-up, judged
+run, doctor) in a working directory of its own on the node, and sends back its result with
+the crash bundle packed (a tar of at most
 :data:`MAX_BUNDLE_BYTES`), which the driver unpacks under ``--bundle-dir``. With
 ``keep_bundles`` the bundle stays on the node's disk instead and the result says where (its
 node and path).
@@ -80,7 +81,7 @@ def run_on_ray(spec: CampaignSpec, cells: list[CellSpec], *, bundle_root: Path,
     pending: dict[Any, tuple[CellSpec, int]] = {}
 
     def submit(cell: CellSpec, attempt: int) -> None:
-        cpus = max(1, min(_ranks(spec, cell), biggest))
+        cpus = max(1, min(_cpus(spec, cell), biggest))
         ref = task.options(num_cpus=cpus, max_retries=0, name=f"hicache-cell {cell.id}"[:100]) \
             .remote(spec_data, cell.model_dump(mode="json"), storage_url, keep_bundles)
         pending[ref] = (cell, attempt)
@@ -136,11 +137,17 @@ def _cell_task(spec_data: dict[str, Any], cell_data: dict[str, Any], storage_url
                 "node": node}
 
 
-def _ranks(spec: CampaignSpec, cell: CellSpec) -> int:
+def _cpus(spec: CampaignSpec, cell: CellSpec) -> int:
+    """CPUs a cell's task reserves: one per rank, plus its helpers that work while the ranks
+    do: the launcher (it drives the ranks' start, the dumps, the bundle; a single rank runs
+    in it instead), and the DP controller that routes requests when there are DP groups.
+    The zygote only forks and waits. Capped by the caller at the largest node."""
     from faults.campaign.plan import cell_settings
 
     dp = cell_settings(spec, cell).get("topology.dp", 1)
-    return cell.tp * cell.pp * (dp if isinstance(dp, int) and dp > 0 else 1)
+    groups = dp if isinstance(dp, int) and dp > 0 else 1
+    ranks = cell.tp * cell.pp * groups
+    return ranks + (1 if ranks > 1 else 0) + (1 if groups > 1 else 0)
 
 
 def _pack(bundle: Path) -> bytes | None:

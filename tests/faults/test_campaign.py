@@ -179,6 +179,18 @@ def test_a_cell_that_ran_again_says_so_in_every_report(capsys: pytest.CaptureFix
     assert "node-b" in " ".join(capsys.readouterr().out.split())
 
 
+def test_a_ray_task_reserves_a_cpu_per_rank_and_per_busy_helper() -> None:
+    """The launcher beside several ranks, the DP controller beside DP groups; a single rank
+    runs in its launcher (the function only: no cluster needed)."""
+    from faults.campaign.ray_executor import _cpus
+
+    spec = CampaignSpec(name="x")
+    assert _cpus(spec, CellSpec(tp=1)) == 1
+    assert _cpus(spec, CellSpec(tp=2)) == 3
+    assert _cpus(spec, CellSpec(tp=2, pp=2)) == 5
+    assert _cpus(spec, CellSpec(tp=2, config={"topology.dp": 2})) == 6
+
+
 def test_cellspec_rejects_unknown_switch() -> None:
     with pytest.raises(ValueError, match="no-such"):
         CellSpec(legacy=["no-such"])
