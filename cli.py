@@ -1317,7 +1317,20 @@ def capture(
 
 def main(argv: list[str] | None = None) -> None:
     """The ``hicache`` entry point. Usage errors (an unknown option, ``--tp abc``) are one line
-    on stderr and exit 2, like every other user error; not click's usage box."""
+    on stderr and exit 2, like every other user error; not click's usage box. A Ctrl-C while
+    the modules still load (seconds on a busy machine), before a command's own handling is in
+    place, ends as one line and 128 + SIGINT too, not a KeyboardInterrupt traceback."""
+    try:
+        _main(argv)
+    except KeyboardInterrupt as exc:
+        import signal
+
+        signum = int(getattr(exc, "signum", signal.SIGINT))
+        print(f"error: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
+        sys.exit(128 + signum)
+
+
+def _main(argv: list[str] | None) -> None:
     from hicache_runtime.contracts.install import shadowed
 
     elsewhere = shadowed()
