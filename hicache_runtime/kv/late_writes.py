@@ -19,7 +19,7 @@ one of its pages into L1 (``CacheController.start_loading`` calls :meth:`reading
 thread, before the read: the pages then hold a new owner's complete copy (only a backed-up
 node is evicted from L1, and only an evicted node is loaded back), and the load reads the
 late data, every time. A write whose pages nobody loads back never lands (it would have
-corrupted nothing anyone read); the run summary counts it as pending.
+corrupted nothing anyone read); the run summary counts writes posted and writes read.
 """
 
 from __future__ import annotations

@@ -297,8 +297,7 @@ class StorageWorkers:
         payloads = self.backend.batch_get(keys, info)
         good = next((i for i, p in enumerate(payloads) if p is None or not self.codec.fits(p)),
                     len(payloads))
-        if not good:
-            self.host.late_writes.disarm(pages)
+        if not good:  # nothing to write late (the caller disarms the pages)
             return
 
         def land() -> None:  # in the reading load-back's thread, before it reads
@@ -309,8 +308,7 @@ class StorageWorkers:
             self.tracer.emit_durable(Ev.PREFETCH_LATE_WRITE, rid=op.rid, pages=pages[:good],
                                      reused=reused)
 
-        self.host.late_writes.post(pages[:good], land)
-        self.host.late_writes.disarm(pages[good:])
+        self.host.late_writes.post(pages[:good], land)  # the caller disarms the rest
         self.late_writes["posted"] += 1
 
     def _pool_pages(self, op: PrefetchOperation) -> tuple[int, ...]:
