@@ -18,6 +18,7 @@ import json
 import os
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -85,12 +86,16 @@ class FaultInjector:
 
     def fire(self, point: FaultPoint, *, step: int, rid: str | None = None,
              pool: str | None = None,
-             chunk: int | None = None, key: str | None = None) -> list[FaultSpec]:
+             chunk: int | None = None, key: str | None = None,
+             only: Callable[[FaultSpec], bool] | None = None) -> list[FaultSpec]:
         """The specs that fire at this visit of ``point`` (usually zero or one). ``pool``
         names the storage objects a storage call touches ("kv" or a sidecar pool); ``chunk``
         is the 0-based chunk of a chunked prefill that has just run (a spec with ``chunk=``
         fires only after that one); ``key`` names the object this visit acts on, and a
-        probability is then drawn for that key, not for the thread's n-th visit."""
+        probability is then drawn for that key, not for the thread's n-th visit. ``only``
+        admits the specs this visit is for, where one point is visited from two places
+        (``copy.complete``: a lag in the copy thread, a hold at submission); the others are
+        neither fired nor counted."""
         candidates = self._by_point.get(point)
         if not candidates:
             return []
@@ -99,6 +104,8 @@ class FaultInjector:
         made: list[FiredFault] = []
         with self._lock:
             for idx, spec in candidates:
+                if only is not None and not only(spec):
+                    continue
                 if not spec.matches_step(step) or not spec.matches_request(rid):
                     continue
                 if not spec.matches_pool(pool):

@@ -53,6 +53,7 @@ class FaultSpec(BaseModel):
     chunk: int | None = Field(None, ge=0)
     point: FaultPoint | None = None
     pool: str | None = None
+    hold: int | None = Field(None, ge=1, le=1_000_000)
 
     @field_validator("kind")
     @classmethod
@@ -123,7 +124,7 @@ class FaultSpec(BaseModel):
             parts.append(f"p={self.p:g}")
         if self.count is not None:
             parts.append(f"count={self.count}")
-        for name in ("ms", "mode", "pages", "at", "batch", "chunk", "pool"):
+        for name in ("ms", "hold", "mode", "pages", "at", "batch", "chunk", "pool"):
             value = getattr(self, name)
             if value is not None:
                 parts.append(f"{name}={value:g}" if isinstance(value, float) else f"{name}={value}")
@@ -132,7 +133,7 @@ class FaultSpec(BaseModel):
         return self.kind + (":" + ",".join(parts) if parts else "")
 
 
-PARAM_FIELDS = ("ms", "mode", "pages", "at", "batch", "chunk", "point", "pool")
+PARAM_FIELDS = ("ms", "hold", "mode", "pages", "at", "batch", "chunk", "point", "pool")
 """The kind-specific parameter fields: a kind's ``Param`` names one of them, and says what it
 means for that kind."""
 
@@ -287,6 +288,8 @@ def _param_problem(spec: FaultSpec) -> str | None:
     if extra:
         names = ", ".join(sorted(allowed)) or "none"
         return f"{spec.kind} takes no {', '.join(sorted(extra))} (it takes: {names})"
+    if spec.hold is not None and spec.ms is not None:
+        return f"{spec.kind} lags in time (ms) or in steps (hold), not both"
     for param in entry.params:
         value = getattr(spec, param.name)
         if value is None:

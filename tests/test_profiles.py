@@ -130,7 +130,7 @@ def test_campaign_output_marks_cells_that_are_no_evidence_about_a_release() -> N
 
     spec = load_campaign()
     by_id = {c.id: c for c in spec.expand()}
-    synthetic_cell = identity(by_id["tp2/wallclock-lru/dma-lag:rank=1,ms=100"])
+    synthetic_cell = identity(by_id["tp2/wallclock-lru/dma-lag:rank=1,hold=3"])
     assert synthetic_cell["not_a_release"] == {"wallclock-lru": "synthetic"}
     assert identity(by_id["tp2/skip-empty-sync/host-alloc-fail:tp=1"])["not_a_release"] == {}
     result = CampaignResult(name="c", started_at="now", wall_s=1.0, cells=[

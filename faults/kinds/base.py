@@ -135,6 +135,11 @@ class Kind:
         """At ``copy.complete``: seconds an L1<->L2 copy's completion is delayed."""
         return 0.0
 
+    def copy_hold_steps(self, spec: FaultSpec) -> int:
+        """At ``copy.complete``, asked at submission: scheduler steps before the rank's
+        scheduler may see the copy finished."""
+        return 0
+
     def fails_alloc(self, spec: FaultSpec) -> bool:
         """At ``host.alloc``: whether the host pool refuses the pages."""
         return False

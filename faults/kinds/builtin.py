@@ -69,11 +69,19 @@ class StepLag(Kind):
 
 @dataclass(frozen=True)
 class CopyLag(Kind):
+    """A slow copy engine: each copy finishes ``ms`` late, or (``hold``) its rank's scheduler
+    sees it finished only ``hold`` steps after submitting it. A lag in time hides inside one
+    step once steps take longer than it (a loaded machine); a hold in steps reorders the same
+    operations however fast the machine runs."""
+
     def effect(self, spec: FaultSpec) -> FaultEffect:
         return FaultEffect.LAG
 
     def copy_delay_s(self, spec: FaultSpec) -> float:
         return spec.lag_s
+
+    def copy_hold_steps(self, spec: FaultSpec) -> int:
+        return spec.hold or 0
 
 
 @dataclass(frozen=True)
@@ -177,8 +185,12 @@ BUILTIN: tuple[Kind, ...] = (
             "stage).",
             (_P.SCHEDULER_STEP,), (_MS,), stepped=True),
     CopyLag(FaultKind.DMA_LAG,
-            "Delays the completion of each L1<->L2 copy job by `ms` on the selected ranks.",
-            (_P.COPY_COMPLETE,), (_MS,), stepped=True),
+            "Delays the completion of each L1<->L2 copy job by `ms` on the selected ranks; "
+            "with `hold`, their schedulers see each job finished `hold` steps after submitting "
+            "it (the same reordering on a slow machine as on a fast one).",
+            (_P.COPY_COMPLETE,),
+            (_MS, Param("hold", int, "scheduler steps before a finished copy is seen (instead "
+                                     "of ms)", "none")), stepped=True),
     StepLag(FaultKind.COMPUTE_LAG,
             "Slows each forward on the selected ranks by `ms` per 1024 tokens it computes (a "
             "slower accelerator); the dynamic-chunking latency profile's forwards, at "

@@ -340,6 +340,10 @@ class HiCache(PrefixCache):
                     or self.controller.write_queue or self.controller.load_queue
                     or (self.l3 is not None and not self.l3.idle()))
 
+    def stop_stepping(self) -> None:
+        if self.controller is not None:  # no step comes to pass a dma-lag hold from here on
+            self.controller.release_holds()
+
     def drain(self) -> None:
         """Wait for every transfer and consume it (end of run, single rank)."""
         while not self.idle():

@@ -154,6 +154,10 @@ class PrefixCache(ABC):
         """True when no transfer or background work is in flight."""
         return True
 
+    def stop_stepping(self) -> None:
+        """The steps are over; the end-of-run drain comes next. A transfer a fault held back
+        for a number of steps counts from now on as soon as it has finished."""
+
     def drain(self) -> None:
         """End of a single-rank run: wait for every transfer and consume it, so ``idle()``
         holds. (Several ranks drain in agreed rounds of ``check_events`` instead.)"""

@@ -377,6 +377,7 @@ class Engine:
         waits for its own transfers. Ranks with peers drain in rounds, each one agreed vote on
         every rank, so ranks run the same number of rounds (``idle`` alone is rank-local)."""
         cache, sync = self.rt.cache, self.rt.sync
+        cache.stop_stepping()
         if self.groups is None:
             cache.drain()
             check_at_drain(cache)

@@ -228,14 +228,24 @@ def _host_pool(cfg: RuntimeConfig, shape: KVShape, sync: RankSync,
 
 def _copy_engine(cfg: RuntimeConfig, device: torch.device, tracer: Tracer,
                  faults: FaultInjector | None) -> CopyEngine:
-    lag = None
+    lag = hold = None
     if faults is not None and faults.armed(FaultPoint.COPY_COMPLETE):
         def lag() -> float:
-            fired = faults.fire(FaultPoint.COPY_COMPLETE, step=tracer.step)
+            fired = faults.fire(FaultPoint.COPY_COMPLETE, step=tracer.step,
+                                only=lambda s: s.hold is None)
             return max((KINDS[s.kind].copy_delay_s(s) for s in fired), default=0.0)
+
+        def hold() -> int:  # at submission, on the scheduler thread
+            fired = faults.fire(FaultPoint.COPY_COMPLETE, step=tracer.step,
+                                only=lambda s: s.hold is not None)
+            return max((KINDS[s.kind].copy_hold_steps(s) for s in fired), default=0)
+    engine: CopyEngine
     if device.type == "cuda":
-        return CudaCopyEngine(cfg.cache.page_size, device, tracer, lag)
-    return CpuCopyEngine(cfg.cache.page_size, tracer, lag)
+        engine = CudaCopyEngine(cfg.cache.page_size, device, tracer, lag)
+    else:
+        engine = CpuCopyEngine(cfg.cache.page_size, tracer, lag)
+    engine.hold = hold
+    return engine
 
 
 def _lru_clock(cfg: RuntimeConfig) -> Callable[[], float] | None:

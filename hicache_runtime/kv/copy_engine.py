@@ -160,11 +160,19 @@ class CopyJob:
 LagFn = Callable[[], float]
 """Returns seconds to delay a job's completion (the dma-lag fault); 0 when not armed."""
 
+HoldFn = Callable[[], int]
+"""Returns scheduler steps before this rank's scheduler may see a job finished (the dma-lag
+fault's ``hold``); 0 when none fires. Unlike a lag in time, a hold in steps is the same however
+slow the machine runs, so what it reorders does not depend on load."""
+
 
 class CopyEngine(ABC):
     """Submit L1<->L2 copies; each returns an event. Jobs per direction finish in order."""
 
     page_size: int
+    hold: HoldFn | None = None
+    """Scheduler steps this rank's scheduler is kept from seeing a job finished, asked once per
+    job at submission (the dma-lag fault's ``hold``); None when no such fault is armed."""
 
     @abstractmethod
     def write(self, device: KVBuffers, host: KVBuffers, device_slots: torch.Tensor,

@@ -50,6 +50,9 @@ class HiCacheAck:
     done_at: float | None = None
     """``time.monotonic()`` when this rank first saw its own copy finished: a rank-local
     moment (a lagging copy engine sees it later). Read only by the ``wallclock-lru`` switch."""
+    seen_from_step: int = 0
+    """The first scheduler step at which this rank may see the transfer finished (a dma-lag
+    fault's ``hold``; 0: as soon as it is)."""
 
 
 class CacheController:
@@ -79,7 +82,8 @@ class CacheController:
         op = _merge(self.write_queue)
         self.write_queue = []
         event = self._engine.write(self.device, self.host, op.device_slots, op.host_slots)
-        self.ack_write_queue.append(HiCacheAck(event, op.node_ids, int(op.host_slots.numel())))
+        self.ack_write_queue.append(HiCacheAck(event, op.node_ids, int(op.host_slots.numel()),
+                                               seen_from_step=self._seen_from()))
         self.tracer.emit(Ev.WRITE_SUBMIT, nodes=op.node_ids, tokens=int(op.host_slots.numel()))
 
     def write_now(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
@@ -112,7 +116,8 @@ class CacheController:
         self._reading(op.host_slots)
         event, slot = self._engine.load(self.host, self.device, op.host_slots, op.device_slots,
                                        self.device.layer_counter)
-        self.ack_load_queue.append(HiCacheAck(event, op.node_ids, int(op.host_slots.numel())))
+        self.ack_load_queue.append(HiCacheAck(event, op.node_ids, int(op.host_slots.numel()),
+                                              seen_from_step=self._seen_from()))
         self._last_load = (event, slot)
         self.tracer.emit(Ev.LOAD_SUBMIT, nodes=op.node_ids, tokens=int(op.host_slots.numel()),
                          counter_slot=slot)
@@ -133,12 +138,22 @@ class CacheController:
 
     # --- acks -------------------------------------------------------------------------------
 
-    @staticmethod
-    def ready_count(acks: list[HiCacheAck]) -> int:
-        """Leading acks whose transfer has completed (a rank-local, physically timed number)."""
+    def _seen_from(self) -> int:
+        hold = self._engine.hold
+        return self.tracer.step + hold() if hold is not None else 0
+
+    def release_holds(self) -> None:
+        """Let every held ack count as soon as its transfer has finished (the end-of-run drain,
+        where no step comes to pass a hold)."""
+        for ack in (*self.ack_write_queue, *self.ack_load_queue):
+            ack.seen_from_step = 0
+
+    def ready_count(self, acks: list[HiCacheAck]) -> int:
+        """Leading acks whose transfer has completed (a rank-local, physically timed number;
+        an ack held by a dma-lag fault counts from its ``seen_from_step`` on)."""
         n = 0
         for ack in acks:
-            if not ack.event.query():
+            if self.tracer.step < ack.seen_from_step or not ack.event.query():
                 break
             if ack.done_at is None:
                 ack.done_at = time.monotonic()

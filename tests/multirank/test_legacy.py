@@ -148,14 +148,15 @@ def test_local_prefetch_progress_keeps_each_stages_tp_votes(bundle_root: Path,
         "rank 1's short hits were outvoted by the MIN, not absent"
 
 
-@pytest.mark.parametrize("fault", ["dma-lag:rank=1,ms=100", None], ids=["lag", "no-fault"])
+@pytest.mark.parametrize("fault", ["dma-lag:rank=1,hold=3", None], ids=["lag", "no-fault"])
 def test_wallclock_lru_diverges_through_stamps_taken_when_a_ranks_own_copy_finishes(
         bundle_root: Path, fault: str | None) -> None:
     """The same tree operations in the same order are ordered alike by any monotonic clock, so
-    without a fault the wall clock changes nothing. With rank 1's copies lagging, the stamps
-    each rank takes when it finds its own copies finished land later on rank 1 than nodes both
-    ranks touched meanwhile: the ranks evict different victims."""
-    cfg = mr_config(**{"topology.tp": 2, "workload.requests": 96,
+    without a fault the wall clock changes nothing. With rank 1 seeing its copies finished
+    3 steps late, the stamps each rank takes when it finds its own copies finished land later
+    on rank 1 than nodes both ranks touched meanwhile: the ranks evict different victims. The
+    hold is in steps, so the same decision diverges however loaded the machine is."""
+    cfg = mr_config(**{"topology.tp": 2, "workload.requests": 48,
                        "cache.device_tokens": 1024, "cache.host_tokens": 512,
                        "legacy": frozenset({LegacySwitch.WALLCLOCK_LRU}),
                        "faults": (parse_fault(fault),) if fault else (),
