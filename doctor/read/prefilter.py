@@ -20,6 +20,8 @@ from __future__ import annotations
 import re
 from bisect import bisect_left
 from collections import defaultdict
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -35,7 +37,10 @@ class TriggerIndex:
     """Literal multi-pattern line finder. ``plan`` once per input, then ``lines`` per chunk."""
 
     def __init__(self, triggers: list[bytes]) -> None:
-        self.triggers = sorted({t for t in triggers if len(t) >= 2})
+        layout = _pair_layout(frozenset(t for t in triggers if len(t) >= 2))
+        self.triggers = layout.triggers
+        self._first, self._pairs, self._offset, self._span = (
+            layout.first, layout.pairs, layout.offset, layout.span)
         self._table = np.zeros(65536, dtype=np.uint8)
         self._owners: dict[int, list[tuple[bytes, int]]] = {}
         self._any: Any = None  # the triggers as one RE2 alternation, built when first needed
@@ -49,9 +54,14 @@ class TriggerIndex:
         the chosen pairs occur in (the first ``SAMPLE_BYTES`` of) it."""
         hist = _pair_histogram(sample[:SAMPLE_BYTES])
         owners: dict[int, list[tuple[bytes, int]]] = defaultdict(list)
-        for t in self.triggers:
-            best = min(range(len(t) - 1), key=lambda j: (hist[t[j] | t[j + 1] << 8], -j))
-            owners[t[best] | t[best + 1] << 8].append((t, best))
+        if self.triggers:
+            # each trigger's rarest pair, the last of equally rare ones: the smallest key of
+            # its segment, where a key orders by count, then by offset from the end
+            key = hist[self._pairs] * self._span + (self._span - 1 - self._offset)
+            best = self._span - 1 - np.minimum.reduceat(key, self._first) % self._span
+            codes = self._pairs[self._first + best]
+            for t, j, code in zip(self.triggers, best.tolist(), codes.tolist(), strict=True):
+                owners[code].append((t, j))
         table = np.zeros(65536, dtype=np.uint8)  # uint8 + take() beats bool fancy indexing
         table[list(owners)] = 1
         self._table, self._owners = table, dict(owners)
@@ -111,6 +121,36 @@ class TriggerIndex:
             line_end = find(b"\n", m.end(), end)
             pos = end if line_end < 0 else line_end + 1
         return starts
+
+
+@dataclass(frozen=True)
+class _PairLayout:
+    """Every trigger's byte pairs laid end to end, so a plan ranks them all in a few numpy
+    operations (a Python loop over them cost ~10 ms per input, most of a small input's
+    diagnosis): ``pairs[k]`` is pair ``k`` (its two bytes as one little-endian code) at
+    ``offset[k]`` in its trigger, ``first[i]`` where trigger ``i``'s pairs start, and ``span``
+    exceeds every offset."""
+
+    triggers: list[bytes]
+    first: np.ndarray
+    pairs: np.ndarray
+    offset: np.ndarray
+    span: int
+
+
+@lru_cache(maxsize=8)
+def _pair_layout(triggers: frozenset[bytes]) -> _PairLayout:
+    """Made once per trigger set (every input of a process scans for the same triggers)."""
+    ordered = sorted(triggers)
+    if not ordered:
+        empty = np.zeros(0, dtype=np.int64)
+        return _PairLayout([], empty, empty, empty, 1)
+    lengths = np.array([len(t) - 1 for t in ordered], dtype=np.int64)
+    codes = [np.frombuffer(t, dtype=np.uint8).astype(np.int64) for t in ordered]
+    return _PairLayout(
+        ordered, np.concatenate(([0], np.cumsum(lengths)[:-1])),
+        np.concatenate([b[:-1] | b[1:] << 8 for b in codes]),
+        np.concatenate([np.arange(n) for n in lengths]), int(lengths.max()) + 1)
 
 
 def _candidates_of(table: np.ndarray, buf: bytes, end: int) -> np.ndarray:

@@ -112,6 +112,10 @@ class TemplateMatcher:
         # a template that fixes too little names no component, but it is still indexed: a line
         # it explains whole must not be taken for a longer template it resembles
         self._generic = ~((self._nlit >= MIN_TOKENS) & (self._total >= MIN_WEIGHT))
+        # the scorer reads these one element at a time, hundreds of thousands of times per
+        # corpus: Python lists answer that several times faster than numpy scalar indexing
+        self._weight_at: list[float] = weight.tolist()
+        self._optional_at: list[bool] = self._optional.tolist()
         # a bare assert's condition ("assert self.layout == 'page_first'") is printed only
         # where the assertion is (its traceback line, an AssertionError, a quote of the
         # condition): a line that neither says "assert" nor compares anything and holds the
@@ -271,7 +275,7 @@ class TemplateMatcher:
         slack = 0  # template tokens missed since the last match: a changed word fills one
         first = -1
         skipped_w, skipped_n = 0.0, 0
-        weight = self._weight
+        weight, optional = self._weight_at, self._optional_at
         for tok in self.tokens_of(tid):
             if tok < 0:
                 glued = False
@@ -282,14 +286,14 @@ class TemplateMatcher:
                 idx = lst[j]
                 if glued and pos >= 0:
                     extra += max(0, idx - pos - 1 - slack)
-                matched += float(weight[tok]) * (NEAR_CREDIT if idx in near else 1.0)
+                matched += weight[tok] * (NEAR_CREDIT if idx in near else 1.0)
                 found += 1
                 pos = idx
                 if first < 0:
                     first = idx
                 slack = 0
-            elif self._optional[tok]:
-                skipped_w += float(weight[tok])
+            elif optional[tok]:
+                skipped_w += weight[tok]
                 skipped_n += 1
                 continue
             else:
