@@ -5,13 +5,15 @@ character classes and literals use, after each of its longest literals (a litera
 a pattern reaches the repetition that backtracks): ``"| " + "-" * n`` for an exception-group box,
 ``"resident" + "\\t " * n`` for a memory reading. ``python -m tests.doctor.redos`` measures every
 pattern the doctor applies to untrusted text (each compiled module-level pattern of ``doctor``,
-``signatures`` and ``render``, and every catalog pattern as the doctor compiles it, with RE2) at
+``signatures`` and ``render``, every literal pattern their functions hand to ``re``, and every
+catalog pattern as the doctor compiles it, with RE2) at
 two sizes and prints one JSON line per pattern whose time grows faster than its input; it
 prints each pattern's name first, so a run stopped by a timeout names the pattern it hung on.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib
 import json
@@ -22,6 +24,7 @@ import re._parser as sp
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 SMALL, LARGE = 1000, 8000
@@ -61,6 +64,11 @@ def _walk(parsed: Any, lits: set[str], chars: set[str], cur: list[str]) -> None:
         lits.add("".join(cur))
 
 
+_ENDS = ("x", "\x01", " ", "-")
+"""Characters that end a run in :func:`adversarial`: a letter, a control character (outside
+every printable class), a blank and a separator."""
+
+
 def adversarial(pattern: str, flags: int, n: int) -> Iterator[str]:
     """Inputs of about ``n`` characters aimed at ``pattern``'s repetitions."""
     lits: set[str] = set()
@@ -68,9 +76,16 @@ def adversarial(pattern: str, flags: int, n: int) -> Iterator[str]:
     with contextlib.suppress(re.error, RecursionError, ValueError):
         _walk(sp.parse(pattern, flags), lits, chars, [])
     alphabet = sorted(c for c in chars if c.isprintable() or c == "\t")[:20]
-    for anchor in ["", *sorted(lits, key=len, reverse=True)[:3]]:
+    anchors = ["", *sorted(lits, key=len, reverse=True)[:3]]
+    for anchor in anchors:
         for c in alphabet:
             yield anchor + c * n
+            if anchor == anchors[-1]:
+                # a run the repetition takes whole, then one character its continuation
+                # refuses: `[-_ ]?\d+$` retries the run from every start (quadratic)
+                for end in _ENDS:
+                    if end != c:
+                        yield anchor + c * (n - 1) + end
         for c1 in alphabet[:8]:
             for c2 in alphabet[:8]:
                 if c1 != c2:
@@ -146,7 +161,84 @@ def patterns() -> dict[str, tuple[Any, str, int, bool]]:
                 out[f"{name}.{where}"] = (rx, text, rx.flags & ~re.UNICODE, as_bytes)
     for name, src in catalog_patterns():
         out[f"catalog {name}: {src[:60]}"] = (linear(src), src, 0, False)
+    for name, (src, flags) in inline_patterns().items():
+        as_bytes = isinstance(src, bytes)
+        text = src.decode("latin-1") if as_bytes else src
+        out[name] = (re.compile(src, flags), text, flags, as_bytes)
     return out
+
+
+#: The ``re`` functions that take a pattern first, with the position of their ``flags``.
+_RE_CALLS = {"compile": 1, "search": 2, "match": 2, "fullmatch": 2, "findall": 2,
+             "finditer": 2, "split": 3, "sub": 4, "subn": 4}
+SOURCES = ("doctor", "signatures", "render.py", "cli.py")
+"""Where the doctor's code lives (the source of :func:`inline_patterns`)."""
+
+
+def inline_patterns(root: Path | None = None) -> dict[str, tuple[str | bytes, int]]:
+    """``file:line:column`` -> (pattern, flags) for every literal pattern the doctor's code
+    hands to ``re`` inside a function (``re.search(r"...", text)``), which no module-level
+    name holds. Flags given as ``re.X | re.Y`` are read."""
+    out: dict[str, tuple[str | bytes, int]] = {}
+    for where, call in _calls_in_functions(root):
+        src = call.args[0]
+        if isinstance(src, ast.Constant) and isinstance(src.value, (str, bytes)):
+            out[where] = (src.value, _flags(call))
+    return out
+
+
+def runtime_built_patterns(root: Path | None = None) -> list[str]:
+    """``file:line:column`` of every ``re`` call inside a function whose pattern is built at
+    run time (not a literal, not ``re.escape``): what neither :func:`inline_patterns` nor the
+    module-level collection can measure, so each one is reviewed by hand."""
+    return [where for where, call in _calls_in_functions(root)
+            if not isinstance(call.args[0], ast.Constant)
+            and call.func.attr != "escape"]  # type: ignore[attr-defined]
+
+
+def _calls_in_functions(root: Path | None) -> Iterator[tuple[str, ast.Call]]:
+    root = root or Path(__file__).resolve().parents[2]
+    for path in _source_files(root):
+        seen: set[int] = set()
+        for fn in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            for node in ast.walk(fn):
+                call = _re_call(node)
+                if call is not None and id(call) not in seen:  # nested functions: once
+                    seen.add(id(call))
+                    yield (f"{path.relative_to(root).as_posix()}:{call.lineno}:"
+                           f"{call.col_offset}"), call
+
+
+def _source_files(root: Path) -> list[Path]:
+    files: list[Path] = []
+    for name in SOURCES:
+        top = root / name
+        files += [top] if top.is_file() else sorted(p for p in top.rglob("*.py")
+                                                    if "/mine/" not in p.as_posix())
+    return files
+
+
+def _re_call(node: ast.AST) -> ast.Call | None:
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == "re" \
+            and node.func.attr in (*_RE_CALLS, "escape") and node.args:
+        return node
+    return None
+
+
+def _flags(call: ast.Call) -> int:
+    attr = call.func.attr  # type: ignore[attr-defined]
+    given = next((k.value for k in call.keywords if k.arg == "flags"), None)
+    if given is None and len(call.args) > _RE_CALLS.get(attr, 99):
+        given = call.args[_RE_CALLS[attr]]
+    value = 0
+    for part in ast.walk(given) if given is not None else ():
+        if isinstance(part, ast.Attribute) and isinstance(part.value, ast.Name) \
+                and part.value.id == "re":
+            value |= int(getattr(re, part.attr, 0))
+    return value
 
 
 def _held(key: str, value: Any, depth: int = 0) -> Iterator[tuple[str, re.Pattern[Any]]]:

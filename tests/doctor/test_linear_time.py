@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,66 @@ def test_every_pattern_grows_linearly_with_its_input() -> None:
     assert not slow, slow
     assert lines[-1] == {"done": True, "superlinear_count": 0}
     assert sum("checking" in x for x in lines) > 400  # every module and the whole catalog
+
+
+def test_patterns_written_inside_functions_are_measured_too() -> None:
+    """A literal handed to ``re`` inside a function (``re.search(r"...", text)``) is held by
+    no module-level name: the harness reads them from the source and measures them with the
+    rest. A pattern built at run time cannot be measured that way; the one there is searches
+    an empty string (a catalog frame pattern's check at load), never untrusted text, and a
+    new one must be reviewed and added here."""
+    from tests.doctor.redos import inline_patterns, patterns, runtime_built_patterns
+
+    inline = inline_patterns()
+    assert len(inline) >= 15
+    measured = patterns()
+    assert set(inline) <= set(measured)
+    # a pattern with flags keeps them (re.M on a capture's backtrace split, re.I elsewhere)
+    assert any(flags for _, flags in inline.values())
+    assert runtime_built_patterns() == ["signatures/models.py:122:28"]
+
+
+class _Scan:
+    """A function in the place of a compiled pattern, for the measure."""
+
+    def __init__(self, fn: Callable[[str], str]) -> None:
+        self.search = fn
+
+
+@pytest.mark.parametrize(("fn", "was"), [
+    ("doctor.model.frames._without_number", r"[-_ ]?\d+$"),
+    ("signatures.index.matcher._without_call_site", r"(?:\s*\([^()]{1,200}\))?\s*$"),
+], ids=["thread-number", "call-site"])
+def test_the_scans_that_replaced_quadratic_patterns_grow_linearly(fn: str, was: str) -> None:
+    """Measured on the worst cases of the pattern each replaced (which the measure finds
+    quadratic: a run of digits or blanks ended by a letter)."""
+    import importlib
+
+    from tests.doctor.redos import superlinear
+
+    module, _, name = fn.rpartition(".")
+    scan = getattr(importlib.import_module(module), name)
+    assert superlinear(_Scan(scan), was, 0, False) is None
+
+
+def test_the_collector_reads_inline_literals_and_their_flags(tmp_path: Path) -> None:
+    import re
+
+    from tests.doctor.redos import inline_patterns, runtime_built_patterns
+
+    pkg = tmp_path / "doctor"
+    pkg.mkdir()
+    (pkg / "m.py").write_text(
+        "import re\n"
+        "TOP = re.compile(r'module level')\n"
+        "def f(text, word):\n"
+        "    if re.search(r'(a+)+b', text, re.I | re.M):\n"
+        "        return re.sub(rb'x\\s*y', b'', text, flags=re.S)\n"
+        "    return re.match(re.escape(word) + 'z', text)\n")
+    found = inline_patterns(tmp_path)
+    assert found == {"doctor/m.py:4:7": ("(a+)+b", re.I | re.M),
+                     "doctor/m.py:5:15": (rb"x\s*y", re.S)}
+    assert runtime_built_patterns(tmp_path) == ["doctor/m.py:6:11"]
 
 
 def test_the_measure_tells_a_quadratic_pattern_from_a_linear_one() -> None:
