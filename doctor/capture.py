@@ -97,6 +97,9 @@ def find_targets(pids: list[int], tree: int | None, torchrun: int | None) -> lis
         # ranks say who they are (RANK, an SGLang scheduler's title); when some do, the rest
         # (a tokenizer, a detokenizer, a data loader) are not ranks of the job
         below = [p for p in below if _is_rank(p)] or below
+        # a rank's own children inherit its environment, RANK included (a multiprocessing
+        # resource tracker, a compile worker): a process below another candidate is no rank
+        below = _outermost(below)
         if not below and helpers:
             raise ConfigError(
                 "capture", f"no ranks below pid {root} yet, only the run's helper processes "
@@ -114,6 +117,23 @@ def find_targets(pids: list[int], tree: int | None, torchrun: int | None) -> lis
         if t.rank is None:
             t.rank = next(free)
     return sorted(targets, key=lambda t: t.rank if t.rank is not None else -1)
+
+
+def _outermost(pids: list[int]) -> list[int]:
+    """The processes of ``pids`` none of whose ancestors is in ``pids``."""
+    chosen = set(pids)
+
+    def below_another(pid: int) -> bool:
+        seen: set[int] = set()
+        parent = _ppid(pid)
+        while parent is not None and parent > 1 and parent not in seen:
+            if parent in chosen:
+                return True
+            seen.add(parent)
+            parent = _ppid(parent)
+        return False
+
+    return [p for p in pids if not below_another(p)]
 
 
 def _global_ranks(targets: list[Target]) -> None:

@@ -271,21 +271,27 @@ def _rank_children(pid: int) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_capture_a_live_hicache_run_finds_its_ranks_not_the_zygote(tmp_path: Path) -> None:
+@pytest.mark.parametrize("grid", [("--tp", "2"), ("--dp", "2", "--tp", "2")],
+                         ids=["tp2", "dp2-tp2"])
+def test_capture_a_live_hicache_run_finds_its_ranks_not_the_zygote(
+        tmp_path: Path, grid: tuple[str, ...]) -> None:
     """The README's live capture: ``hicache run --tp 2`` with rank 1 hung, ``hicache capture
-    --tree <its pid>``: two ranks captured (the zygote that forks them is no rank), and the
-    doctor sees a world of two."""
+    --tree <its pid>``: the ranks captured, each into its own folder (every DP group has a
+    rank 0), and no helper: not the zygote that forks them, not a process a rank started
+    (a DP group's multiprocessing resource tracker inherits RANK; it was taken for ranks 4
+    and 5, and the doctor saw a world of 6)."""
+    world = 2 * (2 if "--dp" in grid else 1)
     hicache = Path(sys.executable).with_name("hicache")
-    run = subprocess.Popen([str(hicache), "run", "--tp", "2", "--requests", "8",
+    run = subprocess.Popen([str(hicache), "run", *grid, "--requests", "8",
                             "--fault", "hang:rank=1,point=scheduler.step,step=3",
                             "--protocol-timeout", "120", "--watchdog-timeout", "120"],
                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while len(_rank_children(run.pid)) < 2 and time.monotonic() < deadline:
+        while len(_rank_children(run.pid)) < world and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert len(_rank_children(run.pid)) == 2, "the ranks did not start"
+        assert len(_rank_children(run.pid)) >= world, "the ranks did not start"
         time.sleep(2)  # rank 1 reaches its hang, rank 0 waits for it in a collective
         res = CliRunner().invoke(app, ["capture", "--tree", str(run.pid),
                                        "--out", str(tmp_path / "cap"), "--json"])
@@ -293,10 +299,13 @@ def test_capture_a_live_hicache_run_finds_its_ranks_not_the_zygote(tmp_path: Pat
             pytest.skip("py-spy may not ptrace in this environment")
         assert res.exit_code == 0, res.output
         manifest = json.loads((tmp_path / "cap" / "capture.json").read_text())
-        assert sorted(t["rank"] for t in manifest["targets"]) == [0, 1]
-        assert not any("zygote" in t["cmdline"] for t in manifest["targets"])
+        assert sorted(t["rank"] for t in manifest["targets"]) == list(range(world))
+        assert all("rank_process" in t["cmdline"] for t in manifest["targets"]), \
+            [t["cmdline"] for t in manifest["targets"]]
+        dumps = sorted(p.parent.name for p in (tmp_path / "cap").glob("rank*/*.json"))
+        assert len(set(dumps)) == world, dumps
         d = diagnose([str(tmp_path / "cap")])
-        assert d.topology.get("world_size") == 2, d.topology
+        assert d.topology.get("world_size") == world, d.topology
     finally:
         os.killpg(run.pid, 9)
         run.wait(timeout=30)
