@@ -240,7 +240,7 @@ def bundle_writing(dest: Path) -> Iterator[Path]:
         yield dest
     except OSError as exc:
         shutil.rmtree(dest, ignore_errors=True)
-        raise BundleNotWritten(f"the crash bundle could not be written under {dest.parent}: "
+        raise BundleNotWritten(f"the bundle could not be written under {dest.parent}: "
                                f"{_why(exc)}") from None
 
 

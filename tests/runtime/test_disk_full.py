@@ -33,20 +33,39 @@ def full_disk(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", str(mount)], check=False)
 
 
+#: A wrong-output run on one rank (the sum-hit-pages cell): its bundle is written by the
+#: output judge, not by a rank's crash handler. Its L3 is warmed first, off the full disk.
+WRONG_OUTPUT = ["--requests", "24", "--device-tokens", "512", "--host-tokens", "768",
+                "--sidecar-pools", "all_pages", "--storage", "file"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("args", [
-    ["--tp", "2", "--fault", "crash:rank=1,point=scheduler.step,step=3"],
-    ["--fault", "crash:point=scheduler.step,step=3"],
-], ids=["tp2", "one-rank"])
-def test_a_full_disk_leaves_the_summary_and_no_half_bundle(full_disk: Path, tmp_path: Path,
-                                                           args: list[str]) -> None:
+@pytest.mark.parametrize(("args", "outcome"), [
+    (["--tp", "2", "--fault", "crash:rank=1,point=scheduler.step,step=3"], "crash"),
+    (["--fault", "crash:point=scheduler.step,step=3"], "crash"),
+    (["--dp", "2", "--fault", "crash:point=scheduler.step,step=3"], "crash"),
+    ([*WRONG_OUTPUT, "--legacy", "sum-hit-pages", "--fault",
+      "storage-shortfall:mode=holes,pages=1,at=1,pool=sidecar"], "wrong-output"),
+], ids=["tp2", "one-rank", "dp2", "wrong-output"])
+def test_a_full_disk_leaves_the_summary_and_no_half_bundle(
+        full_disk: Path, tmp_path: Path, args: list[str], outcome: str) -> None:
+    """Every bundle writer: a rank's (one rank, TP), the DP controller's, and the output
+    judge's for a wrong answer."""
     hicache = Path(sys.executable).with_name("hicache")
-    proc = subprocess.run([str(hicache), "run", "--requests", "8", *args, "--bundle-dir",
+    if outcome == "wrong-output":
+        args = [*args, "--storage-path", str(tmp_path / "l3")]
+        warm = subprocess.run([str(hicache), "run", *WRONG_OUTPUT, "--storage-path",
+                               str(tmp_path / "l3"), "--json"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300, check=False)
+        assert json.loads(warm.stdout)["outcome"] == "healthy", warm.stderr[-2000:]
+    else:
+        args = ["--requests", "8", *args]
+    proc = subprocess.run([str(hicache), "run", *args, "--bundle-dir",
                            str(full_disk / "bundles"), "--json"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 1, proc.stderr[-2000:]  # the run crashed: unhealthy, not usage
+    assert proc.returncode == 1, proc.stderr[-2000:]  # the run failed: unhealthy, not usage
     summary = json.loads(proc.stdout)
-    assert summary["outcome"] == "crash"
+    assert summary["outcome"] == outcome
     assert summary["bundle"] is None
     assert "No space left on device" in summary["bundle_error"]
     assert len(summary["bundle_error"]) < 300
