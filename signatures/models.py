@@ -23,27 +23,25 @@ from pydantic import (
     model_validator,
 )
 
-from hicache_runtime.contracts.legacy import REGISTRY, LegacySwitch
+from hicache_runtime.contracts.legacy import REGISTRY, LegacySwitch, parse_cell_id
 from signatures.fact_names import Fact
 from signatures.linear import UnsafePattern, linear
 
-CELL_RE = re.compile(r"^(?P<topology>tp\d+(?:pp\d+)?|pp\d+)/(?P<legacy>[a-z-]+)/"
-                     r"(?P<fault>[a-z-]+(?::\S+)?)$")
-
 
 def cell_not_a_release(cell: str) -> dict[str, str]:
-    """The legacy switch of a catalog campaign cell (``<topology>/<switch>/<fault>``) when no
-    release ran it as this runtime does, with its fidelity and why (``contracts/legacy.py``):
+    """The legacy switches of a campaign cell (``<topology>/<switches>/<faults>``) that no
+    release ran as this runtime does, each with its fidelity and why (``contracts/legacy.py``):
     the cell is then a reproduction of the hazard, not evidence about a release."""
-    m = CELL_RE.match(cell)
-    if m is None or m["legacy"] == "fixed":
-        return {}
-    try:
-        entry = REGISTRY[LegacySwitch(m["legacy"])]
-    except ValueError:
-        return {}
-    return {} if entry.in_profiles else {
-        entry.switch.value: f"{entry.fidelity.value}: {entry.fidelity_note}"}
+    parts = parse_cell_id(cell)
+    out: dict[str, str] = {}
+    for name in parts.switches if parts is not None else ():
+        try:
+            entry = REGISTRY[LegacySwitch(name)]
+        except ValueError:
+            continue
+        if not entry.in_profiles:
+            out[entry.switch.value] = f"{entry.fidelity.value}: {entry.fidelity_note}"
+    return out
 
 
 class Severity(str, Enum):
@@ -303,20 +301,22 @@ class CampaignCell(_Strict):
     @field_validator("cell")
     @classmethod
     def _shape(cls, v: str) -> str:
-        if not CELL_RE.match(v):
-            raise ValueError(f"campaign cell {v!r} is not <topology>/<legacy>/<fault>")
+        if parse_cell_id(v) is None:
+            raise ValueError(f"campaign cell {v!r} is not <topology>/<switches>/<faults>")
         return v
 
     @property
     def parts(self) -> tuple[str, str, str]:
-        m = CELL_RE.match(self.cell)
-        assert m is not None  # validated at construction
-        return m.group("topology"), m.group("legacy"), m.group("fault")
+        """(topology, mode, faults): the mode is the switches joined by ``+``, or ``fixed``."""
+        cell = parse_cell_id(self.cell)
+        assert cell is not None  # validated at construction
+        return cell.topology, cell.mode, cell.faults
 
     @property
     def fixed_twin(self) -> str:
-        topo, _legacy, fault = self.parts
-        return f"{topo}/fixed/{fault}"
+        cell = parse_cell_id(self.cell)
+        assert cell is not None
+        return str(cell.fixed_twin())
 
     @property
     def not_a_release(self) -> dict[str, str]:

@@ -60,7 +60,13 @@ from hicache_runtime.contracts.errors import (
     first_problem,
     nearest,
 )
-from hicache_runtime.contracts.legacy import LegacySwitch, parse_legacy
+from hicache_runtime.contracts.legacy import (
+    LegacySwitch,
+    format_cell_id,
+    mode_label,
+    parse_legacy,
+    topology_label,
+)
 
 HEALTHY = "healthy"
 #: A cell that fails with evidence the doctor names no signature for (a shrunk unknown crash).
@@ -293,16 +299,6 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 # parts (``matrix_place``), never by splitting an id: a spec may name its cells freely.
 
 
-def topology_label(tp: int, pp: int) -> str:
-    return "".join(p for p in (f"tp{tp}" if tp > 1 else "", f"pp{pp}" if pp > 1 else "")
-                   if p) or "tp1"
-
-
-def mode_label(legacy: list[str]) -> str:
-    """The legacy switches of a cell, or ``fixed``."""
-    return "+".join(sorted(legacy)) or "fixed"
-
-
 def faults_label(faults: list[str]) -> str:
     """Canonical fault specs (ids do not depend on key order), or ``none``."""
     return ";".join(f.compact() for f in parse_faults(faults)) or "none"
@@ -310,8 +306,8 @@ def faults_label(faults: list[str]) -> str:
 
 def cell_id(tp: int, pp: int, legacy: list[str], faults: list[str],
             seed: int | None = None) -> str:
-    text = f"{topology_label(tp, pp)}/{mode_label(legacy)}/{faults_label(faults)}"
-    return text if seed is None else f"{text}/seed{seed}"
+    """The cell's id (``hicache_runtime.contracts.legacy.py`` holds the grammar)."""
+    return format_cell_id(tp, pp, legacy, faults_label(faults), seed)
 
 
 def matrix_place(cell: CellSpec) -> tuple[str, str]:

@@ -6,11 +6,13 @@ combination restores an upstream version's state (``skip-empty-sync`` alone is 0
 drain, with ``local-ack-drain`` it is 0.5.5's). The names are stable: they appear on the
 command line (``--legacy NAME``), in bundles, campaigns and the signature catalog.
 ``docs/legacy-switches.md`` gives, per switch, the upstream code it restores and what it does
-not.
+not. The campaign cell id (which switches run under which faults, on which topology) is
+written and read here too, at the end.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -217,3 +219,82 @@ def parse_legacy(names: list[str]) -> frozenset[LegacySwitch]:
                     + (f"; did you mean {close!r}?" if close else ""),
                     hint=f"the switches: {', '.join(known)}.") from None
     return frozenset(out)
+
+# --- campaign cell ids ------------------------------------------------------------------------
+# A switch is exercised by campaign cells (an Exposure above is one), named
+# ``<topology>/<mode>/<faults>[/seed<N>]``: ``tp2pp2/fixed/dma-lag:pp=1,ms=30`` or
+# ``tp2/abort-frees-in-flight+sum-hit-pages/none/seed3``: the topology (``tp1`` for one rank),
+# the switches joined by ``+`` in sorted order (or ``fixed``), the faults' compact specs joined
+# by ``;`` (or ``none``), and the seed when a campaign runs several. The campaign writes ids
+# (``faults/campaign/plan.py``), the catalog names the cell that shows each signature
+# (``signatures/models.py``); both go through :func:`format_cell_id` and :func:`parse_cell_id`,
+# the one grammar. A fault spec may hold ``/`` (a request-id glob), so the faults are whatever
+# lies between the mode and an optional trailing ``/seed<N>``.
+
+FIXED = "fixed"
+"""The mode of a cell with no legacy switch."""
+NO_FAULTS = "none"
+"""The faults part of a cell with no fault."""
+
+_TOPOLOGY = re.compile(r"tp\d+(?:pp\d+)?|pp\d+")
+_MODE = re.compile(r"[a-z][a-z0-9-]*(?:\+[a-z][a-z0-9-]*)*")
+_SEED = re.compile(r"/seed(\d{1,9})$")
+
+
+@dataclass(frozen=True)
+class CellId:
+    """A cell id's parts."""
+
+    topology: str
+    switches: tuple[str, ...]
+    """The legacy switches, sorted; empty for a ``fixed`` cell."""
+    faults: str
+    """The faults' compact specs joined by ``;``, or ``none``."""
+    seed: int | None = None
+
+    @property
+    def mode(self) -> str:
+        return "+".join(self.switches) or FIXED
+
+    def __str__(self) -> str:
+        text = f"{self.topology}/{self.mode}/{self.faults}"
+        return text if self.seed is None else f"{text}/seed{self.seed}"
+
+    def fixed_twin(self) -> CellId:
+        """The same cell with every switch off."""
+        return CellId(self.topology, (), self.faults, self.seed)
+
+
+def topology_label(tp: int, pp: int) -> str:
+    """``tp2pp2``, ``pp2``, ``tp2``; ``tp1`` for one rank."""
+    return "".join(p for p in (f"tp{tp}" if tp > 1 else "", f"pp{pp}" if pp > 1 else "")
+                   if p) or "tp1"
+
+
+def mode_label(switches: list[str] | tuple[str, ...]) -> str:
+    """The legacy switches of a cell joined in sorted order, or ``fixed``."""
+    return "+".join(sorted(switches)) or FIXED
+
+
+def format_cell_id(tp: int, pp: int, switches: list[str] | tuple[str, ...], faults: str,
+                   seed: int | None = None) -> str:
+    """The id of a cell; ``faults`` is already its label (compact specs joined, or ``none``)."""
+    return str(CellId(topology_label(tp, pp), tuple(sorted(switches)), faults or NO_FAULTS,
+                      seed))
+
+
+def parse_cell_id(text: str) -> CellId | None:
+    """The parts of a cell id, or None when ``text`` is not one."""
+    seed = None
+    m = _SEED.search(text)
+    if m is not None:
+        seed, text = int(m.group(1)), text[:m.start()]
+    topology, sep, rest = text.partition("/")
+    mode, sep2, faults = rest.partition("/")
+    if not (sep and sep2 and faults and _TOPOLOGY.fullmatch(topology)
+            and _MODE.fullmatch(mode)) or any(c.isspace() for c in faults):
+        return None
+    switches = () if mode == FIXED else tuple(mode.split("+"))
+    if FIXED in switches or list(switches) != sorted(switches):
+        return None
+    return CellId(topology, switches, faults, seed)
