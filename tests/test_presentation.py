@@ -497,13 +497,21 @@ def test_faults_list_matches_what_the_parser_accepts() -> None:
     kinds = {k["kind"]: k for k in listing["kinds"]}
     assert set(kinds) == {k.value for k in FaultKind}
     sample = {"ms": "5", "mode": "short", "pages": "1", "at": "1", "batch": "1",
-              "point": "scheduler.step", "pool": "kv", "chunk": "0"}
+              "point": "scheduler.step", "pool": "kv", "chunk": "0", "hold": "2"}
+    #: parameters that say one thing two ways (dma-lag lags in ms or holds for steps)
+    either = {"hold": "ms"}
     for kind, info in kinds.items():
         assert info["summary"], kind
         params = [p["name"] for p in info["params"]]
         # ``mode`` takes each kind's own values (the listing names them per kind)
         values = {**sample, "mode": "raise"} if kind == "storage-error" else sample
-        parse_fault(f"{kind}:" + ",".join(f"{p}={values[p]}" for p in params))
+        for alone, instead in either.items():
+            if alone in params:  # each way alone, and not both
+                parse_fault(f"{kind}:{alone}={values[alone]}")
+                with pytest.raises(InvalidFaultSpec, match="not both"):
+                    parse_fault(f"{kind}:{alone}={values[alone]},{instead}={values[instead]}")
+        parse_fault(f"{kind}:" + ",".join(f"{p}={values[p]}" for p in params
+                                          if p not in either))
         for other in set(sample) - set(params):
             with pytest.raises(InvalidFaultSpec):
                 parse_fault(f"{kind}:{other}={sample[other]}" + (
