@@ -86,10 +86,11 @@ def adversarial(pattern: str, flags: int, n: int) -> Iterator[str]:
                 for end in _ENDS:
                     if end != c:
                         yield anchor + c * (n - 1) + end
-        for c1 in alphabet[:8]:
-            for c2 in alphabet[:8]:
-                if c1 != c2:
-                    yield anchor + (c1 + c2) * (n // 2)
+        if anchor in anchors[:2]:  # pairs after the longest literal and after none only
+            for c1 in alphabet[:8]:
+                for c2 in alphabet[:8]:
+                    if c1 != c2:
+                        yield anchor + (c1 + c2) * (n // 2)
         yield anchor + ("| " + " " * 60) * (n // 62)
 
 
@@ -188,10 +189,12 @@ def inline_patterns(root: Path | None = None) -> dict[str, tuple[str | bytes, in
 
 
 def runtime_built_patterns(root: Path | None = None) -> list[str]:
-    """``file:line:column`` of every ``re`` call inside a function whose pattern is built at
-    run time (not a literal, not ``re.escape``): what neither :func:`inline_patterns` nor the
-    module-level collection can measure, so each one is reviewed by hand."""
-    return [where for where, call in _calls_in_functions(root)
+    """``file: call`` (the call as source, so that edits elsewhere in the file leave it
+    alone) for every ``re`` call inside a function whose pattern is built at run time (not a
+    literal, not ``re.escape``): what neither :func:`inline_patterns` nor the module-level
+    collection can measure, so each one is reviewed by hand."""
+    return [f"{where.split(':', 1)[0]}: {ast.unparse(call)}"
+            for where, call in _calls_in_functions(root)
             if not isinstance(call.args[0], ast.Constant)
             and call.func.attr != "escape"]  # type: ignore[attr-defined]
 
