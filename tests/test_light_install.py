@@ -89,7 +89,7 @@ TORCH_FREE_PARTS = 4
 #: tests/signatures, two workers, one run); the rest take about DEFAULT_MODULE_S. Only the
 #: balance of the parts depends on these: with stale figures one part took 400 s and the
 #: others 120-160 s.
-MODULE_S = {"test_hostile.py": 80, "test_corpus.py": 76, "test_linear_time.py": 50,
+MODULE_S = {"test_hostile.py": 80, "test_corpus.py": 76, "test_linear_time.py": 65,
             "test_without_torch.py": 24, "test_regression.py": 24, "test_fuzz.py": 24,
             "test_flight_recorder.py": 18, "test_unknowns.py": 15, "test_cli.py": 14,
             "test_real_bundles.py": 14, "test_memory.py": 13, "test_capture.py": 6,

@@ -6,8 +6,8 @@ a pattern reaches the repetition that backtracks): ``"| " + "-" * n`` for an exc
 ``"resident" + "\\t " * n`` for a memory reading. ``python -m tests.doctor.redos`` measures every
 pattern the doctor applies to untrusted text (each compiled module-level pattern of ``doctor``,
 ``signatures`` and ``render``, every literal pattern their functions hand to ``re``, and every
-catalog pattern as the doctor compiles it, with RE2) at
-two sizes and prints one JSON line per pattern whose time grows faster than its input; it
+catalog pattern as the doctor compiles it, with RE2) at two sizes, then its slowest shape
+at a megabyte, and prints one JSON line per pattern whose time grows faster than its input; it
 prints each pattern's name first, so a run stopped by a timeout names the pattern it hung on.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import importlib
 import json
 import pkgutil
@@ -23,11 +24,16 @@ import re._constants as C
 import re._parser as sp
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 SMALL, LARGE = 1000, 8000
+MID, HUGE = 1 << 17, 1 << 20
+"""Each pattern's slowest shape at LARGE is searched again at 128 KB and at a megabyte: growth
+that only shows past 8000 characters (or a constant that hid it) shows there. The megabyte is
+compared with 128 KB, not with 8000 characters, which stay in the CPU's caches (a linear
+pattern took 0.04 us a character at 8000 and 0.11-0.18 beyond 64 KB)."""
 _CATEGORY = {C.CATEGORY_DIGIT: "7", C.CATEGORY_SPACE: " \t", C.CATEGORY_WORD: "a_",
              C.CATEGORY_NOT_SPACE: "x", C.CATEGORY_NOT_DIGIT: "x", C.CATEGORY_NOT_WORD: "-"}
 
@@ -71,27 +77,42 @@ every printable class), a blank and a separator."""
 
 def adversarial(pattern: str, flags: int, n: int) -> Iterator[str]:
     """Inputs of about ``n`` characters aimed at ``pattern``'s repetitions."""
+    return (shape(n) for shape in shapes(pattern, flags))
+
+
+Shape = Callable[[int], str]
+"""An adversarial input of about ``n`` characters, made on demand (a megabyte each)."""
+
+
+def shapes(pattern: str, flags: int) -> list[Shape]:
+    """The input shapes aimed at ``pattern``'s repetitions, in a fixed order."""
     lits: set[str] = set()
     chars = set(" x-|.:/=")
     with contextlib.suppress(re.error, RecursionError, ValueError):
         _walk(sp.parse(pattern, flags), lits, chars, [])
     alphabet = sorted(c for c in chars if c.isprintable() or c == "\t")[:20]
     anchors = ["", *sorted(lits, key=len, reverse=True)[:3]]
+    out: list[Shape] = []
     for anchor in anchors:
         for c in alphabet:
-            yield anchor + c * n
+            out.append(functools.partial(_run, anchor, c, ""))
             if anchor == anchors[-1]:
                 # a run the repetition takes whole, then one character its continuation
                 # refuses: `[-_ ]?\d+$` retries the run from every start (quadratic)
-                for end in _ENDS:
-                    if end != c:
-                        yield anchor + c * (n - 1) + end
+                out += [functools.partial(_run, anchor, c, end) for end in _ENDS if end != c]
         if anchor in anchors[:2]:  # pairs after the longest literal and after none only
-            for c1 in alphabet[:8]:
-                for c2 in alphabet[:8]:
-                    if c1 != c2:
-                        yield anchor + (c1 + c2) * (n // 2)
-        yield anchor + ("| " + " " * 60) * (n // 62)
+            out += [functools.partial(_pairs, anchor, c1 + c2) for c1 in alphabet[:8]
+                    for c2 in alphabet[:8] if c1 != c2]
+        out.append(functools.partial(_pairs, anchor, "| " + " " * 60))
+    return out
+
+
+def _run(anchor: str, c: str, end: str, n: int) -> str:
+    return anchor + c * (n - len(end)) + end
+
+
+def _pairs(anchor: str, unit: str, n: int) -> str:
+    return anchor + unit * (n // len(unit))
 
 
 def worst(rx: Any, pattern: str, flags: int, as_bytes: bool, tries: tuple[int, int]
@@ -108,9 +129,17 @@ def worst(rx: Any, pattern: str, flags: int, as_bytes: bool, tries: tuple[int, i
     sizes of one shape alike, so it leaves their ratio alone; timing every small input first
     and every large one after let such a load fall on the large ones only and read a linear
     pattern as quadratic."""
+    return _worst(rx, pattern, flags, as_bytes, tries)[:2]
+
+
+def _worst(rx: Any, pattern: str, flags: int, as_bytes: bool, tries: tuple[int, int]
+           ) -> tuple[float, float, int]:
+    """:func:`worst`, and which shape was slowest at LARGE."""
     small_out = large_out = 0.0
-    for small_s, large_s in zip(adversarial(pattern, flags, SMALL),
-                                adversarial(pattern, flags, LARGE), strict=True):
+    slowest = 0
+    for shape, (small_s, large_s) in enumerate(zip(adversarial(pattern, flags, SMALL),
+                                                   adversarial(pattern, flags, LARGE),
+                                                   strict=True)):
         data = [x.encode("latin-1", "replace") if as_bytes else x for x in (small_s, large_s)]
         best = [float("inf"), float("inf")]
         for round_ in range(max(tries)):
@@ -120,8 +149,37 @@ def worst(rx: Any, pattern: str, flags: int, as_bytes: bool, tries: tuple[int, i
                 t = time.thread_time()
                 rx.search(d)
                 best[i] = min(best[i], time.thread_time() - t)
+        if best[1] > large_out:
+            slowest = shape
         small_out, large_out = max(small_out, best[0]), max(large_out, best[1])
-    return small_out, large_out
+    return small_out, large_out, slowest
+
+
+def at_a_megabyte(rx: Any, pattern: str, flags: int, as_bytes: bool, shape: int
+                  ) -> tuple[float, float] | None:
+    """(MID, HUGE) search times of adversarial ``shape`` when the megabyte grows faster than
+    its input from MID (the ratio :func:`_superlinear` allows), else None. One search of
+    each first; a first look that seems superlinear is measured again, best of three."""
+    make = shapes(pattern, flags)[shape]
+    texts = [make(n) for n in (MID, HUGE)]
+    data = [t.encode("latin-1", "replace") if as_bytes else t for t in texts]
+
+    def best_of(tries: int) -> tuple[float, float]:
+        best = [float("inf"), float("inf")]
+        for _ in range(tries):
+            for i, d in enumerate(data):
+                t = time.thread_time()
+                rx.search(d)
+                best[i] = min(best[i], time.thread_time() - t)
+        return best[0], best[1]
+
+    def grows(mid: float, huge: float) -> bool:
+        return huge > 0.05 and huge / max(mid, 1e-5) > 24
+
+    mid, huge = best_of(1)
+    if grows(mid, huge):
+        mid, huge = best_of(3)
+    return (mid, huge) if grows(mid, huge) else None
 
 
 def superlinear(rx: Any, pattern: str, flags: int, as_bytes: bool
@@ -130,10 +188,16 @@ def superlinear(rx: Any, pattern: str, flags: int, as_bytes: bool
     cases, else None. A first look that seems superlinear is measured again, each input's
     fastest of five kept: one preempted search is not a finding. The first look times each
     small input thrice (cheap): one preempted small search would hide a quadratic pattern."""
-    small, large = worst(rx, pattern, flags, as_bytes, tries=(3, 1))
+    return check(rx, pattern, flags, as_bytes)[0]
+
+
+def check(rx: Any, pattern: str, flags: int, as_bytes: bool
+          ) -> tuple[tuple[float, float] | None, int]:
+    """:func:`superlinear`'s answer, and the shape slowest at LARGE."""
+    small, large, shape = _worst(rx, pattern, flags, as_bytes, tries=(3, 1))
     if _superlinear(small, large):
         small, large = worst(rx, pattern, flags, as_bytes, tries=(5, 5))
-    return (small, large) if _superlinear(small, large) else None
+    return ((small, large) if _superlinear(small, large) else None), shape
 
 
 def _superlinear(small: float, large: float) -> bool:
@@ -290,12 +354,18 @@ def main() -> int:
     found = 0
     for name, (rx, src, flags, as_bytes) in sorted(patterns().items()):
         print(json.dumps({"checking": name}), flush=True)
-        growth = superlinear(rx, src, flags, as_bytes)
+        growth, shape = check(rx, src, flags, as_bytes)
         if growth is not None:
             small, large = growth
             found += 1
             print(json.dumps({"superlinear": name, "small_s": round(small, 4),
                               "large_s": round(large, 4)}), flush=True)
+            continue
+        far = at_a_megabyte(rx, src, flags, as_bytes, shape)
+        if far is not None:
+            found += 1
+            print(json.dumps({"superlinear": name, "at": HUGE, "mid_s": round(far[0], 4),
+                              "huge_s": round(far[1], 4)}), flush=True)
     print(json.dumps({"done": True, "superlinear_count": found}), flush=True)
     return 0
 
