@@ -61,6 +61,7 @@ from hicache_runtime.contracts.errors import (
     nearest,
 )
 from hicache_runtime.contracts.legacy import (
+    NO_FAULTS,
     LegacySwitch,
     format_cell_id,
     mode_label,
@@ -301,7 +302,7 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def faults_label(faults: list[str]) -> str:
     """Canonical fault specs (ids do not depend on key order), or ``none``."""
-    return ";".join(f.compact() for f in parse_faults(faults)) or "none"
+    return ";".join(f.compact() for f in parse_faults(faults)) or NO_FAULTS
 
 
 def cell_id(tp: int, pp: int, legacy: list[str], faults: list[str],

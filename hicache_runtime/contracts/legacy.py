@@ -254,7 +254,7 @@ class CellId:
 
     @property
     def mode(self) -> str:
-        return "+".join(self.switches) or FIXED
+        return mode_label(self.switches)
 
     def __str__(self) -> str:
         text = f"{self.topology}/{self.mode}/{self.faults}"
