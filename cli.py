@@ -233,6 +233,11 @@ def run(
     write_policy: Annotated[str | None, typer.Option(
         help="write_through | write_through_selective | write_back",
         show_default=_dflt("cache.write_policy"))] = None,
+    eviction_policy: Annotated[str | None, typer.Option(
+        help="Which leaf L1 and L2 eviction take first: lru | lfu | fifo | mru | filo | "
+             "priority | slru | tlru (as the profile's release offers; settings in a config "
+             "file's cache.eviction_policy_config).",
+        show_default=_dflt("cache.eviction_policy"))] = None,
     mem_layout: Annotated[str | None, typer.Option(
         help="Host pool layout: layer_first | page_first | page_first_direct",
         show_default=_dflt("cache.mem_layout"))] = None,
@@ -311,6 +316,7 @@ def run(
         "cache.host_tokens": ("--host-tokens", host_tokens),
         "cache.page_size": ("--page-size", page_size),
         "cache.write_policy": ("--write-policy", write_policy),
+        "cache.eviction_policy": ("--eviction-policy", eviction_policy),
         "cache.mem_layout": ("--mem-layout", mem_layout),
         "workload.max_new_tokens": ("--max-new-tokens", max_new_tokens),
         "observability.trace_path": ("--trace", trace),

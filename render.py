@@ -786,7 +786,8 @@ def profile_detail(r: dict[str, Any]) -> None:
     policies = r["policies"]
     para(con, f"timeout clock {policies['prefetch_timeout_clock']}, budget by "
               f"{policies['prefetch_timeout_budget']}; write_through_selective counts "
-              f"{policies['write_through_hit_counting']}", "policies:")
+              f"{policies['write_through_hit_counting']}; eviction orders offered: "
+              f"{', '.join(policies['eviction_policies'])}", "policies:")
     if r["switches"]:
         con.print("switches on:")
         for s in r["switches"]:

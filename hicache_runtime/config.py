@@ -27,7 +27,9 @@ from hicache_runtime.contracts.l3_backends import NO_BACKEND, StorageFormat
 from hicache_runtime.contracts.legacy import LegacySwitch
 from hicache_runtime.contracts.profiles import (
     DEFAULT_PROFILE,
+    EVICTION_SETTINGS,
     PROFILES,
+    EvictionPolicy,
     HitCounting,
     HostAlloc,
     Policies,
@@ -137,6 +139,14 @@ class CacheConfig(BaseModel):
     hit_counting: HitCounting | None = None
     """Which inserts count as hits for ``write_through_selective``: ``skip-chunked`` (0.5.5 to
     0.5.20) or ``past-own-inserts`` (0.5.23); None: the profile's."""
+    eviction_policy: EvictionPolicy = EvictionPolicy.LRU
+    """Which unlocked leaf L1 and L2 eviction take first (SGLang ``--radix-eviction-policy``;
+    ``kv/evict_order.py``): lru, lfu, fifo, mru, filo, priority, slru or tlru, as far as the
+    profile's release offers it."""
+    eviction_policy_config: dict[str, int] = {}
+    """The policy's settings (SGLang ``--radix-eviction-policy-config``): ``slru``
+    ``protected_threshold`` (2); ``tlru`` ``threshold`` and ``next_prompt_estimate`` (0, in
+    tokens)."""
     mem_layout: Literal["layer_first", "page_first", "page_first_direct"] = "layer_first"
     """Host pool memory layout (SGLang ``--hicache-mem-layout``): ``layer_first`` (each layer
     of a page is its own block), ``page_first`` (a page holds every layer, token by token) or
@@ -156,6 +166,16 @@ class CacheConfig(BaseModel):
             )
         if self.device_tokens < 4 * self.page_size:
             raise ValueError(_at("cache.device_tokens", "must hold at least 4 pages"))
+        known = EVICTION_SETTINGS[self.eviction_policy]
+        for key, value in self.eviction_policy_config.items():
+            if key not in known:
+                offered = ", ".join(known) or "none"
+                raise ValueError(_at("cache.eviction_policy_config",
+                                     f"{short_repr(key)} is no setting of "
+                                     f"{self.eviction_policy.value} (its settings: {offered})"))
+            if value < 0:
+                raise ValueError(_at("cache.eviction_policy_config",
+                                     f"{key} must be 0 or more, not {value}"))
         return self
 
 
@@ -335,7 +355,8 @@ class RuntimeConfig(BaseModel):
         chosen = PROFILES[self.profile].policies
         return Policies(self.storage.prefetch_timeout_clock or chosen.timeout_clock,
                         self.storage.prefetch_timeout_budget or chosen.timeout_budget,
-                        self.cache.hit_counting or chosen.hit_counting)
+                        self.cache.hit_counting or chosen.hit_counting,
+                        chosen.eviction_policies)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RuntimeConfig:
@@ -364,6 +385,11 @@ class RuntimeConfig(BaseModel):
             raise ValueError(_at("storage.format", "upstream pages are MHA pages without "
                                  "sidecar pools (upstream's MLA page is one latent row per "
                                  "token, its sidecars other objects)"))
+        offered = PROFILES[self.profile].policies.eviction_policies
+        if c.eviction_policy not in offered:
+            names = ", ".join(e.value for e in EvictionPolicy if e in offered)
+            raise ValueError(_at("cache.eviction_policy", f"{c.eviction_policy.value} is not in "
+                                 f"profile {self.profile} (it offers {names})"))
         if self.storage.single_writer and t.tp > 1 and not m.kv_replicated:
             raise ValueError(_at("storage.single_writer", "needs model.kv_replicated with tp > 1 "
                                  "(head-sharded pages differ per TP rank)"))
@@ -388,7 +414,8 @@ class RuntimeConfig(BaseModel):
         faults. One DP group: which group serves a request must not change its tokens, so the
         run of every request in one group is the reference for any ``dp``."""
         return self.with_overrides(
-            **{"cache.enable_prefix_cache": False, "storage.backend": "none", "faults": (),
+            **{"cache.enable_prefix_cache": False, "cache.eviction_policy": "lru",
+               "cache.eviction_policy_config": {}, "storage.backend": "none", "faults": (),
                "legacy": frozenset(), "profile": "proposed", "observability.trace_path": None,
                "topology.dp": 1, "topology.dp_policy": "round-robin"}
         )

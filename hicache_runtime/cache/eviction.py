@@ -1,4 +1,5 @@
-"""L1 eviction of the tiered cache: least recently used unlocked leaves first.
+"""L1 eviction of the tiered cache: unlocked leaves in the tree's eviction order
+(:mod:`~hicache_runtime.kv.evict_order`; least recently used first by default).
 
 L1 eviction drops a backed-up leaf's device copy, deletes a leaf that has none, or
 (``write_back``) backs the leaf and its un-backed ancestors up first. L2 eviction lives with
@@ -7,7 +8,6 @@ the allocation it serves (:mod:`~hicache_runtime.cache.host_space`).
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from hicache_runtime.cache.host_space import HostSpace
     from hicache_runtime.cache.state import CacheCounters
     from hicache_runtime.cache.transfers import WriteBackup
+    from hicache_runtime.kv.evict_order import Entry
     from hicache_runtime.kv.pools import DeviceKVPool
     from hicache_runtime.kv.radix_tree import RadixTree, TreeNode
     from hicache_runtime.kv.transfer_queues import CacheController, HiCacheAck
@@ -53,18 +54,19 @@ class DeviceEviction:
         self.write_back = write_back
 
     def evict(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` of L1 from unlocked leaves, least recently used first."""
+        """Free at least ``num_tokens`` of L1 from unlocked leaves, in the tree's eviction order
+        (least recently used first by default)."""
         if num_tokens <= 0:
             return 0
-        heap = self.tree.device_leaves()
-        heapq.heapify(heap)
+        order = self.tree.order
+        heap = order.heap(self.tree.device_leaves())
         evicted = 0
         victims: list[int] = []
         copy: list[TreeNode] = []
         drop: list[TreeNode] = []
         wb = self.write_back
         while evicted < num_tokens and heap:
-            x = heapq.heappop(heap)
+            x = order.pop(heap)
             if x.lock_ref or x in drop or x in copy:  # ``copy``: its L2 copy is not made yet
                 continue
             if x.host_value is None:
@@ -97,11 +99,11 @@ class DeviceEviction:
                          victims=victims)
         return evicted
 
-    def _push_parent_if_leaf(self, heap: list[TreeNode], x: TreeNode) -> None:
+    def _push_parent_if_leaf(self, heap: list[Entry], x: TreeNode) -> None:
         p = x.parent
         if (p is not None and p is not self.tree.root and p.value is not None
                 and not p.lock_ref and all(c.value is None for c in p.children.values())):
-            heapq.heappush(heap, p)
+            self.tree.order.push(heap, p)
 
     def _write_back_chain(self, wb: WriteBackPath, x: TreeNode) -> list[TreeNode]:
         """Reserve host copies for ``x`` and every ancestor lacking one (top-down, so host

@@ -163,7 +163,12 @@ class HiCache(PrefixCache):
         """Insert ``req``'s first ``n`` tokens (``chunk``: after one chunk of a chunked prefill,
         not its last insert), counting hits as the profile's release does."""
         counting = self.cfg.hit_counting or PROFILES[DEFAULT_PROFILE].policies.hit_counting
-        if counting is HitCounting.SKIP_CHUNKED:
+        if self.cfg.write_policy is WritePolicy.WRITE_BACK:
+            # no release counts hits under write_back (0.5.5 hiradix_cache.py _inc_hit_count
+            # L266-270; 0.5.23 unified_tree_core.py _inc_hit_count_and_check L1104-1110), which
+            # lfu and slru eviction read
+            counted_from = None
+        elif counting is HitCounting.SKIP_CHUNKED:
             counted_from = None if chunk else 0
         else:
             counted_from = req.inserted_len

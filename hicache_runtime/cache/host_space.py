@@ -10,7 +10,6 @@ leaves, least recently used first.
 
 from __future__ import annotations
 
-import heapq
 from typing import TYPE_CHECKING
 
 from hicache_runtime.contracts.events import Ev
@@ -101,15 +100,16 @@ class HostSpace:
         self.host.free(slots)
 
     def evict_host(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` of L2 from evicted, unreferenced leaves (LRU)."""
+        """Free at least ``num_tokens`` of L2 from evicted, unreferenced leaves, in the tree's
+        eviction order."""
         if num_tokens <= 0:
             return 0
-        heap = self.tree.host_leaves()
-        heapq.heapify(heap)
+        order = self.tree.order
+        heap = order.heap(self.tree.host_leaves())
         evicted = 0
         victims: list[int] = []
         while evicted < num_tokens and heap:
-            x = heapq.heappop(heap)
+            x = order.pop(heap)
             if self.pins.pinned(x.host_value):
                 continue
             self.host.free(x.host_value)  # type: ignore[arg-type]
@@ -119,7 +119,7 @@ class HostSpace:
             p = x.parent
             if (p is not None and p is not self.tree.root and p.value is None
                     and not p.children and p.host_value is not None):
-                heapq.heappush(heap, p)
+                order.push(heap, p)
         self.counters.evicted_host += evicted
         self.tracer.emit(Ev.EVICT_HOST, want=num_tokens, evicted=evicted, victims=victims)
         return evicted

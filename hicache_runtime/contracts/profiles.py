@@ -4,7 +4,8 @@ A profile is the set of protocols a release shipped, as far as this runtime mode
 legacy switches whose pre-fix code the release still ran (from the switch registry: a switch is
 in ``sglang-X`` when X is in its ``broken_in`` and its fidelity is ``release``), how host
 (L2) pages are allocated, and the tree policies this runtime models (:class:`Policies`: the
-``timeout`` prefetch clock and budget, ``write_through_selective`` hit counting). Everything
+``timeout`` prefetch clock and budget, ``write_through_selective`` hit counting, the eviction
+orders the release offers). Everything
 else a release did differently is listed with the profile (:attr:`Profile.not_modelled`), so
 a result is never read as more than it is.
 
@@ -81,6 +82,49 @@ class HitCounting(str, Enum):
     ``unified_radix_cache.py`` L1185 and L1255)."""
 
 
+class EvictionPolicy(str, Enum):
+    """The order in which L1 and L2 eviction take unlocked leaves (SGLang
+    ``--radix-eviction-policy``; ``evict_policy.py``, each strategy's ``get_priority``: the
+    smallest goes first)."""
+
+    LRU = "lru"
+    """Least recently used: ``last_access_time``."""
+    LFU = "lfu"
+    """Least frequently used: ``(hit_count, last_access_time)``."""
+    FIFO = "fifo"
+    """Oldest node first: ``creation_time``."""
+    MRU = "mru"
+    """Most recently used first: ``-last_access_time``."""
+    FILO = "filo"
+    """Newest node first: ``-creation_time``."""
+    PRIORITY = "priority"
+    """Lowest request priority first, then LRU: ``(priority, last_access_time)``."""
+    SLRU = "slru"
+    """Segmented LRU: nodes hit fewer than ``protected_threshold`` (2) times first, LRU within
+    a segment: ``(hit_count >= protected_threshold, last_access_time)``."""
+    TLRU = "tlru"
+    """Tail-optimised LRU (arXiv:2510.15152): nodes past the branch's TTFT budget
+    (``threshold``, ``next_prompt_estimate``, in tokens) first, then LRU."""
+
+
+EVICTION_SETTINGS: Mapping[EvictionPolicy, tuple[str, ...]] = MappingProxyType({
+    **dict.fromkeys(EvictionPolicy, ()),
+    EvictionPolicy.SLRU: ("protected_threshold",),
+    EvictionPolicy.TLRU: ("threshold", "next_prompt_estimate"),
+})
+"""The settings each policy takes (its strategy's constructor arguments, 0.5.23
+``evict_policy.py``; the rest take none)."""
+
+
+_SINCE_0505 = frozenset({EvictionPolicy.LRU, EvictionPolicy.LFU, EvictionPolicy.FIFO,
+                         EvictionPolicy.MRU, EvictionPolicy.FILO})
+"""0.5.5 ``evict_policy.py`` L16-39; ``radix_cache.py`` L223-232 picks one by name."""
+_SINCE_0513 = _SINCE_0505 | {EvictionPolicy.PRIORITY, EvictionPolicy.SLRU}
+"""0.5.13 to 0.5.20 ``evict_policy.py`` L41-65 (``PriorityStrategy``, ``SLRUStrategy``)."""
+_SINCE_0523 = _SINCE_0513 | {EvictionPolicy.TLRU}
+"""0.5.23 ``evict_policy.py`` L49-81 (``TLRUStrategy``); ``utils.py`` L60-69 names all eight."""
+
+
 @dataclass(frozen=True)
 class Policies:
     """The policies a release's tree runs that this runtime models."""
@@ -88,13 +132,20 @@ class Policies:
     timeout_clock: TimeoutClock
     timeout_budget: TimeoutBudget
     hit_counting: HitCounting
+    eviction_policies: frozenset[EvictionPolicy] = _SINCE_0523
+    """The eviction orders the release offers (``--radix-eviction-policy``); LRU is every
+    release's default."""
 
 
+RELEASE_POLICIES_0505 = Policies(TimeoutClock.SUBMISSION, TimeoutBudget.HIT_TOKENS,
+                                 HitCounting.SKIP_CHUNKED, _SINCE_0505)
+"""0.5.5."""
 RELEASE_POLICIES_0520 = Policies(TimeoutClock.SUBMISSION, TimeoutBudget.HIT_TOKENS,
-                                 HitCounting.SKIP_CHUNKED)
-"""0.5.5 to 0.5.20."""
+                                 HitCounting.SKIP_CHUNKED, _SINCE_0513)
+"""0.5.13 to 0.5.20."""
 RELEASE_POLICIES_0523 = Policies(TimeoutClock.FIRST_BLOCKED_POLL,
-                                 TimeoutBudget.REQUESTED_TOKENS, HitCounting.PAST_OWN_INSERTS)
+                                 TimeoutBudget.REQUESTED_TOKENS, HitCounting.PAST_OWN_INSERTS,
+                                 _SINCE_0523)
 
 
 @dataclass(frozen=True)
@@ -135,14 +186,15 @@ _POLICIES_0523 = (
     "(allocate_storage_hit L796-829); here such a prefetch is revoked whole (without sidecar "
     "pools the partial fallback is modelled: the page-aligned prefix that fits, at least the "
     "prefetch threshold, taken per rank)",
-    "eviction: upstream offers lru, lfu, fifo, mru, filo, priority, slru and tlru "
-    "(evict_policy.py), all over a logical clock; here LRU only",
+    "priority eviction: the workloads here give every request priority 0, so it orders as "
+    "LRU does (upstream takes a request's priority from its API call)",
 )
 _POLICIES_0520 = (
     "prefetch into a full L2 with sidecar pools: revoked whole here; upstream trims them with "
     "the KV (unified_radix_cache.py _try_alloc_storage_hit L2733-2746; without sidecar pools "
     "the partial fallback is modelled)",
-    "eviction: upstream offers lru, lfu, fifo, mru, filo, priority, slru; here LRU only",
+    "priority eviction: the workloads here give every request priority 0, so it orders as "
+    "LRU does (upstream takes a request's priority from its API call)",
 )
 _TIMEOUT_CAP = (
     "timeout prefetch policy: the budget is capped at prefetch_timeout_max and its defaults "
@@ -156,6 +208,9 @@ _HIRADIX = (
     "prefetch into a full L2: upstream falls back to the page-aligned part of the requested "
     "span that fits, before the L3 query; here the fallback comes after the query, on the "
     "agreed hit (0.5.20's order)",
+    "fifo and filo eviction: a split's upper node is new (hiradix_cache.py _split_node makes "
+    "a TreeNode, stamped at the split: 0.5.5 L811-818); here it keeps the split node's "
+    "creation stamp, as 0.5.23 does",
 )
 
 
@@ -169,7 +224,7 @@ def _profiles(*profiles: Profile) -> Mapping[str, Profile]:
 PROFILES: Mapping[str, Profile] = _profiles(
     Profile("sglang-0.5.5", "0.5.5", "HiRadixCache with per-stage ack drains and TP-only "
             "prefetch votes, before PP-aware HiCache", HostAlloc.PER_RANK,
-            RELEASE_POLICIES_0520, (
+            RELEASE_POLICIES_0505, (
                 *_HIRADIX,
                 "0.5.5 releases an incomplete prefetch's tail twice (_page_transfer L642-644 and "
                 "prefetch_io_aux_func L655-658; HostKVCache.free does not check)",
@@ -233,7 +288,9 @@ def describe(p: Profile) -> dict[str, object]:
         "default": p.name == DEFAULT_PROFILE, "host_alloc": p.host_alloc.value,
         "policies": {"prefetch_timeout_clock": p.policies.timeout_clock.value,
                      "prefetch_timeout_budget": p.policies.timeout_budget.value,
-                     "write_through_hit_counting": p.policies.hit_counting.value},
+                     "write_through_hit_counting": p.policies.hit_counting.value,
+                     "eviction_policies": [e.value for e in EvictionPolicy
+                                           if e in p.policies.eviction_policies]},
         "switches": [{"switch": s.value, "fixed_by": list(REGISTRY[s].fixes)}
                      for s in sorted(p.switches, key=lambda s: s.value)],
         "left_out": {s.value: why for s, why in sorted(p.left_out.items(),

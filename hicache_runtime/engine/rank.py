@@ -31,6 +31,7 @@ from hicache_runtime.dist.protocols import RankSync, SingleRankSync
 from hicache_runtime.engine.model import TensorParallelComm, TinyTransformer
 from hicache_runtime.engine.scheduler import Scheduler
 from hicache_runtime.kv.copy_engine import CopyEngine, CpuCopyEngine, CudaCopyEngine
+from hicache_runtime.kv.evict_order import EvictOrder
 from hicache_runtime.kv.pools import DeviceKVPool, HostKVPool, KVShape
 from hicache_runtime.kv.radix_tree import RadixTree
 from hicache_runtime.l3.formats import StorageFormat, UpstreamPages, mooncake_prefix
@@ -137,7 +138,8 @@ def build_rank(cfg: RuntimeConfig, rank: RankInfo | None = None, *,
             if cfg.storage.backend != "none":
                 storage = _storage_workers(cfg, rank, model, host_pool, sync, tracer, faults,
                                            aborts)
-        tree = RadixTree(cfg.cache.page_size, _lru_clock(cfg), tracer)
+        order = EvictOrder.of(cfg.cache.eviction_policy, cfg.cache.eviction_policy_config)
+        tree = RadixTree(cfg.cache.page_size, _lru_clock(cfg), tracer, order)
         # the cache sees its own section only: the profile's host allocation and hit
         # counting go in with it
         cache_cfg = cfg.cache.model_copy(update={

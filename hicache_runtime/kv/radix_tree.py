@@ -31,6 +31,7 @@ import torch
 
 from hicache_runtime.contracts.errors import InvariantViolation
 from hicache_runtime.contracts.events import Ev, EventSink
+from hicache_runtime.kv.evict_order import LRU, EvictOrder
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -49,6 +50,17 @@ class TreeNode:
     lock_ref: int = 0
     hit_count: int = 0
     last_access: float = 0.0
+    creation: float = 0.0
+    """The clock's stamp when the node was made (``fifo``/``filo``; a split's upper part
+    keeps it, as 0.5.23 ``unified_tree_core.py`` ``_split_node`` L1476 does)."""
+    priority: int = 0
+    """``priority`` eviction's first key: upstream the highest priority of a request that
+    inserted the node. No workload here gives a request a priority, so it stays 0."""
+    depth_tokens: int = 0
+    """Tokens from the root to the node's end (``tlru``: ``_tlru_cached_prefix_len``)."""
+    history_tokens: int = 0
+    """The deepest ``depth_tokens`` its branch has reached, not lowered by eviction
+    (``tlru``: ``_tlru_history_len``)."""
 
     @property
     def evicted(self) -> bool:
@@ -60,9 +72,6 @@ class TreeNode:
 
     def __len__(self) -> int:
         return len(self.key)
-
-    def __lt__(self, other: TreeNode) -> bool:  # heap order: least recently used, then oldest
-        return (self.last_access, self.id) < (other.last_access, other.id)
 
     def __repr__(self) -> str:
         return (f"TreeNode(id={self.id}, len={len(self.key)}, dev={self.value is not None}, "
@@ -98,9 +107,10 @@ class RadixTree:
     """Page-aligned radix tree. Not thread-safe: only the scheduler thread touches it."""
 
     def __init__(self, page_size: int, clock: Callable[[], float] | None = None,
-                 events: EventSink | None = None) -> None:
+                 events: EventSink | None = None, order: EvictOrder = LRU) -> None:
         self.page_size = page_size
         self.events = events  # splits are recorded here (the other tree events by the cache)
+        self.order = order  # which leaf L1 and L2 eviction take first
         self._ids = itertools.count(1)
         self._logical = itertools.count(1)
         self.clock: Callable[[], float] = clock or (lambda: float(next(self._logical)))
@@ -195,7 +205,8 @@ class RadixTree:
                        host_value=host_value[present:].clone(),
                        hash_value=None if hash_value is None
                        else hash_value[present // self.page_size :])
-        new.last_access = self.clock()
+        new.last_access = new.creation = self.clock()
+        self._place(new, node)
         node.children[self._child_key(rest)] = new
         return present, len(rest)
 
@@ -231,7 +242,8 @@ class RadixTree:
             hash_value=(None if child.hash_value is None
                         else child.hash_value[: n // self.page_size]),
             lock_ref=child.lock_ref, hit_count=child.hit_count,
-            last_access=child.last_access,
+            last_access=child.last_access, creation=child.creation, priority=child.priority,
+            depth_tokens=child.parent.depth_tokens + n, history_tokens=child.history_tokens,
         )
         child.parent.children[self._child_key(child.key)] = upper
         child.key = child.key[n:]
@@ -385,10 +397,22 @@ class RadixTree:
 
     def _add_child(self, parent: TreeNode, key: list[int], value: torch.Tensor) -> TreeNode:
         node = TreeNode(id=next(self._ids), key=list(key), parent=parent, value=value)
-        node.last_access = self.clock()
+        node.last_access = node.creation = self.clock()
+        self._place(node, parent)
         parent.children[self._child_key(key)] = node
         self.evictable_size += len(key)
         return node
+
+    @staticmethod
+    def _place(node: TreeNode, parent: TreeNode) -> None:
+        """A new node's depth, and its branch's high-water depth raised to it up the path
+        (0.5.23 ``unified_tree_core.py`` ``_set_tlru_lens_and_raise_history`` L191-209)."""
+        node.depth_tokens = parent.depth_tokens + len(node.key)
+        node.history_tokens = max(node.history_tokens, node.depth_tokens)
+        up: TreeNode | None = parent
+        while up is not None and up.history_tokens < node.depth_tokens:
+            up.history_tokens = node.depth_tokens
+            up = up.parent
 
     def _child_key(self, key: list[int]) -> tuple[int, ...]:
         return tuple(key[: self.page_size])

@@ -90,3 +90,33 @@ def test_a_prefetch_into_a_full_l2_takes_the_prefix_that_fits_on_a_release(
         assert seen[0].get("host_full", 0) > 0
     else:
         assert seen[0].get("partial", 0) > 0, seen[0]
+
+
+def test_ranks_evict_alike_by_hit_counts(tmp_path: Path) -> None:
+    """slru orders leaves by hit counts, which ``write_through_selective`` also reads: two TP
+    ranks under a small L1 and L2 evict the same leaves in both tiers (the consensus check
+    compares every eviction), and outputs match the cache-disabled run."""
+    import json
+
+    from hicache_runtime.contracts.bundle import RunOutcome
+    from hicache_runtime.contracts.events import Ev
+    from hicache_runtime.launch.run import run
+    from tests.multirank.conftest import mr_config
+
+    cfg = mr_config(**{"topology.tp": 2, "workload.requests": 32,
+                       "cache.device_tokens": 256, "cache.host_tokens": 384,
+                       "cache.write_policy": "write_through_selective",
+                       "cache.eviction_policy": "slru",
+                       "observability.consensus_check": True,
+                       "observability.trace_path": tmp_path / "t.jsonl"})
+    s = run(cfg, bundle_root=tmp_path / "b")
+    assert s.outcome is RunOutcome.HEALTHY, s.error
+    assert s.output_match is True
+    victims = []
+    for r in (0, 1):
+        kinds = (Ev.EVICT, Ev.EVICT_HOST)
+        victims.append([(e["kind"], e["attrs"]["victims"])
+                        for e in map(json.loads, (tmp_path / f"t.rank{r}.jsonl").open())
+                        if e["kind"] in kinds])
+    assert victims[0] == victims[1]
+    assert {k for k, v in victims[0] if v} == {Ev.EVICT, Ev.EVICT_HOST}  # both tiers

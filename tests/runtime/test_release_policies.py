@@ -19,8 +19,10 @@ import pytest
 import torch
 
 from hicache_runtime.config import load_config
+from hicache_runtime.contracts.errors import ConfigError
 from hicache_runtime.contracts.profiles import (
     PROFILES,
+    EvictionPolicy,
     HitCounting,
     Policies,
     TimeoutBudget,
@@ -93,18 +95,61 @@ def test_chunk_inserts_count_nothing_before_0_5_23() -> None:
         rig.close()
 
 
+_0505 = frozenset(EvictionPolicy(e) for e in ("lru", "lfu", "fifo", "mru", "filo"))
+_0513 = _0505 | {EvictionPolicy.PRIORITY, EvictionPolicy.SLRU}
+
+
 def test_every_profile_names_its_policies() -> None:
-    old = Policies(TimeoutClock.SUBMISSION, TimeoutBudget.HIT_TOKENS, HitCounting.SKIP_CHUNKED)
-    for name in ("sglang-0.5.5", "sglang-0.5.13", "sglang-0.5.16", "sglang-0.5.20"):
-        assert PROFILES[name].policies == old, name
+    old = (TimeoutClock.SUBMISSION, TimeoutBudget.HIT_TOKENS, HitCounting.SKIP_CHUNKED)
+    assert PROFILES["sglang-0.5.5"].policies == Policies(*old, _0505)
+    for name in ("sglang-0.5.13", "sglang-0.5.16", "sglang-0.5.20"):
+        assert PROFILES[name].policies == Policies(*old, _0513), name
     new = Policies(TimeoutClock.FIRST_BLOCKED_POLL, TimeoutBudget.REQUESTED_TOKENS,
-                   HitCounting.PAST_OWN_INSERTS)
+                   HitCounting.PAST_OWN_INSERTS, frozenset(EvictionPolicy))
     assert PROFILES["sglang-0.5.23"].policies == new
     assert PROFILES["proposed"].policies == new  # 0.5.23 plus the stronger protocols
     cfg = load_config({"profile": "sglang-0.5.16",
                        "storage.prefetch_timeout_clock": "first-blocked-poll"})
     assert cfg.policies == Policies(TimeoutClock.FIRST_BLOCKED_POLL, TimeoutBudget.HIT_TOKENS,
-                                    HitCounting.SKIP_CHUNKED)  # a field set wins
+                                    HitCounting.SKIP_CHUNKED, _0513)  # a field set wins
+
+
+@pytest.mark.parametrize(("profile", "policy"), [("sglang-0.5.5", "slru"),
+                                                 ("sglang-0.5.5", "priority"),
+                                                 ("sglang-0.5.20", "tlru")])
+def test_a_profile_refuses_an_eviction_policy_its_release_did_not_offer(profile: str,
+                                                                        policy: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config({"profile": profile, "cache.eviction_policy": policy})
+    assert err.value.field == "cache.eviction_policy"
+    assert f"{policy} is not in profile {profile}" in str(err.value)
+    load_config({"profile": "sglang-0.5.23", "cache.eviction_policy": policy})
+
+
+def test_eviction_settings_are_the_policy_s_own() -> None:
+    cfg = load_config({"cache.eviction_policy": "slru",
+                       "cache.eviction_policy_config": {"protected_threshold": 3}})
+    assert cfg.cache.eviction_policy_config == {"protected_threshold": 3}
+    with pytest.raises(ConfigError, match="'threshold' is no setting of slru"):
+        load_config({"cache.eviction_policy": "slru",
+                     "cache.eviction_policy_config": {"threshold": 3}})
+    with pytest.raises(ConfigError, match=r"no setting of lru \(its settings: none\)"):
+        load_config({"cache.eviction_policy_config": {"threshold": 3}})
+
+
+def test_write_back_counts_no_hits() -> None:
+    """No release counts hits under write_back, so lfu and slru order by recency there."""
+    rig = CacheRig.make(**{"cache.write_policy": "write_back", "cache.page_size": PS,
+                           "cache.eviction_policy": "lfu"})
+    try:
+        tokens = list(range(1, 9))
+        for rid in ("a", "b"):
+            req = rig.admit(rid, tokens)
+            assert req is not None
+            rig.finish(req)
+        assert _node(rig, tokens).hit_count == 0
+    finally:
+        rig.close()
 
 
 class _Clock:

@@ -114,7 +114,10 @@ def _load_stand_ins(pkg: Path) -> None:
     # mem_cache/utils.py imports triton kernels; the tree uses two helpers from it, and the
     # eviction strategy comes from SGLang's own evict_policy.py.
     policy = importlib.import_module("sglang.srt.mem_cache.evict_policy")
-    strategies = {"lru": policy.LRUStrategy}
+    strategies = {"lru": policy.LRUStrategy, "lfu": policy.LFUStrategy,
+                  "fifo": policy.FIFOStrategy, "mru": policy.MRUStrategy,
+                  "filo": policy.FILOStrategy, "priority": policy.PriorityStrategy,
+                  "slru": policy.SLRUStrategy}
     _stand_in("sglang.srt.mem_cache.utils", split_node_hash_value=_split_hash,
               get_eviction_strategy=lambda name, config=None: strategies[name.lower()]())
 
@@ -165,12 +168,14 @@ class _FreeLog:
 class SglangTree:
     """SGLang's RadixCache, driven through its public API."""
 
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, policy: str = "lru") -> None:
         assert ORACLE is not None
         self.m = ORACLE
         self.log = _FreeLog()
-        self.cache = ORACLE.RadixCache.create_simulated(mock_allocator=self.log,
-                                                        page_size=page_size)
+        # as RadixCache.create_simulated builds it, with the eviction policy named
+        self.cache = ORACLE.RadixCache(ORACLE.CacheInitParams(
+            disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=self.log,
+            page_size=page_size, eviction_policy=policy))
 
     def _key(self, tokens: list[int]) -> Any:
         return self.m.RadixKey(token_ids=array("q", tokens))
@@ -213,9 +218,12 @@ class SglangTree:
 class OurTree:
     """Our radix tree inside a real HiCache (L2 off), driven as SglangTree is."""
 
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, policy: str = "lru",
+                 settings: dict[str, int] | None = None) -> None:
         self.rig = CacheRig.make(**{"cache.enable_hicache": False, "cache.page_size": page_size,
-                                    "cache.device_tokens": 8192})
+                                    "cache.device_tokens": 8192,
+                                    "cache.eviction_policy": policy,
+                                    "cache.eviction_policy_config": settings or {}})
         self.cache = self.rig.cache
         self.tree = self.cache.tree
         self.victims: list[int] = []
@@ -312,6 +320,63 @@ def test_sglang_frees_the_smallest_case_in_the_same_order() -> None:
         ours.close()
 
 
+# --- eviction policies RadixCache cannot stand for -----------------------------------------
+
+
+@pytest.mark.parametrize(("policy", "freed"), [("fifo", [[1], [0], [2]]),
+                                               ("filo", [[2], [1], [0]])])
+def test_fifo_keeps_a_split_s_creation_stamp(policy: str, freed: list[list[int]]) -> None:
+    """Page size 1: insert [2, 2] (slots 0, 1), [1] (slot 2), then [2], which splits [2, 2].
+    The upper part keeps the node's creation stamp, as 0.5.23's HiCache tree does
+    (``unified_tree_core.py`` ``_split_node`` L1476), so fifo frees it before [1], which is
+    younger. (RadixCache stamps the upper part at the split, ``radix_cache.py`` L680: it would
+    free [1] second.) filo frees the youngest first: [1], then the split pair, lower first."""
+    ours = OurTree(page_size=1, policy=policy)
+    try:
+        _insert_all(ours, [[2, 2], [1], [2]])
+        assert ours.evict(10) == (3, freed)
+    finally:
+        ours.close()
+
+
+@needs_oracle
+def test_radix_cache_stamps_a_split_s_upper_part_anew() -> None:
+    """The difference the test above names, shown on RadixCache itself."""
+    theirs = SglangTree(page_size=1, policy="fifo")
+    ours = OurTree(page_size=1)
+    try:
+        for tokens in ([2, 2], [1], [2]):
+            theirs.insert(tokens, ours.alloc(len(tokens)))
+        assert theirs.evict(10) == (3, [[1], [2], [0]])
+    finally:
+        ours.close()
+
+
+@pytest.mark.parametrize(("policy", "freed"), [
+    ("lru", [list(range(8)), [24, 25], list(range(8, 16))]),
+    ("tlru", [[24, 25], list(range(8)), list(range(8, 16))]),
+])
+def test_tlru_frees_a_conversation_s_tail_past_its_budget_first(
+        policy: str, freed: list[list[int]]) -> None:
+    """Page size 1, tlru with threshold 4 (0.5.23 ``evict_policy.py`` ``TLRUStrategy``
+    L49-81): an old 8-token prompt A (slots 0-7); a conversation B of 8 tokens (8-15) that
+    grows to 10 (its tail in slots 24, 25 of the 10 it was given). B's new tail lies past
+    its budget (10 + 0 - 4 = 6 tokens; 8 are cached without it), so tlru frees it before
+    the older A, which has no spare tokens
+    (budget 8 - 4 = 4 > 0 without it). B's head then stays within budget: the branch's
+    high-water depth (10) does not shrink as its tail goes, so A goes next. lru frees by age."""
+    ours = OurTree(page_size=1, policy=policy,
+                   settings={"threshold": 4} if policy == "tlru" else None)
+    try:
+        _insert_all(ours, [[9] * 8, list(range(1, 9))])
+        b = list(range(1, 11))
+        slots = ours.alloc(10)
+        ours.insert(b, slots)
+        assert ours.evict(100) == (18, freed)
+    finally:
+        ours.close()
+
+
 # --- random sequences, side by side ---------------------------------------------------------
 
 
@@ -334,12 +399,13 @@ class SideBySide(RuleBasedStateMachine):
     """The same operations on both trees; every answer and the whole state must agree."""
 
     page_size = 1
+    policy = "lru"
     held = Bundle("held")
 
     def __init__(self) -> None:
         super().__init__()
-        self.ours = OurTree(self.page_size)
-        self.theirs = SglangTree(self.page_size)
+        self.ours = OurTree(self.page_size, self.policy)
+        self.theirs = SglangTree(self.page_size, self.policy)
 
     def teardown(self) -> None:
         self.ours.close()
@@ -392,9 +458,32 @@ class SideBySidePage16(SideBySide):
     page_size = 16
 
 
+# The other eviction policies RadixCache runs, at one page size each (fifo and filo: see
+# test_fifo_keeps_a_split_s_creation_stamp; tlru: RadixCache keeps no branch depths).
+class SideBySideLfu(SideBySidePage4):
+    policy = "lfu"
+
+
+class SideBySideMru(SideBySidePage4):
+    policy = "mru"
+
+
+class SideBySideSlru(SideBySidePage4):
+    policy = "slru"
+
+
+class SideBySidePriority(SideBySidePage4):
+    policy = "priority"
+
+
 TestSideBySidePage1 = needs_oracle(SideBySide.TestCase)
 TestSideBySidePage4 = needs_oracle(SideBySidePage4.TestCase)
 TestSideBySidePage16 = needs_oracle(SideBySidePage16.TestCase)
-for _case in (TestSideBySidePage1, TestSideBySidePage4, TestSideBySidePage16):
+TestSideBySideLfu = needs_oracle(SideBySideLfu.TestCase)
+TestSideBySideMru = needs_oracle(SideBySideMru.TestCase)
+TestSideBySideSlru = needs_oracle(SideBySideSlru.TestCase)
+TestSideBySidePriority = needs_oracle(SideBySidePriority.TestCase)
+for _case in (TestSideBySidePage1, TestSideBySidePage4, TestSideBySidePage16, TestSideBySideLfu,
+              TestSideBySideMru, TestSideBySideSlru, TestSideBySidePriority):
     _case.settings = settings(_case.settings, stateful_step_count=40)
 del _case  # a module-level TestCase name would be collected a second time
