@@ -872,8 +872,8 @@ app.add_typer(signatures_app, name="signatures")
 @app.command(short_help="Name the crash signature behind a dead or hung job.")
 @_handles_errors
 def doctor(
-    inputs: Annotated[list[str], typer.Argument(
-        help="Files, directories, .tar.gz archives, or - for stdin.")],
+    inputs: Annotated[list[str] | None, typer.Argument(
+        help="Files, directories, .tar.gz archives, or - for stdin.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the diagnosis as JSON.")]
     = False,
     markdown: Annotated[bool, typer.Option("--markdown", help="Print a Markdown report.")]
@@ -886,20 +886,32 @@ def doctor(
         "--html", help="Also write the incident page here: verdict, a timeline of every "
                        "rank's run, evidence and playbook (several incidents: a directory "
                        "with an index).")] = None,
+    store: Annotated[Path | None, typer.Option(
+        "--store", help="Audit an L3 file store instead (a deployment's HiCacheFile directory "
+                        "or this runtime's): formats, corrupt pages, pages some TP ranks lack, "
+                        "page sizes that do not fit.")] = None,
 ) -> None:
     """Name the crash signature of a dead or hung deployment from its artifacts.
 
     Reads crash bundles, tracebacks, SGLang/torchrun logs, py-spy and faulthandler dumps and
     PyTorch Flight Recorder dumps. Exit codes: 0 a known signature was named, 1 no known
     signature fits (also: the inputs are empty), 2 bad usage or no readable input (a path not
-    found, a device).
+    found, a device). With --store: 0 no problem found, 1 problems found, 2 no readable store.
     """
+    if json_out and markdown:
+        raise ConfigError("doctor", "choose one of --json and --markdown")
+    if store is not None:
+        if inputs:
+            raise ConfigError("doctor", "give either inputs or --store, not both")
+        _store_audit(store, json_out)
+    if not inputs:
+        raise ConfigError("doctor", "name what to read: files, directories, archives or - "
+                          "(or --store DIR for an L3 file store)")
+
     from doctor.diagnose import diagnose
     from doctor.read.incidents import split_incidents
     from doctor.report.markdown import diagnosis_markdown
 
-    if json_out and markdown:
-        raise ConfigError("doctor", "choose one of --json and --markdown")
     incidents = split_incidents(inputs)
     if len(incidents) > 1:
         _several_incidents(incidents, json_out, markdown, out, html_out)
@@ -922,6 +934,23 @@ def doctor(
 
         render.doctor_report(diag, verbose=verbose)
     raise typer.Exit(diag.exit_code)
+
+
+def _store_audit(root: Path, json_out: bool) -> None:
+    """``doctor --store``: the audit of an L3 file store, then the exit."""
+    from hicache_runtime.l3.audit import audit_store
+
+    try:
+        audit = audit_store(root)
+    except OSError as exc:
+        raise ConfigError("--store", f"{root}: {exc.strerror or exc}") from None
+    if json_out:
+        print(json.dumps(audit.to_json(), indent=2))
+    else:
+        import render
+
+        render.store_audit(audit)
+    raise typer.Exit(EXIT_UNHEALTHY if audit.problems else EXIT_OK)
 
 
 def _incident_pages(incidents: list[tuple[str | None, str, Any]], path: Path) -> None:

@@ -28,6 +28,7 @@ from doctor.model.findings import RankCondition
 from doctor.read.ingest import EMPTY
 
 if TYPE_CHECKING:
+    from hicache_runtime.l3.audit import StoreAudit
     from hicache_runtime.launch.run import RunSummary
 
 STYLE_OK = "bold green"
@@ -830,3 +831,35 @@ def release_matrix(result: Any) -> None:
         para(con, ", ".join(profiles), f"{esc(sig)}:")
     con.print(f"[{STYLE_DIM}]clean: healthy, outputs identical to a cache-disabled run; a "
               "profile is this runtime's rendering of a release (hicache profiles show)[/]")
+
+
+def store_audit(a: StoreAudit) -> None:
+    """``hicache doctor --store``: what the L3 file store holds and what is wrong with it."""
+    con = console()
+    formats = ", ".join(f"{n} {k}" for k, n in sorted(a.formats.items())) or "none"
+    para(con, f"{esc(a.root)}: {a.pages} page(s), {a.bytes:,} bytes of payload "
+              f"({formats})", "[bold]L3 store[/]")
+    if a.stopped_at is not None:
+        para(con, f"read the first {a.stopped_at:,} names only", f"[{STYLE_WARN}]partial:[/]")
+    for label, n in sorted(a.stages.items()):
+        para(con, f"{esc(label)}: {n} page(s)", "-", 2)
+    if a.not_pages_count:
+        para(con, f"{a.not_pages_count} file(s) that are no page, e.g. "
+                  f"{', '.join(esc(repr(n)) for n in a.not_pages)}", f"[{STYLE_DIM}]ignored:[/]")
+    problems = a.problems
+    if not problems:
+        con.print(f"[{STYLE_OK}]no problem found[/]")
+        return
+    for line in problems:
+        para(con, esc(line), f"[{STYLE_BAD}]problem:[/]")
+    examples = [("corrupt", a.corrupt), ("unreadable", a.unreadable),
+                ("lacking ranks", a.rank_gap_examples)]
+    for what, names in examples:
+        if names:
+            para(con, ", ".join(esc(n) for n in names), f"{what}, e.g.", 2)
+    for label, per in sorted(a.rank_gaps.items()):
+        missing = ", ".join(f"rank {r}: {n}" for r, n in per.items())
+        para(con, f"{esc(label)}: pages missing per TP rank: {missing}", "-", 2)
+    for label, sizes in sorted(a.size_mismatches.items()):
+        shown = ", ".join(f"{n} of {size:,} bytes" for size, n in sizes.items())
+        para(con, f"{esc(label)}: {shown}", "-", 2)

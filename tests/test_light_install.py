@@ -22,13 +22,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 #: The import name of each base dependency (distribution name -> module).
-IMPORT_NAME = {"pyyaml": "yaml", "markdown-it-py": "markdown_it", "google-re2": "re2"}
+IMPORT_NAME = {"pyyaml": "yaml", "markdown-it-py": "markdown_it", "google-re2": "re2",
+               "google-crc32c": "google_crc32c"}
 
 #: Code the triage commands run (``faults`` and ``trace`` included): torch-free
 #: (tests/test_layers.py holds the layering).
 TRIAGE_CODE = ("doctor", "signatures", "hicache_runtime/contracts", "hicache_runtime/config.py",
                "hicache_runtime/config_files.py", "hicache_runtime/telemetry/perfetto.py",
                "faults/kinds", "faults/points.py", "faults/spec.py", "faults/describe.py",
+               "hicache_runtime/l3/audit.py", "hicache_runtime/l3/envelope.py",
+               "hicache_runtime/l3/keys.py", "hicache_runtime/l3/backend.py",
+               "hicache_runtime/l3/backends/file.py", "hicache_runtime/l3/formats.py",
                "cli.py", "render.py")
 
 #: Tests under tests/doctor and tests/signatures that need torch themselves: they make what
@@ -181,6 +185,18 @@ def test_triage_commands_load_no_runtime_package(tmp_path: Path, args: list[str]
                and m.split(".")[1] not in ("contracts", "config", "config_files")]
     assert not runtime, runtime
     assert not [m for m in loaded if m == "torch" or m.startswith("torch.")]
+
+
+def test_the_store_audit_runs_without_torch(tmp_path: Path) -> None:
+    """``hicache doctor --store`` is triage: it reads a store with the base install."""
+    store = tmp_path / "l3"
+    store.mkdir()
+    (store / ("a" * 64 + "_m_0_1.bin")).write_bytes(b"\0" * 64)
+    proc = subprocess.run([sys.executable, str(ROOT / "cli.py"), "doctor", "--store",
+                           str(store), "--json"], cwd=tmp_path, env=_no_torch_env(tmp_path),
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["formats"] == {"upstream": 1}
 
 
 def _third_party_imports(paths: tuple[str, ...]) -> set[str]:

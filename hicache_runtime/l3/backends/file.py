@@ -182,7 +182,7 @@ class FileBackend(StorageBackend):
         for key in object_keys:
             try:
                 path = self.path_of(key)
-                out.append(_read_parts(path, key, self.max_payload_bytes)
+                out.append(read_parts(path, key, self.max_payload_bytes)
                            if self.upstream is None
                            else (b"", _read_exact(path, key, self.upstream.raw_bytes)))
             except FileNotFoundError:
@@ -300,7 +300,7 @@ _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLO
 never block in ``open`` (a FIFO planted there would wait for a writer forever)."""
 
 
-def _read_parts(path: Path, key: str, limit: int) -> RawPage:
+def read_parts(path: Path, key: str, limit: int) -> RawPage:
     """(the ``HEADER_SIZE``-byte header, the payload) with positional reads, reading at most
     one header plus ``limit`` payload bytes whatever is on disk.
 
@@ -309,7 +309,7 @@ def _read_parts(path: Path, key: str, limit: int) -> RawPage:
     anything else (a short or unparsable header is returned as read, for ``verify`` to reject
     with its usual message), ``FileNotFoundError`` when absent, ``OSError`` on I/O errors.
     """
-    fd, size = _open_page(path, key)
+    fd, size = open_page(path, key)
     try:
         envelope.check_size(key, size, limit)
         header = os.pread(fd, envelope.HEADER_SIZE, 0)
@@ -330,9 +330,9 @@ def _read_parts(path: Path, key: str, limit: int) -> RawPage:
 
 def _read_exact(path: Path, key: str, size: int) -> bytes:
     """An upstream page file (raw bytes, no header): exactly ``size`` bytes, checked on the
-    open descriptor before anything is read, as :func:`_read_parts` does for envelopes.
+    open descriptor before anything is read, as :func:`read_parts` does for envelopes.
     Raises :class:`CorruptPage` for another size, a symlink or a special file."""
-    fd, found = _open_page(path, key)
+    fd, found = open_page(path, key)
     try:
         if found != size:
             raise CorruptPage(f"{key}: an upstream page of {found} bytes; this rank's pages "
@@ -342,7 +342,7 @@ def _read_exact(path: Path, key: str, size: int) -> bytes:
         os.close(fd)
 
 
-def _open_page(path: Path, key: str) -> tuple[int, int]:
+def open_page(path: Path, key: str) -> tuple[int, int]:
     """``(descriptor, size)`` of a page file that is a regular file; the caller closes it.
     Raises ``FileNotFoundError`` when absent and :class:`CorruptPage` for a symlink, a FIFO
     or another special file in the page's place (refused by the kernel or by ``fstat``)."""
