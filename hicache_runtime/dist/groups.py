@@ -3,7 +3,9 @@
 Every rank creates every group in the same order (``torch.distributed.new_group`` is
 collective over the world), all gloo on CPU; the model's TP all_reduce uses NCCL when the
 pools live on a GPU. Protocol groups carry a short timeout so a rank stuck in a vote raises
-gloo's ``Timed out waiting ...`` instead of blocking for 30 minutes.
+gloo's ``Timed out waiting ...`` instead of blocking for 30 minutes; the L3 threads' groups
+(:data:`STORAGE_IO_GROUPS`) wait longer, since each of their votes also waits for the peers'
+storage calls.
 
 ==================  =============  ===================================================
 group               thread         carries
@@ -43,6 +45,13 @@ if TYPE_CHECKING:
 _WORLD_GROUPS = ("pp_requests", "pp_sync", "pp_act", "pp_out", "alloc_vote", "prefetch_hits",
                  "prefetch_progress", "l3_backup", "consensus")
 
+STORAGE_IO_GROUPS = ("prefetch_hits", "prefetch_tp", "prefetch_progress", "l3_backup")
+"""The L3 threads' groups: each vote waits for every peer's own storage call, not only for
+the peer to get there (a rank votes on a hit once its existence query returned, on progress
+once its batch was read, on a backup once its pages were written). A call is bounded only by
+the IO budget plus one storage call, which on a loaded machine (a Mooncake put of 8 pages:
+2 s) outlasts a short protocol timeout. They wait ``storage_timeout_s`` instead."""
+
 
 @dataclass
 class RankGroups:
@@ -69,10 +78,13 @@ class RankGroups:
                 self.prefetch_tp, self.prefetch_progress, self.l3_backup, self.consensus]
 
 
-def create_groups(rank: RankInfo, tracer: Tracer, timeout_s: float) -> RankGroups:
-    """Create every group (collective over the world: all ranks call this together)."""
+def create_groups(rank: RankInfo, tracer: Tracer, timeout_s: float,
+                  storage_timeout_s: float | None = None) -> RankGroups:
+    """Create every group (collective over the world: all ranks call this together).
+    :data:`STORAGE_IO_GROUPS` wait ``storage_timeout_s`` (default ``timeout_s``)."""
     recorder = FlightRecorder()
     timeout = timedelta(seconds=timeout_s)
+    storage_timeout = timedelta(seconds=storage_timeout_s or timeout_s)
     world_ranks = list(range(rank.world_size))
     # NCCL needs one GPU per rank; ranks sharing a GPU (or none) reduce through gloo.
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -83,10 +95,12 @@ def create_groups(rank: RankInfo, tracer: Tracer, timeout_s: float) -> RankGroup
         compute = dist.new_group(ranks, timeout=timeout, backend=compute_backend)
         cpu = dist.new_group(ranks, timeout=timeout, backend="gloo")
         # the classic prefetch_tp_group: the query thread's own stage-local communicator
-        hits = dist.new_group(ranks, timeout=timeout, backend="gloo")
+        hits = dist.new_group(ranks, timeout=storage_timeout, backend="gloo")
         if stage == rank.pp_rank:
             tp_compute, tp_cpu, prefetch_tp = compute, cpu, hits
-    world = {name: dist.new_group(world_ranks, timeout=timeout, backend="gloo")
+    world = {name: dist.new_group(world_ranks, backend="gloo",
+                                  timeout=storage_timeout if name in STORAGE_IO_GROUPS
+                                  else timeout)
              for name in _WORLD_GROUPS}
     stage_ranks = rank.stage_ranks(rank.pp_rank)
 

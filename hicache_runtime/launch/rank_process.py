@@ -58,7 +58,7 @@ from hicache_runtime.contracts.run_files import (
 )
 from hicache_runtime.contracts.topology import RankInfo
 from hicache_runtime.dist.consensus_check import ConsensusChecker
-from hicache_runtime.dist.groups import RankGroups, TPComm, create_groups
+from hicache_runtime.dist.groups import STORAGE_IO_GROUPS, RankGroups, TPComm, create_groups
 from hicache_runtime.dist.protocols import DistributedSync
 from hicache_runtime.engine.evidence import dump_rank
 from hicache_runtime.engine.loop import Engine, EngineResult
@@ -173,7 +173,8 @@ def run_rank(run_dir: Path, rank: RankInfo, cfg: RuntimeConfig) -> int:
     """Run one rank to completion; returns the process exit code."""
     tracer = make_tracer(cfg, rank)
     tracer.journal = RunDir(run_dir).rank_bundle(rank.rank) / RANK_JOURNAL
-    groups = create_groups(rank, tracer, cfg.observability.protocol_timeout_s)
+    groups = create_groups(rank, tracer, cfg.observability.protocol_timeout_s,
+                           storage_timeout_s(cfg))
     sync = DistributedSync(rank, tracer, groups, cfg.legacy,
                            cfg.observability.pending_send_limit)
     rt = build_rank(cfg, rank, sync=sync, tp=TPComm(groups.tp_compute), tracer=tracer)
@@ -252,10 +253,22 @@ def run_rank(run_dir: Path, rank: RankInfo, cfg: RuntimeConfig) -> int:
     return exit_code(outcome)
 
 
+def storage_timeout_s(cfg: RuntimeConfig) -> float:
+    """How long a vote that waits for its peers' storage writes waits
+    (``dist.groups.STORAGE_IO_GROUPS``): the protocol timeout plus the step watchdog's, so
+    that a slow store on a loaded machine is not taken for a peer that stopped, while one
+    that stopped is still reported within the time a stalled step would be."""
+    obs = cfg.observability
+    return obs.protocol_timeout_s + obs.watchdog_timeout_s
+
+
 def _comm_timeouts(cfg: RuntimeConfig) -> CommTimeouts:
-    """The rank's groups wait ``protocol_timeout_s``; the world group, made at start-up, waits
-    the start-up timeout (see :func:`_init_process_group`)."""
-    return CommTimeouts(cfg.observability.protocol_timeout_s, {"world": _STARTUP_TIMEOUT_S})
+    """The rank's groups wait ``protocol_timeout_s``, those that wait for storage calls
+    :func:`storage_timeout_s`; the world group, made at start-up, waits the start-up timeout
+    (see :func:`_init_process_group`)."""
+    return CommTimeouts(cfg.observability.protocol_timeout_s, {
+        "world": _STARTUP_TIMEOUT_S,
+        **dict.fromkeys(STORAGE_IO_GROUPS, storage_timeout_s(cfg))})
 
 
 @dataclass

@@ -29,6 +29,24 @@ def test_a_slow_stage_storage_never_stalls_the_pipeline(bundle_root: Path,
     assert s.faults_fired > 0
 
 
+def test_a_storage_call_longer_than_the_protocol_timeout_is_no_hang(bundle_root: Path,
+                                                                     tmp_path: Path) -> None:
+    """Rank 1's first two L3 calls take 6 s, past the 4 s protocol timeout (a Mooncake put
+    under CPU contention took 2 s per 8 pages; the IO budget bounds how many calls an op
+    makes, not how long one takes). Its peer waits in the L3 votes for it: those groups wait
+    the protocol timeout plus the watchdog's (``dist.groups.STORAGE_IO_GROUPS``), so the run
+    stays healthy. With the protocol timeout there, rank 0's query thread timed out and the
+    run was reported hung."""
+    cfg = mr_config(**{"topology.tp": 2, "workload.requests": 24, "storage.backend": "file",
+                       "storage.path": tmp_path / "l3",
+                       "faults": (parse_fault("storage-latency:rank=1,ms=6000,count=2"),)})
+    assert cfg.observability.protocol_timeout_s < 6 < cfg.observability.watchdog_timeout_s
+    s = run(cfg, bundle_root=bundle_root)
+    assert s.outcome is RunOutcome.HEALTHY, s.error
+    assert s.output_match is True
+    assert s.faults_fired == 2
+
+
 def test_a_backend_raising_on_one_rank_starves_no_peer(bundle_root: Path,
                                                        tmp_path: Path) -> None:
     """Rank 1's page reads and writes raise: its IO thread catches each, still acks every
