@@ -1323,6 +1323,9 @@ def capture(
     json_out: Annotated[bool, typer.Option(
         "--json", help="Print the capture manifest (ranks, pids, dumps, errors) as JSON.")]
     = False,
+    wait: Annotated[float, typer.Option(
+        "--wait", help="With --tree or --torchrun: wait up to this many seconds for the job's "
+                       "ranks to start (a job just launched has none yet).", min=0)] = 0.0,
 ) -> None:
     """Take py-spy dumps of every rank of a live job at about the same time, plus logs.
 
@@ -1335,7 +1338,7 @@ def capture(
     for path in log or []:
         if not path.is_file():
             raise ConfigError("--log", f"{path} is not a file")
-    targets = find_targets(list(pid or []), tree, torchrun)
+    targets = find_targets(list(pid or []), tree, torchrun, wait_s=wait)
     dest = out or Path(f"capture-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
     result = do_capture(targets, dest, logs=list(log or []), timeout_s=timeout, native=native,
                         locals_=locals_)

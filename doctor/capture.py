@@ -39,6 +39,7 @@ from hicache_runtime.contracts.pyspy import dump as pyspy_dump
 from hicache_runtime.contracts.pyspy import find_pyspy
 from hicache_runtime.contracts.run_files import (
     DP_RANK_ENV,
+    DP_SIZE_ENV,
     HELPER_PROCESS_ENV,
     RANK_PYSPY,
     rank_dir_name,
@@ -83,28 +84,38 @@ def pyspy_command() -> list[str]:
     return [found]
 
 
-def find_targets(pids: list[int], tree: int | None, torchrun: int | None) -> list[Target]:
-    """Resolve the command line's choices to processes with ranks (``ConfigError`` if none)."""
+_WAIT_POLL_S = 0.5
+_SETTLE_S = 1.0
+
+
+def find_targets(pids: list[int], tree: int | None, torchrun: int | None,
+                 wait_s: float = 0.0) -> list[Target]:
+    """Resolve the command line's choices to processes with ranks (``ConfigError`` if none).
+    ``wait_s``: how long to wait for a ``tree``/``torchrun`` root to have ranks below it (a
+    job just launched is still importing, or its helpers are still forking the ranks)."""
     chosen = list(pids)
+    deadline = time.monotonic() + wait_s
     for root in (tree, torchrun):
         if root is None:
             continue
         if not _alive(root):
             raise ConfigError("capture", f"no process with pid {root}")
-        python = [p for p in _descendants(root) if _settled(p) and _is_python(p)]
-        helpers = [p for p in python if _environ(p).get(HELPER_PROCESS_ENV)]
-        below = [p for p in python if p not in helpers]
-        # ranks say who they are (RANK, an SGLang scheduler's title); when some do, the rest
-        # (a tokenizer, a detokenizer, a data loader) are not ranks of the job
-        below = [p for p in below if _is_rank(p)] or below
-        # a rank's own children inherit its environment, RANK included (a multiprocessing
-        # resource tracker, a compile worker): a process below another candidate is no rank
-        below = _outermost(below)
+        below, helpers = _ranks_below(root, declared_only=wait_s > 0)
+        while not below and time.monotonic() < deadline and _alive(root):
+            time.sleep(_WAIT_POLL_S)
+            below, helpers = _ranks_below(root, declared_only=True)
+        if not _alive(root):
+            raise ConfigError("capture", f"pid {root} ended before it had ranks to capture")
+        if below and wait_s:
+            below = _settled_ranks(root, below, deadline)
+        elif not below:  # none says it is a rank: the processes there, as without --wait
+            below, helpers = _ranks_below(root)
         if not below and helpers:
             raise ConfigError(
                 "capture", f"no ranks below pid {root} yet, only the run's helper processes "
                 f"({', '.join(f'{_environ(p)[HELPER_PROCESS_ENV]} pid {p}' for p in helpers)})",
-                hint="the job is still starting its ranks: capture again in a moment")
+                hint="the job is still starting its ranks: capture again in a moment, or "
+                     "give --wait SECONDS")
         chosen += below or [root]
     if not chosen:
         raise ConfigError("capture", "nothing to capture",
@@ -117,6 +128,49 @@ def find_targets(pids: list[int], tree: int | None, torchrun: int | None) -> lis
         if t.rank is None:
             t.rank = next(free)
     return sorted(targets, key=lambda t: t.rank if t.rank is not None else -1)
+
+
+def _settled_ranks(root: int, below: list[int], deadline: float) -> list[int]:
+    """The job's ranks once all have started: as many as the ranks' environment says the job
+    has (``WORLD_SIZE``, times the DP groups), or, where it does not say, once no new rank has
+    appeared for :data:`_SETTLE_S`. A launcher forks its ranks one after the other, a DP
+    controller its groups: the first ones alone are not the job."""
+    while time.monotonic() < deadline:
+        expected = _expected_ranks(below)
+        if expected is not None and len(below) >= expected:
+            return below
+        time.sleep(_WAIT_POLL_S if expected is not None else _SETTLE_S)
+        again, _ = _ranks_below(root, declared_only=True)
+        if expected is None and set(again) <= set(below):
+            return below
+        below = again
+    return below
+
+
+def _expected_ranks(ranks: list[int]) -> int | None:
+    """How many ranks the job has, by its ranks' environment; None where it does not say."""
+    for pid in ranks:
+        env = _environ(pid)
+        world, groups = env.get("WORLD_SIZE", ""), env.get(DP_SIZE_ENV, "1")
+        if world.isdigit() and groups.isdigit():
+            return int(world) * int(groups)
+    return None
+
+
+def _ranks_below(root: int, *, declared_only: bool = False) -> tuple[list[int], list[int]]:
+    """(the ranks below ``root``, the job's helper processes there). ``declared_only``: only
+    processes that say they are ranks (while waiting for a job's ranks, the other processes
+    already there, a multiprocessing resource tracker say, are not taken for them)."""
+    python = [p for p in _descendants(root) if _settled(p) and _is_python(p)]
+    helpers = [p for p in python if _environ(p).get(HELPER_PROCESS_ENV)]
+    below = [p for p in python if p not in helpers]
+    # ranks say who they are (RANK, an SGLang scheduler's title); when some do, the rest
+    # (a tokenizer, a detokenizer, a data loader) are not ranks of the job
+    ranks = [p for p in below if _is_rank(p)]
+    below = ranks if ranks or declared_only else below
+    # a rank's own children inherit its environment, RANK included (a multiprocessing
+    # resource tracker, a compile worker): a process below another candidate is no rank
+    return _outermost(below), helpers
 
 
 def _outermost(pids: list[int]) -> list[int]:

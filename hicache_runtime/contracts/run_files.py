@@ -58,6 +58,9 @@ RANK_STORAGE_CLIENT_LOG = "storage-client.log"
 
 DP_RANK_ENV = "HICACHE_DP_RANK"
 """A rank's data-parallel group, in its environment (each group numbers its ranks from 0)."""
+DP_SIZE_ENV = "HICACHE_DP_SIZE"
+"""The run's number of DP groups, in every rank's environment when there are several (so a
+capture knows how many ranks the job will have: ``WORLD_SIZE`` per group times this)."""
 HELPER_PROCESS_ENV = "HICACHE_HELPER"
 """Set (to the helper's name) in the environment of a run's processes that are not ranks (the
 rank zygote): ``hicache capture --tree`` leaves them out."""

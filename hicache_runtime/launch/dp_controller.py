@@ -55,7 +55,7 @@ from hicache_runtime.contracts.bundle import RunOutcome
 from hicache_runtime.contracts.events import Ev
 from hicache_runtime.contracts.outcome import classify_exit, describe_exit
 from hicache_runtime.contracts.rank_result import RankResult
-from hicache_runtime.contracts.run_files import RunDir
+from hicache_runtime.contracts.run_files import DP_SIZE_ENV, RunDir
 from hicache_runtime.contracts.topology import RankInfo
 from hicache_runtime.engine.workload import Workload
 from hicache_runtime.kv.request import Req
@@ -217,7 +217,8 @@ class DPController:
             try:
                 group.procs = start_ranks(
                     gcfg, path, store.port, first_device=group.first,
-                    env={ENV_DP_RANK: str(d), ENV_BOARD: self.board.name},
+                    env={ENV_DP_RANK: str(d), DP_SIZE_ENV: str(self.cfg.topology.dp),
+                         ENV_BOARD: self.board.name},
                     entry_env={ENV_FEED_FD: str(theirs.fileno())}, entry_fds=(theirs.fileno(),))
             finally:
                 theirs.close()  # the entry rank holds its end: EOF here once it is gone

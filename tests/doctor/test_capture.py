@@ -263,12 +263,6 @@ def test_capture_json(job: subprocess.Popen[str], tmp_path: Path) -> None:
     assert all(t["pyspy"] for t in out["manifest"]["targets"])
 
 
-def _rank_children(pid: int) -> list[int]:
-    from doctor.capture import _descendants, _environ
-
-    return [p for p in _descendants(pid) if "RANK" in _environ(p)]
-
-
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize("grid", [("--tp", "2"), ("--dp", "2", "--tp", "2")],
@@ -276,7 +270,8 @@ def _rank_children(pid: int) -> list[int]:
 def test_capture_a_live_hicache_run_finds_its_ranks_not_the_zygote(
         tmp_path: Path, grid: tuple[str, ...]) -> None:
     """The README's live capture: ``hicache run --tp 2`` with rank 1 hung, ``hicache capture
-    --tree <its pid>``: the ranks captured, each into its own folder (every DP group has a
+    --tree <its pid> --wait``, asked as soon as the run starts (it waits for every group's
+    ranks): the ranks captured, each into its own folder (every DP group has a
     rank 0), and no helper: not the zygote that forks them, not a process a rank started
     (a DP group's multiprocessing resource tracker inherits RANK; it was taken for ranks 4
     and 5, and the doctor saw a world of 6)."""
@@ -288,12 +283,8 @@ def test_capture_a_live_hicache_run_finds_its_ranks_not_the_zygote(
                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        while len(_rank_children(run.pid)) < world and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert len(_rank_children(run.pid)) >= world, "the ranks did not start"
-        time.sleep(2)  # rank 1 reaches its hang, rank 0 waits for it in a collective
-        res = CliRunner().invoke(app, ["capture", "--tree", str(run.pid),
+        # right after the launch: --wait waits for the ranks, not for the launcher or zygote
+        res = CliRunner().invoke(app, ["capture", "--tree", str(run.pid), "--wait", "120",
                                        "--out", str(tmp_path / "cap"), "--json"])
         if "ptrace" in res.output:
             pytest.skip("py-spy may not ptrace in this environment")
