@@ -108,8 +108,8 @@ def find_targets(pids: list[int], tree: int | None, torchrun: int | None,
             raise ConfigError("capture", f"pid {root} ended before it had ranks to capture")
         if below and wait_s:
             below = _settled_ranks(root, below, deadline)
-        elif not below:  # none says it is a rank: the processes there, as without --wait
-            below, helpers = _ranks_below(root)
+        elif not below and wait_s:  # none said it is a rank: the processes there, as
+            below, helpers = _ranks_below(root)  # without --wait
         if not below and helpers:
             raise ConfigError(
                 "capture", f"no ranks below pid {root} yet, only the run's helper processes "

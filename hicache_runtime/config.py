@@ -142,7 +142,8 @@ class CacheConfig(BaseModel):
     eviction_policy: EvictionPolicy = EvictionPolicy.LRU
     """Which unlocked leaf L1 and L2 eviction take first (SGLang ``--radix-eviction-policy``;
     ``kv/evict_order.py``): lru, lfu, fifo, mru, filo, priority, slru or tlru, as far as the
-    profile's release offers it."""
+    profile's release offers it. lru is every release's default (0.5.23
+    ``cache_init_params.py`` ``eviction_policy`` L31)."""
     eviction_policy_config: dict[str, int] = {}
     """The policy's settings (SGLang ``--radix-eviction-policy-config``): ``slru``
     ``protected_threshold`` (2); ``tlru`` ``threshold`` and ``next_prompt_estimate`` (0, in

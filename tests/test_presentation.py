@@ -699,6 +699,12 @@ def test_line_separators_in_untrusted_text_split_nothing(tmp_path: Path) -> None
     assert not re.search(r"<h2>[^<]*h2", page)
 
 
+def _bash_env() -> dict[str, str]:
+    """The environment README lines run in: this interpreter's commands first, no colour."""
+    bin_dir = str(Path(sys.executable).parent)
+    return {**__import__("os").environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "NO_COLOR": "1"}
+
+
 def _readme_block(first: str) -> list[str]:
     """The lines of the README's bash block that starts with ``first``."""
     for block in re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S):
@@ -730,8 +736,7 @@ def test_the_readme_triage_commands_run_as_written(tmp_path: Path) -> None:
                     tmp_path / "hicache-bundles" / "bundle-pp2", ignore=shutil.ignore_patterns(
                         "expected.json"))
     bundle = next((tmp_path / "hicache-bundles").iterdir())
-    bin_dir = str(Path(sys.executable).parent)
-    env = {**__import__("os").environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "NO_COLOR": "1"}
+    env = _bash_env()
     ran = 0
     for line in _readme_block("hicache doctor logs/"):
         cmd = line.split("  #")[0].strip()
@@ -758,8 +763,7 @@ def test_the_readme_run_block_s_single_rank_lines_run_as_written(tmp_path: Path)
     """From the block of runs: the single-rank ones (a run with a fault and a trace, its
     export), the schema and the fault listing, as written. The multi-rank lines are the same
     commands the multi-rank suites run with other sizes."""
-    bin_dir = str(Path(sys.executable).parent)
-    env = {**__import__("os").environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "NO_COLOR": "1"}
+    env = _bash_env()
     lines = _readme_block("hicache run --requests")
     chosen = [ln.split("  #")[0].strip() for ln in lines
               if not re.search(r"--(tp|pp|dp) \d", ln)]
@@ -769,11 +773,6 @@ def test_the_readme_run_block_s_single_rank_lines_run_as_written(tmp_path: Path)
                               text=True, timeout=600, check=False)
         assert proc.returncode == 0, (cmd, proc.stderr[-1500:])
     assert json.loads((tmp_path / "run.perfetto.json").read_text())["traceEvents"]
-
-
-def _bash_env() -> dict[str, str]:
-    bin_dir = str(Path(sys.executable).parent)
-    return {**__import__("os").environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "NO_COLOR": "1"}
 
 
 def _port_free(port: int) -> bool:

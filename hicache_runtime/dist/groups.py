@@ -79,12 +79,12 @@ class RankGroups:
 
 
 def create_groups(rank: RankInfo, tracer: Tracer, timeout_s: float,
-                  storage_timeout_s: float | None = None) -> RankGroups:
+                  storage_timeout_s: float) -> RankGroups:
     """Create every group (collective over the world: all ranks call this together).
-    :data:`STORAGE_IO_GROUPS` wait ``storage_timeout_s`` (default ``timeout_s``)."""
+    :data:`STORAGE_IO_GROUPS` wait ``storage_timeout_s``, the others ``timeout_s``."""
     recorder = FlightRecorder()
     timeout = timedelta(seconds=timeout_s)
-    storage_timeout = timedelta(seconds=storage_timeout_s or timeout_s)
+    storage_timeout = timedelta(seconds=storage_timeout_s)
     world_ranks = list(range(rank.world_size))
     # NCCL needs one GPU per rank; ranks sharing a GPU (or none) reduce through gloo.
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -71,13 +71,16 @@ class EvictOrder:
 
     def heap(self, nodes: list[TreeNode]) -> list[Entry]:
         """A heap of ``nodes`` (evictable leaves) in this order."""
-        out = [(self.key(n), n.id, n) for n in nodes]
+        out = [self._entry(n) for n in nodes]
         heapq.heapify(out)
         return out
 
     def push(self, heap: list[Entry], node: TreeNode) -> None:
         """Add ``node`` (a parent that became a leaf) to ``heap``."""
-        heapq.heappush(heap, (self.key(node), node.id, node))
+        heapq.heappush(heap, self._entry(node))
+
+    def _entry(self, node: TreeNode) -> Entry:
+        return (self.key(node), node.id, node)
 
     @staticmethod
     def pop(heap: list[Entry]) -> TreeNode:

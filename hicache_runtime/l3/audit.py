@@ -57,11 +57,6 @@ class PageName:
     pp_size: int
     pp_rank: int
 
-    @property
-    def stage(self) -> tuple[str, int | None, int, int]:
-        """Pages that belong together: one model, TP size and pipeline stage."""
-        return (self.model, self.tp_size, self.pp_size, self.pp_rank)
-
 
 def parse_name(name: str) -> PageName | None:
     """The parts of a page file name, or None for a file that is not a page. A model name may
@@ -108,14 +103,6 @@ def _reading(page_hash: str, model: str, nums: list[int]) -> PageName | None:
     if not 0 <= pp[1] < pp[0] or not model:
         return None
     return PageName(page_hash, model, tp[0], tp[1], pp[0], pp[1])
-
-
-@dataclass
-class Group:
-    """The pages of one stage in one format."""
-
-    pages: int = 0
-    sizes: Counter[int] = field(default_factory=Counter)
 
 
 @dataclass
@@ -183,9 +170,9 @@ def audit_store(root: Path, *, max_payload_bytes: int = envelope.DEFAULT_MAX_PAY
     if not stat.S_ISDIR(st.st_mode):
         raise NotADirectoryError(f"{root} is not a directory")
     audit = StoreAudit(str(root))
-    ranks: dict[tuple[str, int | None, int, int], dict[str, set[int]]] = defaultdict(
-        lambda: defaultdict(set))
-    groups: dict[tuple[str, str], Group] = defaultdict(Group)
+    # per stage (its label and TP size): page hash -> the TP ranks holding it
+    ranks: dict[tuple[str, int], dict[str, set[int]]] = defaultdict(lambda: defaultdict(set))
+    sizes: dict[tuple[str, str], Counter[int]] = defaultdict(Counter)  # per stage and format
     with os.scandir(root) as entries:
         for entry in entries:
             if audit.files >= max_files:
@@ -205,15 +192,13 @@ def audit_store(root: Path, *, max_payload_bytes: int = envelope.DEFAULT_MAX_PAY
             audit.formats[kind] = audit.formats.get(kind, 0) + 1
             label = _stage_label(page)
             audit.stages[label] = audit.stages.get(label, 0) + 1
-            group = groups[(label, kind)]
-            group.pages += 1
-            group.sizes[size] += 1
+            sizes[(label, kind)][size] += 1
             if page.tp_size is not None and page.tp_rank is not None:
-                ranks[page.stage][page.page_hash].add(page.tp_rank)
+                ranks[(label, page.tp_size)][page.page_hash].add(page.tp_rank)
     _find_rank_gaps(audit, ranks)
-    for (label, kind), group in sorted(groups.items()):
-        if len(group.sizes) > 1:
-            audit.size_mismatches[f"{label} ({kind})"] = dict(sorted(group.sizes.items()))
+    for (label, kind), seen in sorted(sizes.items()):
+        if len(seen) > 1:
+            audit.size_mismatches[f"{label} ({kind})"] = dict(sorted(seen.items()))
     return audit
 
 
@@ -259,10 +244,8 @@ def _stage_label(page: PageName) -> str:
 
 
 def _find_rank_gaps(audit: StoreAudit,
-                    ranks: dict[tuple[str, int | None, int, int], dict[str, set[int]]]) -> None:
-    for stage, hashes in sorted(ranks.items(), key=lambda kv: str(kv[0])):
-        size = stage[1]
-        assert size is not None
+                    ranks: dict[tuple[str, int], dict[str, set[int]]]) -> None:
+    for (label, size), hashes in sorted(ranks.items()):
         missing: Counter[int] = Counter()
         for page_hash, held in hashes.items():
             for rank in range(size):
@@ -272,5 +255,4 @@ def _find_rank_gaps(audit: StoreAudit,
                         audit.rank_gap_examples.append(f"{page_hash[:16]}... lacks TP rank "
                                                        f"{rank} of {size}")
         if missing:
-            label = f"{stage[0]} tp={size} pp={stage[2]} stage={stage[3]}"
             audit.rank_gaps[label] = {str(r): n for r, n in sorted(missing.items())}

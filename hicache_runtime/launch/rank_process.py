@@ -254,7 +254,7 @@ def run_rank(run_dir: Path, rank: RankInfo, cfg: RuntimeConfig) -> int:
 
 
 def storage_timeout_s(cfg: RuntimeConfig) -> float:
-    """How long a vote that waits for its peers' storage writes waits
+    """How long a vote that waits for its peers' storage calls waits
     (``dist.groups.STORAGE_IO_GROUPS``): the protocol timeout plus the step watchdog's, so
     that a slow store on a loaded machine is not taken for a peer that stopped, while one
     that stopped is still reported within the time a stalled step would be."""
