@@ -142,6 +142,8 @@ class UpstreamIndex:
 
 
 _LOADING = threading.Lock()
+_WARMING = False
+"""Whether :func:`warm_up` has started its thread in this process."""
 
 
 @lru_cache(maxsize=1)
@@ -162,5 +164,10 @@ def warm_up() -> None:
     # still inside numpy, and tearing the interpreter down under it aborted the process
     # ("terminate called without an active exception", seen under a memory cap). Exit waits
     # for the load (a fraction of a second) instead.
+    global _WARMING
+    with _LOADING:
+        if _WARMING:  # once per process: a thread per diagnosis was 5% of a small one's time
+            return
+        _WARMING = True
     threading.Thread(target=lambda: load_index().matcher, name="index-warm-up",
                      daemon=False).start()

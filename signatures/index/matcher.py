@@ -273,6 +273,9 @@ class TemplateMatcher:
         slack = 0  # template tokens missed since the last match: a changed word fills one
         first = -1
         skipped_w, skipped_n = 0.0, 0
+        missed = 0  # literals neither found nor optional: past the allowance, no match
+        n_all = int(self._nlit[tid])
+        allowed = _allowed_misses(n_all)
         weight, optional = self._weight_at, self._optional_at
         for tok in self.tokens_of(tid):
             if tok < 0:
@@ -293,17 +296,18 @@ class TemplateMatcher:
             elif optional[tok]:
                 skipped_w += weight[tok]
                 skipped_n += 1
+                allowed = _allowed_misses(n_all - skipped_n)
                 continue
             else:
                 slack += 1
+                missed += 1
+                # the allowance only shrinks as optional words are skipped: past it now,
+                # past it at the end (most candidates stop here, a word or two in)
+                if missed > allowed:
+                    return 0.0, 0.0, -1
             glued = True
         total = float(self._total[tid]) - skipped_w
         if total <= 0:
-            return 0.0, 0.0, -1
-        missing = int(self._nlit[tid]) - found - skipped_n
-        # a long template may miss a word in four (another release's wording); a short one none
-        n_lit = int(self._nlit[tid]) - skipped_n
-        if missing > (0 if n_lit <= EXACT_UP_TO else max(1, n_lit // 4)):
             return 0.0, 0.0, -1
         recall = matched / total
         penalty = min(0.5, extra / max(4, n_line))
@@ -312,6 +316,12 @@ class TemplateMatcher:
     @property
     def size(self) -> int:
         return len(self._offs) - 1
+
+
+def _allowed_misses(n_lit: int) -> int:
+    """Literals a template of ``n_lit`` may miss and still match: a long one a word in four
+    (another release's wording), a short one none."""
+    return 0 if n_lit <= EXACT_UP_TO else max(1, n_lit // 4)
 
 
 def _goes_on(template: str) -> bool:
