@@ -77,6 +77,15 @@ class Templates(Sequence[Template]):
         for i in range(len(self)):
             yield self[i]
 
+    def texts(self) -> Iterator[str]:
+        """Each template's text in id order, read from its row without building (or checking)
+        the template: a pass over all 68k that builds them took most of the matcher's
+        build. A row that is not well formed yields ``""`` here and fails when it is used."""
+        for s in self._systems:
+            for raw in s.templates:
+                text = raw[0] if isinstance(raw, (list, tuple)) and raw else None
+                yield text if isinstance(text, str) else ""
+
 
 class UpstreamIndex:
     """The loaded index: templates, their matcher, and the component resolver."""

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from signatures.linear import linear
+from signatures.loader import read_own_yaml
 from signatures.models import check_regex
 
 MAP_FILE = Path(__file__).with_name("components.yaml")
@@ -167,5 +167,5 @@ def _matcher(p: str | PathPattern) -> Callable[[str], bool]:
 
 @lru_cache(maxsize=1)
 def load_rules(path: Path = MAP_FILE) -> tuple[ComponentRule, ...]:
-    raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    raw = read_own_yaml(path)
     return tuple(ComponentMap.model_validate(raw).components)

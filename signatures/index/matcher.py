@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
@@ -119,7 +119,7 @@ class TemplateMatcher:
         # condition): a line that neither says "assert" nor compares anything and holds the
         # same words (a server-args echo, layout='page_first') was not printed by it, however
         # rare its words
-        self._bare_assert = np.array([t.text.startswith("assert ") for t in self.templates],
+        self._bare_assert = np.array([t.startswith("assert ") for t in _texts(templates)],
                                      dtype=bool)
         max_df = max(50, n // 100)
         # every template is reachable through its rarest token, common or not (a generic
@@ -316,6 +316,13 @@ class TemplateMatcher:
     @property
     def size(self) -> int:
         return len(self._offs) - 1
+
+
+def _texts(templates: Sequence[Template]) -> Iterable[str]:
+    """The templates' texts; the index's own sequence reads them without building each
+    template (``Templates.texts``)."""
+    texts = getattr(templates, "texts", None)
+    return texts() if callable(texts) else (t.text for t in templates)
 
 
 def _allowed_misses(n_lit: int) -> int:
