@@ -36,6 +36,7 @@ from faults.spec import FaultKind, parse_fault
 from hicache_runtime.config import load_config
 from hicache_runtime.contracts.errors import InvalidFaultSpec
 from signatures.loader import load_catalog
+from tests.readme_blocks import bash_env, readme_block
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "doctor"
@@ -699,21 +700,6 @@ def test_line_separators_in_untrusted_text_split_nothing(tmp_path: Path) -> None
     assert not re.search(r"<h2>[^<]*h2", page)
 
 
-def _bash_env() -> dict[str, str]:
-    """The environment README lines run in: this interpreter's commands first, no colour."""
-    bin_dir = str(Path(sys.executable).parent)
-    return {**__import__("os").environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "NO_COLOR": "1"}
-
-
-def _readme_block(first: str) -> list[str]:
-    """The lines of the README's bash block that starts with ``first``."""
-    for block in re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S):
-        lines = block.strip().splitlines()
-        if lines and lines[0].startswith(first):
-            return lines
-    raise AssertionError(f"no README block starting {first!r}")
-
-
 def test_the_readme_triage_commands_run_as_written(tmp_path: Path) -> None:
     """The triage block, run line by line in a shell, in a folder that holds what its lines
     name (logs/, dumps/, an archive, a saved issue page, a folder of bundles, a bundle); only
@@ -736,9 +722,9 @@ def test_the_readme_triage_commands_run_as_written(tmp_path: Path) -> None:
                     tmp_path / "hicache-bundles" / "bundle-pp2", ignore=shutil.ignore_patterns(
                         "expected.json"))
     bundle = next((tmp_path / "hicache-bundles").iterdir())
-    env = _bash_env()
+    env = bash_env()
     ran = 0
-    for line in _readme_block("hicache doctor logs/"):
+    for line in readme_block("hicache doctor logs/"):
         cmd = line.split("  #")[0].strip()
         if "<launcher pid>" in cmd:
             continue  # a live job: tests/doctor/test_capture.py captures a real one
@@ -763,8 +749,8 @@ def test_the_readme_run_block_s_single_rank_lines_run_as_written(tmp_path: Path)
     """From the block of runs: the single-rank ones (a run with a fault and a trace, its
     export), the schema and the fault listing, as written. The multi-rank lines are the same
     commands the multi-rank suites run with other sizes."""
-    env = _bash_env()
-    lines = _readme_block("hicache run --requests")
+    env = bash_env()
+    lines = readme_block("hicache run --requests")
     chosen = [ln.split("  #")[0].strip() for ln in lines
               if not re.search(r"--(tp|pp|dp) \d", ln)]
     assert any("trace export" in c for c in chosen)
@@ -788,9 +774,9 @@ def test_the_readme_storage_blocks_run_as_written(tmp_path: Path) -> None:
     here; the README's own port), then an upstream-format store and its audit."""
     import shutil
 
-    env = _bash_env()
+    env = bash_env()
     lines = [ln.split("  #")[0].strip() for ln in
-             _readme_block("hicache run --storage file --storage-path ./l3 --host-tokens")]
+             readme_block("hicache run --storage file --storage-path ./l3 --host-tokens")]
     assert len(lines) == 3
     assert lines[1].startswith("redis-server")
     if not (shutil.which("redis-server") and _port_free(6379)):
@@ -806,7 +792,7 @@ def test_the_readme_storage_blocks_run_as_written(tmp_path: Path) -> None:
 
     upstream = tmp_path / "upstream"
     upstream.mkdir()
-    for line in _readme_block("hicache run --storage file --storage-path ./l3 --storage-format"):
+    for line in readme_block("hicache run --storage file --storage-path ./l3 --storage-format"):
         cmd = line.split("  #")[0].strip()
         proc = subprocess.run(["bash", "-c", cmd], cwd=upstream, env=env, capture_output=True,
                               text=True, timeout=600, check=False)
@@ -820,9 +806,9 @@ def test_the_readme_storage_blocks_run_as_written(tmp_path: Path) -> None:
 def test_the_readme_live_capture_block_runs_as_written(tmp_path: Path) -> None:
     """A live two-rank job made to hang, captured and diagnosed, as the README shows it; the
     hung job is stopped after the block (the README leaves that to the reader)."""
-    block = "\n".join(_readme_block("hicache run --tp 2 --fault 'hang:"))
+    block = "\n".join(readme_block("hicache run --tp 2 --fault 'hang:"))
     script = block + "\nstatus=$?\nkill $! 2>/dev/null; wait\nexit $status"
-    proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=_bash_env(),
+    proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=bash_env(),
                           capture_output=True, text=True, timeout=600, check=False)
     # the doctor's answer: 0 named, 1 nothing fits (py-spy dumps alone carry no fault list,
     # and one rank blocked while the other sleeps in the fault is no known signature)

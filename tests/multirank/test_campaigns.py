@@ -2,30 +2,40 @@
 
 from __future__ import annotations
 
+import subprocess
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 
-from faults.campaign.cells import run_campaign
+from faults.campaign.cells import CampaignResult, run_campaign
 from faults.campaign.plan import load_campaign
 from faults.campaign.replay import replay
-from faults.campaign.reports import junit_xml
 from faults.campaign.shrink import shrink_bundle
+from tests.readme_blocks import bash_env, command, readme_block
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 
-def test_default_campaign_every_cell_behaves(bundle_root: Path) -> None:
+def test_default_campaign_every_cell_behaves(tmp_path: Path) -> None:
     """Every legacy switch shows its signature (named by the doctor from the bundle) under its
-    fault; every fixed twin stays healthy with outputs identical to the cache-disabled run."""
-    spec = load_campaign()
-    result = run_campaign(spec, bundle_root=bundle_root)
+    fault; every fixed twin stays healthy with outputs identical to the cache-disabled run.
+    Run as the README's CI-shard lines are written: two shards, then their merge (the whole
+    campaign, and what a team's CI runs)."""
+    lines = [command(ln) for ln in readme_block("hicache campaign  ")
+             if ln.startswith(("hicache campaign --shard", "hicache campaign merge"))]
+    assert [ln.split()[2] for ln in lines] == ["--shard", "--shard", "merge"]
+    for cmd in lines:
+        proc = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=bash_env(),
+                              capture_output=True, text=True, timeout=1500, check=False)
+        assert proc.returncode == 0, (cmd, proc.stdout[-3000:], proc.stderr[-3000:])
+    result = CampaignResult.model_validate_json((tmp_path / "all.json").read_text())
     failed = {c.id: f"{c.detail} {c.error or ''}" for c in result.cells if not c.passed}
     assert not failed, failed
-    assert len(result.cells) == len(spec.expand())
-    root = ET.fromstring(junit_xml(result))
+    assert sorted(c.id for c in result.cells) == sorted(c.id for c in load_campaign().expand())
+    root = ET.fromstring((tmp_path / "all.xml").read_text())
     assert root.attrib["failures"] == "0"
+    assert int(root.attrib["tests"]) == len(result.cells)
 
 
 def test_replay_and_shrink_a_pipeline_crash(bundle_root: Path, tmp_path: Path) -> None:

@@ -208,7 +208,9 @@ def test_tp2xpp2_second_run_from_l3_then_master_killed(store: LocalMooncakeStore
     run does both: a run of its own only to show L3 hits cost a fifth of the suite's
     Mooncake time, and the hits before the outage show the same.)"""
     cfg = mooncake_config(store.url, **{"topology.tp": 2, "topology.pp": 2,
-                                        "observability.check_integrity_every": 0})
+                                        "observability.check_integrity_every": 0,
+                                        # half of l3_config's: four ranks, three runs
+                                        "workload.requests": 32})
     healthy(run(cfg, compare=False, bundle_root=bundle_root))  # fills the store
     outage = KillAndRestart(store)
     second = run(cfg, progress=outage, bundle_root=bundle_root)

@@ -358,7 +358,7 @@ def test_layer_zero_computes_before_the_load_finishes(layout: str, tmp_path: Pat
 def test_tp2_pp2_outputs_match_in_page_major_layouts(layout: str, tmp_path: Path,
                                                       bundle_root: Path) -> None:
     cfg = l3_config(tmp_path / "l3", **{"cache.mem_layout": layout, "topology.tp": 2,
-                                         "topology.pp": 2, "workload.requests": 48,
+                                         "topology.pp": 2, "workload.requests": 24,
                                          "observability.watchdog_timeout_s": 60.0})
     assert run(cfg, compare=False, bundle_root=bundle_root).outcome is RunOutcome.HEALTHY
     s = run(cfg, bundle_root=bundle_root)
