@@ -266,7 +266,6 @@ class TemplateMatcher:
         of its first matched token or -1). A token at a position in ``near`` (a misspelling
         of the template's word) counts ``NEAR_CREDIT`` of its weight."""
         matched = 0.0
-        found = 0
         extra = 0
         pos = -1
         glued = False  # the previous template token was a literal (no wildcard since)
@@ -288,7 +287,6 @@ class TemplateMatcher:
                 if glued and pos >= 0:
                     extra += max(0, idx - pos - 1 - slack)
                 matched += weight[tok] * (NEAR_CREDIT if idx in near else 1.0)
-                found += 1
                 pos = idx
                 if first < 0:
                     first = idx
@@ -301,11 +299,14 @@ class TemplateMatcher:
             else:
                 slack += 1
                 missed += 1
-                # the allowance only shrinks as optional words are skipped: past it now,
-                # past it at the end (most candidates stop here, a word or two in)
+                # a long template may miss a word in four (another release's wording), a
+                # short one none; the allowance only shrinks as optional words are skipped:
+                # past it now, past it at the end (most candidates stop here, a word or two in)
                 if missed > allowed:
                     return 0.0, 0.0, -1
             glued = True
+        if missed > allowed:  # optional words skipped after the last miss shrank it
+            return 0.0, 0.0, -1
         total = float(self._total[tid]) - skipped_w
         if total <= 0:
             return 0.0, 0.0, -1
