@@ -318,3 +318,13 @@ def test_trace_export_of_malformed_events(tmp_path: Path) -> None:
     run = run_capped(["trace", "export", str(empty), "-o", "out3.json"], tmp_path)
     _one_line_error(run, "no trace events in")
     assert "wrote 0 events" not in run.stdout
+
+
+def test_a_capped_run_s_peak_is_its_own_not_the_test_process_s(tmp_path: Path) -> None:
+    """A test worker that holds 300 MB when it starts the command: the figure stays the
+    command's (a child forked from the worker itself reported the worker's pages)."""
+    held = bytearray(b"x" * (300 << 20))  # resident here at the fork
+    run = run_capped(["--version"], tmp_path)
+    assert run.rc == 0, run.stderr
+    assert 10 < run.peak_rss_mb < 200, run.peak_rss_mb
+    assert len(held) == 300 << 20
