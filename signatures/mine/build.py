@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 from signatures.index.model import FORMAT, Provenance, SystemFile, pack, write_system
 from signatures.index.tokens import template_words
+from signatures.loader import read_own_yaml
 from signatures.mine import cpp_src, python_src
 from signatures.mine.python_src import Found
 from signatures.mine.sources import (
@@ -61,7 +61,7 @@ class Config:
 
 
 def load_plan(path: Path = PLAN) -> list[SystemPlan]:
-    raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    raw = read_own_yaml(path)
     out = []
     for name, spec in raw["systems"].items():
         kind = next(k for k in ("wheel", "git", "dir") if k in spec)

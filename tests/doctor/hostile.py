@@ -60,6 +60,14 @@ sys.exit(os.WEXITSTATUS(status))
 """
 
 
+def own_peak_rss_mb() -> float:
+    """This process's own peak RSS (``VmHWM``). ``ru_maxrss`` of a process forked from a big
+    one and exec'd counts the big one's pages (as :data:`_MEASURE` says), so a child that
+    reports its own peak reads this instead."""
+    with open("/proc/self/status", encoding="ascii") as fh:
+        return next(int(ln.split()[1]) for ln in fh if ln.startswith("VmHWM:")) / 1024
+
+
 def run_capped(args: list[str], tmp: Path, timeout_s: float = 300,
                limit: int = AS_LIMIT) -> Capped:
     """Run ``python cli.py ARGS`` with ``RLIMIT_AS`` = ``limit``; kill it after ``timeout_s``."""

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-CHILD = ("import json, resource, sys\nfrom doctor.diagnose import diagnose\n"
+CHILD = ("import json, sys\nfrom doctor.diagnose import diagnose\n"
+         "from tests.doctor.hostile import own_peak_rss_mb\n"
          "d = diagnose([sys.argv[1]])\n"
-         "print(json.dumps({'rss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,"
+         "print(json.dumps({'rss': own_peak_rss_mb(),"
          " 'verdict': d.verdicts[0].signature if d.verdicts else None}))")
 
 
