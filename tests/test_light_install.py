@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.readme_blocks import readme_block
+
 ROOT = Path(__file__).resolve().parents[1]
 
 #: The import name of each base dependency (distribution name -> module).
@@ -234,9 +236,10 @@ def _shell_command(text: str) -> str:
 
 
 def test_ci_runs_the_readme_test_command() -> None:
-    readme = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```bash\n(.*?)```", readme, re.S)
-    install, tests = blocks[0].strip(), blocks[1].strip()
+    install = readme_block("python3 -m venv .venv && . .venv/bin/activate && pip install -c "
+                           "constraints/cpu.txt -e '.[runtime,capture]'")[0]
+    tests = readme_block("python3 -m venv .venv && . .venv/bin/activate && pip install -c "
+                         "constraints/cpu.txt -e '.[dev]'")[0]
     assert "'.[runtime,capture]'" in install
     assert install.endswith("hicache campaign")
     assert "'.[dev]'" in tests

@@ -36,7 +36,7 @@ from faults.spec import FaultKind, parse_fault
 from hicache_runtime.config import load_config
 from hicache_runtime.contracts.errors import InvalidFaultSpec
 from signatures.loader import load_catalog
-from tests.readme_blocks import bash_env, readme_block
+from tests.readme_blocks import bash_env, readme_block, readme_line
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "doctor"
@@ -607,9 +607,7 @@ def test_install_lines_name_what_can_be_installed() -> None:
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_readme_inject_example_ends_named(tmp_path: Path) -> None:
-    line = next(ln for ln in (ROOT / "README.md").read_text().splitlines()
-                if ln.startswith("hicache inject") and "run and name it" in ln)
-    args = shlex.split(line, comments=True)[1:]
+    args = shlex.split(readme_line("hicache inject 'stage-lag"))[1:]
     res = runner.invoke(app, [*args, "--json", "--bundle-dir", str(tmp_path)])
     assert res.exit_code == 1, res.output
     out = json.loads(res.stdout)
@@ -727,7 +725,7 @@ def test_the_readme_triage_commands_run_as_written(tmp_path: Path) -> None:
     for line in readme_block("hicache doctor logs/"):
         cmd = line.split("  #")[0].strip()
         if "<launcher pid>" in cmd:
-            continue  # a live job: tests/doctor/test_capture.py captures a real one
+            continue  # a live job: tests/doctor/test_capture.py runs this line on one
         cmd = cmd.replace("pbpaste |", "cat logs/server.log |").replace("<bundle>", str(bundle))
         proc = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True,
                               text=True, timeout=300, check=False)
@@ -747,13 +745,12 @@ def test_the_readme_triage_commands_run_as_written(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_the_readme_run_block_s_single_rank_lines_run_as_written(tmp_path: Path) -> None:
     """From the block of runs: the single-rank ones (a run with a fault and a trace, its
-    export), the schema and the fault listing, as written. The multi-rank lines are the same
-    commands the multi-rank suites run with other sizes."""
+    export), the schema and the fault listing, as written. The multi-rank lines run in
+    tests/multirank/test_readme_runs.py."""
     env = bash_env()
-    lines = readme_block("hicache run --requests")
-    chosen = [ln.split("  #")[0].strip() for ln in lines
-              if not re.search(r"--(tp|pp|dp) \d", ln)]
-    assert any("trace export" in c for c in chosen)
+    chosen = [readme_line("hicache run --requests 64"), readme_line("hicache run --fault dma-lag"),
+              readme_line("hicache trace export"), readme_line("hicache trace schema"),
+              readme_line("hicache faults list")]
     for cmd in chosen:
         proc = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True,
                               text=True, timeout=600, check=False)

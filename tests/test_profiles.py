@@ -5,6 +5,7 @@ release matrix's spec (``contracts/profiles.py``, ``faults/campaign/releases.py`
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from hicache_runtime.config import load_config
 from hicache_runtime.contracts.errors import ConfigError
 from hicache_runtime.contracts.legacy import REGISTRY, Fidelity, LegacySwitch
 from hicache_runtime.contracts.profiles import DEFAULT_PROFILE, PROFILES, HostAlloc, synthetic
+from tests.readme_blocks import readme_line
 
 
 def test_the_default_runtime_is_0_5_23_and_allocates_per_rank() -> None:
@@ -105,6 +107,13 @@ def test_profiles_list_and_show() -> None:
     bad = runner.invoke(app, ["profiles", "show", "0.5.23"])
     assert bad.exit_code == 2
     assert "unknown profile" in bad.output
+    # the README's two lines, as written
+    listed = runner.invoke(app, shlex.split(readme_line("hicache profiles list"))[1:])
+    assert listed.exit_code == 0, listed.output
+    assert all(name in listed.stdout for name in PROFILES)
+    readme = runner.invoke(app, shlex.split(readme_line("hicache profiles show"))[1:])
+    assert readme.exit_code == 0, readme.output
+    assert "sglang-0.5.13" in readme.stdout
 
 
 def test_campaign_profile_options_are_checked_before_anything_runs() -> None:

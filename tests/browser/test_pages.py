@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import shutil
+import subprocess
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from tests.helpers import SUM_HIT_PAGES_CAMPAIGN
+from tests.readme_blocks import bash_env, narrowed, readme_line
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "doctor"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -26,8 +27,6 @@ playwright = pytest.importorskip("playwright.sync_api", reason="playwright is no
 Image = pytest.importorskip("PIL.Image", reason="pillow is not installed")
 pytestmark = pytest.mark.skipif(CHROMIUM is None,
                                 reason="Chromium is not installed (apt-get install chromium)")
-
-SPEC = SUM_HIT_PAGES_CAMPAIGN
 
 
 @pytest.fixture(scope="module")
@@ -218,12 +217,15 @@ def test_runbook_pages_link_only_to_pages_that_exist(browser: Any, tmp_path: Pat
 @pytest.mark.slow
 def test_the_campaign_page_is_a_matrix_with_an_incident_page_per_bundle(
         browser: Any, tmp_path: Path) -> None:
-    spec = tmp_path / "tp1.yaml"
-    spec.write_text(SPEC)
-    out = tmp_path / "html"
-    res = CliRunner().invoke(app, ["campaign", str(spec), "--html", str(out), "--bundle-dir",
-                                   str(tmp_path / "bundles")])
-    assert res.exit_code == 0, res.output
+    """The README's campaign line with its three reports, narrowed to a slow stage under the
+    fixed protocol and under unbounded-pp-sends."""
+    line = narrowed(readme_line("hicache campaign --only 'pp2/*'"), "pp2/*/stage-lag:pp=1,ms=10")
+    proc = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=bash_env(),
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    assert (tmp_path / "out.xml").read_text().count("<testcase") == 2
+    assert "pp-sync-send-leak" in (tmp_path / "out.md").read_text()
+    out = tmp_path / "report"
     v = Visit(browser, out / "index.html")
     v.check_structure()
     cells = v.page.locator("table.matrix td[data-cell]")
@@ -232,7 +234,7 @@ def test_the_campaign_page_is_a_matrix_with_an_incident_page_per_bundle(
               for i in range(2)}
     assert set(states.values()) == {"pass"}, states
     headers = v.page.locator("table.matrix thead th").all_text_contents()
-    assert headers[1:] == ["fixed", "sum-hit-pages"]
+    assert headers[1:] == ["fixed", "unbounded-pp-sends"]
     img, origin = v.shot("table.matrix")
     box = cells.nth(0).bounding_box()
     assert img.getpixel((int(box["x"] - origin["x"] + 4), int(box["y"] - origin["y"] + 4))) \
@@ -242,5 +244,5 @@ def test_the_campaign_page_is_a_matrix_with_an_incident_page_per_bundle(
     w = Visit(browser, target)
     w.check_structure()
     assert w.page.locator(".verdict").first.get_attribute("data-signature") == \
-        "prefetch-gap-overcount"
+        "pp-sync-send-leak"
     assert w.page.locator("figure.timeline svg g.lane").count() >= 1

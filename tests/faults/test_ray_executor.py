@@ -9,6 +9,7 @@ that cell run again on another node, once, and the result says so.
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -16,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from faults.campaign.cells import RayOptions, run_campaign
+from faults.campaign.cells import CampaignResult, RayOptions, run_campaign
 from faults.campaign.plan import load_campaign
 from faults.campaign.ray_local import LocalRayCluster
+from tests.readme_blocks import bash_env, narrowed, readme_line
 
 ray = pytest.importorskip("ray", reason="the Ray executor's tests need ray "
                                         "(pip install -e '.[ray]' in the checkout)")
@@ -44,10 +46,15 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalRa
 
 def test_cells_on_the_cluster_get_the_local_verdicts(cluster: LocalRayCluster,
                                                      tmp_path: Path) -> None:
-    spec = load_campaign()
-    local = run_campaign(spec, bundle_root=tmp_path / "local", only=CELLS)
-    remote = run_campaign(spec, bundle_root=tmp_path / "ray", only=CELLS,
-                          ray=RayOptions(cluster.address))
+    """The README's Ray line (this cluster's address in place of its example), narrowed to
+    two cells, against the local executor on the same cells."""
+    local = run_campaign(load_campaign(), bundle_root=tmp_path / "local", only=CELLS)
+    line = narrowed(readme_line("hicache campaign --executor ray"), CELLS)
+    line = line.replace("--address 127.0.0.1:6379", f"--address {cluster.address}")
+    proc = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=bash_env(),
+                          capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    remote = CampaignResult.model_validate_json((tmp_path / "ray.json").read_text())
     assert [c.id for c in remote.cells] == [c.id for c in local.cells]
     assert [(c.passed, c.observed) for c in remote.cells] == \
         [(c.passed, c.observed) for c in local.cells]
@@ -55,8 +62,8 @@ def test_cells_on_the_cluster_get_the_local_verdicts(cluster: LocalRayCluster,
     failed = [c for c in remote.cells if c.bundle is not None]
     assert failed, "the legacy twin leaves a bundle"
     for c in failed:  # sent back and unpacked under the driver's bundle directory
-        bundle = Path(c.bundle or "")
-        assert bundle.parent == tmp_path / "ray"
+        bundle = tmp_path / (c.bundle or "")
+        assert bundle.parent == tmp_path / "hicache-bundles"
         assert (bundle / "manifest.json").is_file()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -9,9 +10,7 @@ import pytest
 
 from faults.campaign.cells import run_campaign
 from faults.campaign.plan import load_campaign
-from faults.campaign.replay import replay
-from faults.campaign.shrink import shrink_bundle
-from tests.readme_blocks import bash_env, readme_block
+from tests.readme_blocks import bash_env, readme_block, readme_line
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
@@ -24,8 +23,9 @@ def test_default_campaign_every_cell_behaves(tmp_path: Path) -> None:
     CI-shard lines run the same cells in two processes that reuse none of each other's, 0 in
     either shard when tried: tests/faults/test_shards.py checks sharding on a smaller
     campaign.)"""
-    main_job = readme_block("python3 -m venv .venv")[0].split(" && ")[-1]
-    assert main_job == "hicache campaign"
+    main_job = readme_block("python3 -m venv .venv && . .venv/bin/activate && pip install "
+                            "-c constraints/cpu.txt -e '.[runtime,capture]'")[0].split(" && ")[-1]
+    assert main_job == readme_line("hicache campaign") == "hicache campaign"
     proc = subprocess.run(["bash", "-c", main_job], cwd=tmp_path, env=bash_env(),
                           capture_output=True, text=True, timeout=1500, check=False)
     assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-3000:])
@@ -34,24 +34,32 @@ def test_default_campaign_every_cell_behaves(tmp_path: Path) -> None:
     assert list((tmp_path / "hicache-bundles").iterdir())  # the signature cells' bundles
 
 
-def test_replay_and_shrink_a_pipeline_crash(bundle_root: Path, tmp_path: Path) -> None:
-    """A crash that needs no race: host allocations fail on stage 1, so it skips its writing
-    check and its loading check pops the write count stage 0 sent for the other (0.5.13's
-    skip-empty-sync). The test is about replay and shrink; with a racy cell (local-ack-drain's
-    dma-lag) the smaller candidate now and then missed under load, and the shrink with it."""
-    spec = load_campaign()
-    first = run_campaign(spec, bundle_root=bundle_root, only="pp2/skip-empty-sync/*").cells[0]
+def test_replay_and_shrink_a_pipeline_crash(tmp_path: Path) -> None:
+    """The README's replay, shrink and regression-cell lines, as written, on a crash that
+    needs no race: host allocations fail on stage 1, so it skips its writing check and its
+    loading check pops the write count stage 0 sent for the other (0.5.13's skip-empty-sync).
+    With a racy cell (local-ack-drain's dma-lag) the smaller candidate now and then missed
+    under load, and the shrink with it."""
+    first = run_campaign(load_campaign(), bundle_root=tmp_path / "hicache-bundles",
+                         only="pp2/skip-empty-sync/*").cells[0]
     assert first.passed, first.detail
     bundle = Path(first.bundle or "")
 
-    again = replay(bundle, work=tmp_path / "w", bundle_root=tmp_path / "rb")
-    assert again.reproduced, again.trial
-    assert again.signature == first.verdict
+    def sh(line: str) -> subprocess.CompletedProcess[str]:
+        line = line.replace("<bundle>", bundle.name)
+        proc = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=bash_env(),
+                              capture_output=True, text=True, timeout=900, check=False)
+        assert proc.returncode == 0, (line, proc.stdout[-3000:], proc.stderr[-3000:])
+        return proc
 
-    shrunk = shrink_bundle(bundle, tmp_path / "shrunk", max_runs=3, confirm=2)
-    assert shrunk.reproduced
-    assert shrunk.runs == 3 + 2  # the search's budget, then the final case's confirmation
-    assert shrunk.flaky == (shrunk.confirmed < 2)
+    again = sh(readme_line("hicache inject --replay hicache-bundles/<bundle>"))
+    assert first.verdict in " ".join(again.stdout.split()), again.stdout  # exit 0: the same
+    shrunk = " ".join(sh(readme_line("hicache inject --replay hicache-bundles/<bundle> "
+                                     "--shrink")).stdout.split())
+    assert first.verdict in shrunk, shrunk
+    cell = tmp_path / "shrunk" / "cell.yaml"
     # halving the 48 requests keeps the crash: every host allocation on stage 1 fails
-    assert shrunk.shrunk.requests < shrunk.original.requests
-    assert (tmp_path / "shrunk" / "cell.yaml").exists()
+    requests = int(re.search(r"workload\.requests: (\d+)", cell.read_text()).group(1))
+    assert requests < 48, cell.read_text()
+    regression = sh(readme_line("hicache campaign shrunk/cell.yaml")).stdout
+    assert "1 of 1 cells behaved as expected" in " ".join(regression.split()), regression

@@ -1,5 +1,5 @@
 """Dynamic chunking over real rank processes: every rank cuts the same chunks from PP0's
-shared profile (the issue's ``hicache run --pp 2 --enable-dynamic-chunking --workload
+shared profile (the README's ``hicache run --pp 2 --enable-dynamic-chunking --workload
 long-context``), a failed profile leaves every rank on fixed chunks, and the legacy
 ``per-rank-chunk-timing`` form diverges under its registry recipe while the fixed form survives
 it."""
@@ -7,11 +7,11 @@ it."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
-from typer.testing import CliRunner
 
 from faults.spec import parse_faults
 from hicache_runtime.contracts.bundle import RunOutcome
@@ -19,6 +19,7 @@ from hicache_runtime.contracts.events import Ev
 from hicache_runtime.contracts.legacy import REGISTRY, LegacySwitch
 from hicache_runtime.launch.run import run
 from tests.multirank.conftest import mr_config
+from tests.readme_blocks import bash_env, readme_line
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
@@ -43,13 +44,11 @@ def _chunking(paths: dict[int, Path]) -> dict[int, dict[str, Any]]:
 
 
 def test_every_rank_cuts_the_same_chunks(tmp_path: Path) -> None:
-    from cli import app
-
-    trace = tmp_path / "run.jsonl"
-    result = CliRunner().invoke(app, [
-        "run", "--pp", "2", "--enable-dynamic-chunking", "--workload", "long-context", "--json",
-        "--trace", str(trace), "--bundle-dir", str(tmp_path / "bundles")])
-    assert result.exit_code == 0, result.output
+    """The README's line, in a shell, with a trace kept (``--trace`` only says where)."""
+    line = readme_line("hicache run --pp 2 --enable-dynamic-chunking") + " --trace run.jsonl"
+    result = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=bash_env(),
+                            capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-2000:])
     summary = json.loads(result.stdout)
     assert summary["outcome"] == "healthy"
     assert summary["output_match"] is True

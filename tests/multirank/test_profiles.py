@@ -3,51 +3,62 @@ ranks where the proposed vote keeps them together, and the release matrix says s
 
 from __future__ import annotations
 
+import json
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from faults.campaign.plan import CampaignSpec
-from faults.campaign.releases import markdown, run_release_matrix
-from faults.campaign.reports import junit_xml
+from hicache_runtime.contracts.profiles import PROFILES
+from tests.readme_blocks import bash_env, narrowed, readme_line
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
-SPEC = CampaignSpec.model_validate({
-    "name": "host-alloc",
-    "defaults": {"workload.requests": 24, "cache.device_tokens": 512,
-                 "cache.host_tokens": 1024, "observability.protocol_timeout_s": 4.0,
-                 "observability.watchdog_timeout_s": 12.0},
-    "cells": [{"tp": 2, "faults": ["host-alloc-fail:tp=1"], "expect": "healthy"},
-              {"tp": 2, "legacy": ["skip-empty-sync"], "faults": ["host-alloc-fail:tp=1"],
-               "expect": "collective-order-deadlock"}],
-})
 
 
 def test_release_matrix_of_a_failed_host_allocation_on_one_rank(tmp_path: Path) -> None:
-    """TP1's host allocations fail. 0.5.23 allocates per rank (``_execute_kv_backup``
-    L1737-1762): TP0 backs a node up, TP1 does not, their trees part and their next batches
-    differ, so the ranks meet different collectives. Proposed (#31425) votes: both skip the
-    backup and stay healthy. The legacy cell is not the matrix's: the profile decides
-    switches."""
-    result = run_release_matrix(SPEC, ["sglang-0.5.23", "proposed"],
-                                bundle_root=tmp_path / "bundles")
-    by = {c.column: c for c in result.cells}
-    assert [c.id for c in result.cells] == ["sglang-0.5.23/tp2/fixed/host-alloc-fail:tp=1",
-                                            "proposed/tp2/fixed/host-alloc-fail:tp=1"]
-    assert by["proposed"].passed, by["proposed"].detail
-    assert by["proposed"].output_match is True
-    release = by["sglang-0.5.23"]
-    assert not release.passed
-    assert release.faults_fired > 0
-    assert release.verdict is not None, release.detail
-    assert release.bundle is not None
-    assert Path(release.bundle).is_relative_to(tmp_path / "bundles" / "sglang-0.5.23")
-    assert result.reproduces() == {release.verdict: ["sglang-0.5.23"]}
-    page = markdown(result)
+    """The README's release-matrix line, narrowed to the cell where TP1's host allocations
+    fail. Every release allocates per rank (0.5.23: ``_execute_kv_backup`` L1737-1762): TP0
+    backs a node up, TP1 does not, their trees part and their next batches differ, so the
+    ranks meet different collectives. Proposed (#31425) votes: both skip the backup and stay
+    healthy. The legacy twin is not the matrix's: the profile decides switches."""
+    line = narrowed(readme_line("hicache campaign --profiles"), "tp2/*/host-alloc-fail:tp=1")
+    proc = subprocess.run(["bash", "-c", line + " --json"], cwd=tmp_path, env=bash_env(),
+                          capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    result = json.loads(proc.stdout)
+    releases = [p for p in PROFILES if p != "proposed"]
+    assert [c["id"] for c in result["cells"]] == \
+        [f"{p}/tp2/fixed/host-alloc-fail:tp=1" for p in (*releases, "proposed")]
+    by = {c["column"]: c for c in result["cells"]}
+    assert by["proposed"]["passed"], by["proposed"]["detail"]
+    assert by["proposed"]["output_match"] is True
+    for name in releases:
+        release = by[name]
+        assert not release["passed"], name
+        assert release["faults_fired"] > 0, name
+        assert release["verdict"] is not None, release["detail"]
+        assert (tmp_path / release["bundle"]).parent == tmp_path / "hicache-bundles" / name
+    assert sorted(p for ps in result["reproduces"].values() for p in ps) == sorted(releases)
+    page = (tmp_path / "releases.md").read_text()
     assert "| `tp2 host-alloc-fail:tp=1` | " in page
-    assert f"`{release.verdict}`: `sglang-0.5.23`" in page
-    assert "<testcase" in junit_xml(result.as_campaign())
+    for verdict, names in result["reproduces"].items():
+        assert f"`{verdict}`: " + ", ".join(f"`{n}`" for n in names) in page
+
+
+def test_the_readme_run_on_a_release_profile_parts_the_ranks(tmp_path: Path) -> None:
+    """The README's run on 0.5.13 with TP1's host allocations failing: the ranks part and the
+    run ends with a bundle (the doctor names it in the matrix above)."""
+    proc = subprocess.run(["bash", "-c", readme_line("hicache run --tp 2 --profile")],
+                          cwd=tmp_path, env=bash_env(), capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert proc.returncode == 1, (proc.stdout[-2000:], proc.stderr[-2000:])
+    text = " ".join(proc.stdout.split())
+    assert "outcome hang" in text or "outcome crash" in text, proc.stdout
+    assert "host-alloc-fail:tp=1" in text
+    assert "Traceback" not in proc.stderr
+    (bundle,) = (tmp_path / "hicache-bundles").iterdir()
+    assert (bundle / "manifest.json").is_file()
 
 
 def _prefetch_events(path: Path) -> dict[str, int]:

@@ -15,7 +15,8 @@ from tests.multirank.conftest import mr_config
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2xpp2"])
+# tp2 x pp2 on a file store is the README's line, run in tests/multirank/test_readme_runs.py.
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_outputs_match_with_every_tier(tp: int, pp: int, tmp_path: Path,
                                        bundle_root: Path) -> None:
     cfg = mr_config(**{
