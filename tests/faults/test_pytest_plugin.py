@@ -78,3 +78,17 @@ def test_the_hicache_run_fixture_returns_the_typed_summary(pytester: pytest.Pyte
             assert s.faults_fired > 0
     """)
     pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1)
+
+
+@pytest.mark.multiproc
+def test_the_readme_example_runs_as_a_team_would_copy_it(pytester: pytest.Pytester) -> None:
+    """The README's example test file, copied as it stands (two pipeline ranks, a slow
+    stage, on the 0.5.23 profile)."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (example,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S)
+                  if "def test_" in b and "hicache_run" in b]
+    assert example.startswith("# tests/test_hicache.py")
+    pytester.makepyfile(test_hicache=example)
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1)
