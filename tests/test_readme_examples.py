@@ -164,11 +164,12 @@ def _log_ids(log: Path) -> list[str]:
 @pytest.mark.multiproc
 def test_the_nightly_line_resumes_where_it_was_stopped(tmp_path: Path) -> None:
     """The nightly line (narrowed to the single-rank fixed cell: 100 seeds), stopped with
-    SIGINT after two cells, then run again as the README says and stopped after two more:
-    the second run keeps the first one's results and runs none of them again."""
+    SIGINT after its first cell, then run again as the README says and stopped after one
+    more: the second run keeps the first one's result and does not run that cell again.
+    (tests/faults/test_resume.py runs a small campaign through to its end.)"""
     line = narrowed(readme_line("hicache campaign --seeds 0-99"), "tp1/fixed/*")
     log = tmp_path / "nightly.jsonl"
-    for total in (2, 4):
+    for total in (1, 2):
         proc = subprocess.Popen(["bash", "-c", f"exec {line}"], cwd=tmp_path, env=bash_env(),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
@@ -183,5 +184,5 @@ def test_the_nightly_line_resumes_where_it_was_stopped(tmp_path: Path) -> None:
         ids = _log_ids(log)
         assert len(ids) >= total, err[-2000:]
         assert len(ids) == len(set(ids)), ids  # no cell ran twice
-    assert ids[:4] == [f"tp1/fixed/storage-shortfall:mode=holes,pages=1,at=1,pool=sidecar/"
-                       f"seed{s}" for s in range(4)]
+    assert ids[:2] == [f"tp1/fixed/storage-shortfall:mode=holes,pages=1,at=1,pool=sidecar/"
+                       f"seed{s}" for s in range(2)]
