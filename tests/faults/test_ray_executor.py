@@ -8,12 +8,15 @@ that cell run again on another node, once, and the result says so.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -65,6 +68,40 @@ def test_cells_on_the_cluster_get_the_local_verdicts(cluster: LocalRayCluster,
         bundle = tmp_path / (c.bundle or "")
         assert bundle.parent == tmp_path / "hicache-bundles"
         assert (bundle / "manifest.json").is_file()
+
+
+def test_shards_and_resume_on_the_cluster(cluster: LocalRayCluster, tmp_path: Path) -> None:
+    """``--shard`` and ``--resume`` with the Ray executor: each shard of the two cells runs its
+    cell as a task and logs it; shard 1 started again with its log runs nothing (the log gets
+    no new line) and gives the same result; the two shards merge into the run of both."""
+    cli = [sys.executable, str(Path(__file__).resolve().parents[2] / "cli.py"), "campaign"]
+    ray_args = ["--executor", "ray", "--address", cluster.address, "--only", CELLS, "--json"]
+
+    def shard(i: int) -> dict[str, Any]:
+        proc = subprocess.run([*cli, *ray_args, "--shard", f"{i}/2", "--resume",
+                               f"r{i}.jsonl"], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=600, check=False)
+        assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+        (tmp_path / f"s{i}.json").write_text(proc.stdout)
+        out: dict[str, Any] = json.loads(proc.stdout)
+        return out
+
+    first = [shard(1), shard(2)]
+    assert [len(s["cells"]) for s in first] == [1, 1]
+    assert all(c["node"] and c["passed"] for s in first for c in s["cells"])
+    logged = (tmp_path / "r1.jsonl").read_text()
+    assert len(logged.splitlines()) == 2  # the run's header and its one cell
+    again = shard(1)
+    assert (tmp_path / "r1.jsonl").read_text() == logged, "the done cell ran again"
+    assert [(c["id"], c["passed"], c["observed"]) for c in again["cells"]] == \
+        [(c["id"], c["passed"], c["observed"]) for c in first[0]["cells"]]
+    merged = subprocess.run([*cli, "merge", "s1.json", "s2.json", "-o", "all.json"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                            check=False)
+    assert merged.returncode == 0, merged.stderr[-2000:]
+    whole = json.loads((tmp_path / "all.json").read_text())
+    assert sorted(c["id"] for c in whole["cells"]) == sorted(
+        c["id"] for s in first for c in s["cells"])
 
 
 def test_a_cell_whose_node_dies_runs_again_elsewhere(cluster: LocalRayCluster,
