@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.readme_blocks import readme_block
+from tests.readme_blocks import readme_block, readme_line
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -233,6 +233,38 @@ def test_base_dependencies_are_what_triage_imports() -> None:
 
 def _shell_command(text: str) -> str:
     return " ".join(text.replace("\\\n", " ").split())
+
+
+@pytest.mark.slow
+def test_the_readme_triage_install_runs_as_written(tmp_path: Path) -> None:
+    """The triage line in a copy of the checkout (its tracked files) with a fresh virtual
+    environment active: ``pip install .`` installs no torch, and the doctor reads a log
+    folder."""
+    import shutil
+
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
+                             check=True).stdout.decode().split("\0")
+    if not tracked or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    copy = tmp_path / "checkout"
+    for name in filter(None, tracked):
+        if (ROOT / name).is_file():
+            (copy / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, copy / name)
+    shutil.copytree(ROOT / "tests" / "fixtures" / "doctor" / "mixed" / "tp4-rank2-missing" /
+                    "logs", copy / "logs")
+    line = readme_line("pip install . && hicache doctor logs/")
+    venv = tmp_path / "venv"
+    probe = "import importlib.util as u; print('torch:', u.find_spec('torch'))"
+    script = f'{sys.executable} -m venv {venv} && . {venv}/bin/activate && {line} && ' \
+        f'python -c "{probe}"'
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env["PATH"] = "/usr/bin:/bin"
+    proc = subprocess.run(["bash", "-c", script], cwd=copy, env=env, capture_output=True,
+                          text=True, timeout=900, check=False)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    assert "collective-order-deadlock" in proc.stdout, proc.stdout[-3000:]
+    assert "torch: None" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_ci_runs_the_readme_test_command() -> None:

@@ -26,10 +26,6 @@ from tests.readme_blocks import ROOT, bash_env, command, narrowed, readme_blocks
 
 #: README lines no test runs as written, each with why and what stands for it.
 NOT_RUN = {
-    "pip install . && hicache doctor logs/":
-        "installs from the package index into a fresh environment; "
-        "tests/test_light_install.py runs the doctor's suites where torch cannot be imported, "
-        "and the triage block runs `hicache doctor logs/`",
     "python -m signatures.mine":
         "needs the reader's git mirrors and source checkouts and downloads every release "
         "(112 s); tests/signatures/test_index.py rebuilds the committed index from a pinned "
