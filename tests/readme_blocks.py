@@ -2,11 +2,12 @@
 
 A test runs a README line through :func:`readme_line` or a whole block through
 :func:`readme_block`, with a literal first argument: ``tests/test_readme_examples.py`` reads
-those calls to prove that every line the README shows is run by some test. Two liberties are
-allowed, both visible in the test: a placeholder (``<bundle>``, ``<launcher pid>``, a port
-that is taken) is filled in, and a campaign line over more cells than the suite can afford
-is narrowed with :func:`narrowed` to a subset of its own cells, every other option as
-written.
+those calls to prove that every line the README shows is run by some test. Three liberties
+are allowed, each visible in the test: a placeholder (``<bundle>``, ``<launcher pid>``, a
+cluster's address) is filled in; an option that only says where output goes (``--json``,
+``--trace FILE``, ``--junit FILE``) may be added; and a campaign line over more cells than the
+suite can afford is narrowed with :func:`narrowed` to a subset of its own cells, every other
+option as written.
 """
 
 from __future__ import annotations
