@@ -116,6 +116,11 @@ LONG_TESTS = (
     "tests/runtime/test_l3_mooncake.py::test_tp2xpp2_second_run_from_l3_then_master_killed",
     "tests/runtime/test_mooncake_campaign.py::",
     "tests/test_typecheck.py::",
+    "tests/test_readme_examples.py::test_flake_hunting_seeds_as_written",
+    "tests/multirank/test_profiles.py::test_release_matrix_of_a_failed_host_allocation",
+    "tests/multirank/test_readme_runs.py::test_four_ranks_on_a_file_store",
+    "tests/faults/test_ray_executor.py::test_shards_and_resume_on_the_cluster",
+    "tests/multirank/test_campaigns.py::test_replay_and_shrink_a_pipeline_crash",
 )
 
 
