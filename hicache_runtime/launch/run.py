@@ -316,9 +316,22 @@ def run_multi(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn 
 def run_single(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn | None = None,
                bundle_root: Path | None = None,
                references: ReferenceMemo | None = None) -> RunSummary:
-    """Run one rank in this process, then (if healthy) its reference; judge and summarise."""
+    """Run one rank in this process, then (if healthy) its reference; judge and summarise.
+    The rank is closed however the run ends, an interrupt included: its L3 threads are
+    stopped and joined before the caller unwinds (a campaign removes the store they write
+    into when Ctrl-C reaches it)."""
     bundle_root = bundle_root or cfg.observability.bundle_dir or DEFAULT_BUNDLE_ROOT
     rt = build_rank(cfg)
+    try:
+        return _run_single_on(rt, cfg, compare=compare, progress=progress,
+                              bundle_root=bundle_root, references=references)
+    finally:
+        rt.close()
+
+
+def _run_single_on(rt: RankRuntime, cfg: RuntimeConfig, *, compare: bool,
+                   progress: ProgressFn | None, bundle_root: Path,
+                   references: ReferenceMemo | None) -> RunSummary:
     workload = Workload(cfg.workload, cfg.model.vocab_size, cfg.seed)
     engine = Engine(rt, workload, on_step=progress)
     hang: dict[str, Any] = {}
@@ -373,7 +386,6 @@ def run_single(cfg: RuntimeConfig, *, compare: bool = True, progress: ProgressFn
                                  engine.step, None, mismatches=mismatches)
 
         _judge(summary, cfg, results, reference, bundle_as, references)
-    rt.close()
     return summary
 
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
+
+import pytest
 
 from faults.spec import parse_fault
 from hicache_runtime.contracts.events import Ev
@@ -45,3 +48,21 @@ def test_every_slot_of_the_step_agreement_is_fed(tmp_path: Path, bundle_root: Pa
             seen = [max(a, b) for a, b in zip(seen, agreed)]
     never = [name for name, n in zip(DrainCounts._fields, seen) if n == 0]
     assert not never, f"agreement slots never fed: {never}"
+
+
+def test_an_interrupt_stops_the_rank_s_threads_before_it_unwinds(tmp_path: Path) -> None:
+    """Ctrl-C in the middle of a single-rank run (a campaign's tp1 cell runs in the
+    campaign's own process): by the time the interrupt leaves ``run_single`` the rank's L3
+    threads are joined, so nothing writes into the store the campaign then removes. Before,
+    the rank was closed only on the way out of a run that ended, and a full suite's
+    interrupted campaign failed its cleanup with "Directory not empty: l3"."""
+    before = set(threading.enumerate())
+
+    def interrupt(step: int, finished: int, total: int) -> None:
+        if finished >= 8:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_single(l3_config(tmp_path / "l3"), progress=interrupt, bundle_root=tmp_path / "b")
+    left = [t.name for t in threading.enumerate() if t not in before and t.is_alive()]
+    assert left == []
