@@ -113,12 +113,13 @@ def test_the_readme_spec_runs_as_its_own_matrix(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_flake_hunting_seeds_as_written(tmp_path: Path) -> None:
-    """Ten seeds of the fixed cells, narrowed to the single-rank one: ten runs, all healthy."""
-    proc = _sh(narrowed(readme_line("hicache campaign --only '*/fixed/*' --seeds 0-9"),
+    """Five seeds of the fixed cells, narrowed to the single-rank one: five runs, all
+    healthy."""
+    proc = _sh(narrowed(readme_line("hicache campaign --only '*/fixed/*' --seeds"),
                         "tp1/fixed/*") + " --json", tmp_path)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     cells = json.loads(proc.stdout)["cells"]
-    assert [c["id"].rsplit("/", 1)[1] for c in cells] == [f"seed{s}" for s in range(10)]
+    assert [c["id"].rsplit("/", 1)[1] for c in cells] == [f"seed{s}" for s in range(5)]
     assert all(c["passed"] and c["observed"] == "healthy" for c in cells)
 
 
