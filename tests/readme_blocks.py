@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +27,20 @@ def bash_env() -> dict[str, str]:
     """The environment README lines run in: this interpreter's commands first, no colour."""
     bin_dir = str(Path(sys.executable).parent)
     return {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "NO_COLOR": "1"}
+
+
+def run_line(line: str, cwd: Path, env: dict[str, str] | None = None,
+             timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    """``line`` run by bash in ``cwd`` (``env`` defaults to :func:`bash_env`), its output
+    captured; the exit status is the caller's to judge."""
+    return subprocess.run(["bash", "-c", line], cwd=cwd, env=env or bash_env(),
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def port_free(port: int) -> bool:
+    """Nothing listens on ``port`` of 127.0.0.1 (a README line names its own ports)."""
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
 
 
 def readme_blocks() -> list[list[str]]:

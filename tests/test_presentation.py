@@ -36,7 +36,7 @@ from faults.spec import FaultKind, parse_fault
 from hicache_runtime.config import load_config
 from hicache_runtime.contracts.errors import InvalidFaultSpec
 from signatures.loader import load_catalog
-from tests.readme_blocks import bash_env, readme_block, readme_line
+from tests.readme_blocks import bash_env, port_free, readme_block, readme_line
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "doctor"
@@ -758,13 +758,6 @@ def test_the_readme_run_block_s_single_rank_lines_run_as_written(tmp_path: Path)
     assert json.loads((tmp_path / "run.perfetto.json").read_text())["traceEvents"]
 
 
-def _port_free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) != 0
-
-
 @pytest.mark.slow
 def test_the_readme_storage_blocks_run_as_written(tmp_path: Path) -> None:
     """The L3 blocks: a file store, a Redis server and a run on it (when port 6379 is free
@@ -776,7 +769,7 @@ def test_the_readme_storage_blocks_run_as_written(tmp_path: Path) -> None:
              readme_block("hicache run --storage file --storage-path ./l3 --host-tokens")]
     assert len(lines) == 3
     assert lines[1].startswith("redis-server")
-    if not (shutil.which("redis-server") and _port_free(6379)):
+    if not (shutil.which("redis-server") and port_free(6379)):
         lines = lines[:1]  # the Redis lines need the README's port, which is taken here
     script = "set -e\n" + "\n".join(lines) + ("\nkill %1" if len(lines) == 3 else "")
     proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True,

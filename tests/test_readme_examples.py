@@ -22,7 +22,15 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from tests.readme_blocks import ROOT, bash_env, command, narrowed, readme_blocks, readme_line
+from tests.readme_blocks import (
+    ROOT,
+    bash_env,
+    command,
+    narrowed,
+    readme_blocks,
+    readme_line,
+    run_line,
+)
 
 #: README lines no test runs as written, each with why and what stands for it.
 NOT_RUN = {
@@ -84,11 +92,6 @@ def test_campaign_list_as_written() -> None:
     assert "pp2/unbounded-pp-sends/stage-lag:pp=1,ms=10" in res.output
 
 
-def _sh(line: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", "-c", line], cwd=cwd, env=bash_env(), capture_output=True,
-                          text=True, timeout=timeout, check=False)
-
-
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_the_readme_spec_runs_as_its_own_matrix(tmp_path: Path) -> None:
@@ -100,7 +103,7 @@ def test_the_readme_spec_runs_as_its_own_matrix(tmp_path: Path) -> None:
     (tmp_path / "my-campaign.yaml").write_text(spec)
     line = narrowed(readme_line("hicache campaign my-campaign.yaml"),
                     "tp2/*/host-alloc-fail:tp=1/seed0", tmp_path)
-    proc = _sh(line, tmp_path)
+    proc = run_line(line, tmp_path)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     cells = {c["id"]: c for c in json.loads(proc.stdout)["cells"]}
     assert set(cells) == {"tp2/fixed/host-alloc-fail:tp=1/seed0",
@@ -115,7 +118,7 @@ def test_the_readme_spec_runs_as_its_own_matrix(tmp_path: Path) -> None:
 def test_flake_hunting_seeds_as_written(tmp_path: Path) -> None:
     """Five seeds of the fixed cells, narrowed to the single-rank one: five runs, all
     healthy."""
-    proc = _sh(narrowed(readme_line("hicache campaign --only '*/fixed/*' --seeds"),
+    proc = run_line(narrowed(readme_line("hicache campaign --only '*/fixed/*' --seeds"),
                         "tp1/fixed/*") + " --json", tmp_path)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     cells = json.loads(proc.stdout)["cells"]
@@ -130,12 +133,12 @@ def test_the_shard_lines_and_their_merge_as_written(tmp_path: Path) -> None:
     of both with its JUnit."""
     for line in (readme_line("hicache campaign --shard 1/2"),
                  readme_line("hicache campaign --shard 2/2")):
-        proc = _sh(narrowed(line, "tp1/*"), tmp_path)
+        proc = run_line(narrowed(line, "tp1/*"), tmp_path)
         assert proc.returncode == 0, (line, proc.stdout[-2000:], proc.stderr[-2000:])
     ran = [c["id"] for s in ("s1", "s2")
            for c in json.loads((tmp_path / f"{s}.json").read_text())["cells"]]
     assert len(ran) == 2
-    proc = _sh(readme_line("hicache campaign merge"), tmp_path)
+    proc = run_line(readme_line("hicache campaign merge"), tmp_path)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
     merged = json.loads((tmp_path / "all.json").read_text())
     assert sorted(c["id"] for c in merged["cells"]) == sorted(ran)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import shutil
-import subprocess
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from tests.readme_blocks import bash_env, narrowed, readme_line
+from tests.readme_blocks import narrowed, readme_line, run_line
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "doctor"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -220,8 +219,7 @@ def test_the_campaign_page_is_a_matrix_with_an_incident_page_per_bundle(
     """The README's campaign line with its three reports, narrowed to a slow stage under the
     fixed protocol and under unbounded-pp-sends."""
     line = narrowed(readme_line("hicache campaign --only 'pp2/*'"), "pp2/*/stage-lag:pp=1,ms=10")
-    proc = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=bash_env(),
-                          capture_output=True, text=True, timeout=600, check=False)
+    proc = run_line(line, tmp_path)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     assert (tmp_path / "out.xml").read_text().count("<testcase") == 2
     assert "pp-sync-send-leak" in (tmp_path / "out.md").read_text()

@@ -29,7 +29,7 @@ from doctor.capture import (
 )
 from doctor.diagnose import diagnose
 from hicache_runtime.contracts.errors import ToolUnavailable
-from tests.readme_blocks import bash_env, readme_line
+from tests.readme_blocks import readme_line, run_line
 
 RANK = textwrap.dedent('''
     import os, sys, time
@@ -130,8 +130,7 @@ def test_capture_a_process_tree_and_diagnose_it(job: subprocess.Popen[str],
     line = readme_line("hicache capture --tree <launcher pid>").replace("<launcher pid>",
                                                                         str(job.pid))
     start = time.monotonic()
-    proc = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=bash_env(),
-                          capture_output=True, text=True, timeout=120, check=False)
+    proc = run_line(line, tmp_path, timeout=120)
     if "SYS_PTRACE" in proc.stdout + proc.stderr:
         pytest.skip(f"py-spy may not ptrace in this environment: {proc.stdout[-500:]}")
     assert time.monotonic() - start < 30

@@ -23,7 +23,7 @@ import pytest
 from faults.campaign.cells import CampaignResult, RayOptions, run_campaign
 from faults.campaign.plan import load_campaign
 from faults.campaign.ray_local import LocalRayCluster
-from tests.readme_blocks import bash_env, narrowed, readme_line
+from tests.readme_blocks import narrowed, readme_line, run_line
 
 ray = pytest.importorskip("ray", reason="the Ray executor's tests need ray "
                                         "(pip install -e '.[ray]' in the checkout)")
@@ -54,8 +54,7 @@ def test_cells_on_the_cluster_get_the_local_verdicts(cluster: LocalRayCluster,
     local = run_campaign(load_campaign(), bundle_root=tmp_path / "local", only=CELLS)
     line = narrowed(readme_line("hicache campaign --executor ray"), CELLS)
     line = line.replace("--address 127.0.0.1:6379", f"--address {cluster.address}")
-    proc = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=bash_env(),
-                          capture_output=True, text=True, timeout=900, check=False)
+    proc = run_line(line, tmp_path, timeout=900)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     remote = CampaignResult.model_validate_json((tmp_path / "ray.json").read_text())
     assert [c.id for c in remote.cells] == [c.id for c in local.cells]

@@ -10,7 +10,7 @@ import pytest
 
 from faults.campaign.cells import run_campaign
 from faults.campaign.plan import load_campaign
-from tests.readme_blocks import bash_env, readme_block, readme_line
+from tests.readme_blocks import readme_block, readme_line, run_line
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
@@ -26,8 +26,7 @@ def test_default_campaign_every_cell_behaves(tmp_path: Path) -> None:
     main_job = readme_block("python3 -m venv .venv && . .venv/bin/activate && pip install "
                             "-c constraints/cpu.txt -e '.[runtime,capture]'")[0].split(" && ")[-1]
     assert main_job == readme_line("hicache campaign") == "hicache campaign"
-    proc = subprocess.run(["bash", "-c", main_job], cwd=tmp_path, env=bash_env(),
-                          capture_output=True, text=True, timeout=1500, check=False)
+    proc = run_line(main_job, tmp_path, timeout=1500)
     assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-3000:])
     n = len(load_campaign().expand())
     assert f"{n} of {n} cells behaved as expected" in proc.stdout, proc.stdout[-4000:]
@@ -47,8 +46,7 @@ def test_replay_and_shrink_a_pipeline_crash(tmp_path: Path) -> None:
 
     def sh(line: str) -> subprocess.CompletedProcess[str]:
         line = line.replace("<bundle>", bundle.name)
-        proc = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=bash_env(),
-                              capture_output=True, text=True, timeout=900, check=False)
+        proc = run_line(line, tmp_path, timeout=900)
         assert proc.returncode == 0, (line, proc.stdout[-3000:], proc.stderr[-3000:])
         return proc
 

@@ -7,7 +7,6 @@ it."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from hicache_runtime.contracts.events import Ev
 from hicache_runtime.contracts.legacy import REGISTRY, LegacySwitch
 from hicache_runtime.launch.run import run
 from tests.multirank.conftest import mr_config
-from tests.readme_blocks import bash_env, readme_line
+from tests.readme_blocks import readme_line, run_line
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
@@ -46,8 +45,7 @@ def _chunking(paths: dict[int, Path]) -> dict[int, dict[str, Any]]:
 def test_every_rank_cuts_the_same_chunks(tmp_path: Path) -> None:
     """The README's line, in a shell, with a trace kept (``--trace`` only says where)."""
     line = readme_line("hicache run --pp 2 --enable-dynamic-chunking") + " --trace run.jsonl"
-    result = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=bash_env(),
-                            capture_output=True, text=True, timeout=600, check=False)
+    result = run_line(line, tmp_path)
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-2000:])
     summary = json.loads(result.stdout)
     assert summary["outcome"] == "healthy"

@@ -4,13 +4,12 @@ ranks where the proposed vote keeps them together, and the release matrix says s
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from hicache_runtime.contracts.profiles import PROFILES
-from tests.readme_blocks import bash_env, narrowed, readme_line
+from tests.readme_blocks import narrowed, readme_line, run_line
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
@@ -23,8 +22,7 @@ def test_release_matrix_of_a_failed_host_allocation_on_one_rank(tmp_path: Path) 
     ranks meet different collectives. Proposed (#31425) votes: both skip the backup and stay
     healthy. The legacy twin is not the matrix's: the profile decides switches."""
     line = narrowed(readme_line("hicache campaign --profiles"), "tp2/*/host-alloc-fail:tp=1")
-    proc = subprocess.run(["bash", "-c", line + " --json"], cwd=tmp_path, env=bash_env(),
-                          capture_output=True, text=True, timeout=900, check=False)
+    proc = run_line(line + " --json", tmp_path, timeout=900)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     result = json.loads(proc.stdout)
     releases = [p for p in PROFILES if p != "proposed"]
@@ -49,9 +47,7 @@ def test_release_matrix_of_a_failed_host_allocation_on_one_rank(tmp_path: Path) 
 def test_the_readme_run_on_a_release_profile_parts_the_ranks(tmp_path: Path) -> None:
     """The README's run on 0.5.13 with TP1's host allocations failing: the ranks part and the
     run ends with a bundle (the doctor names it in the matrix above)."""
-    proc = subprocess.run(["bash", "-c", readme_line("hicache run --tp 2 --profile")],
-                          cwd=tmp_path, env=bash_env(), capture_output=True, text=True,
-                          timeout=600, check=False)
+    proc = run_line(readme_line("hicache run --tp 2 --profile"), tmp_path)
     assert proc.returncode == 1, (proc.stdout[-2000:], proc.stderr[-2000:])
     text = " ".join(proc.stdout.split())
     assert "outcome hang" in text or "outcome crash" in text, proc.stdout

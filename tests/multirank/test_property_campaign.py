@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 import pytest
 
 from faults.campaign.plan import Property, load_campaign
-from tests.readme_blocks import ROOT, bash_env, narrowed, readme_line
+from tests.readme_blocks import ROOT, narrowed, readme_line, run_line
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
@@ -25,8 +24,7 @@ SPEC = ROOT / "faults" / "campaigns" / "properties.yaml"
 def _run(line: str, cwd: Path) -> dict[str, Any]:
     (cwd / "faults" / "campaigns").mkdir(parents=True)
     shutil.copy(SPEC, cwd / "faults" / "campaigns")
-    proc = subprocess.run(["bash", "-c", line], cwd=cwd, env=bash_env(), capture_output=True,
-                          text=True, timeout=1500, check=False)
+    proc = run_line(line, cwd, timeout=1500)
     assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-3000:])
     result: dict[str, Any] = json.loads(proc.stdout)
     return result

@@ -6,24 +6,19 @@ a bundle, and two DP groups under the controller."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
+from subprocess import CompletedProcess
 from typing import Any
 
 import pytest
 
 from hicache_runtime.contracts.bundle import load_manifest
-from tests.readme_blocks import bash_env, readme_line
+from tests.readme_blocks import readme_line, run_line
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 
-def _sh(line: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", "-c", line], cwd=cwd, env=bash_env(), capture_output=True,
-                          text=True, timeout=600, check=False)
-
-
-def _summary(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+def _summary(proc: CompletedProcess[str]) -> dict[str, Any]:
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
     summary: dict[str, Any] = json.loads(proc.stdout)
     assert summary["outcome"] == "healthy", summary.get("error")
@@ -32,7 +27,7 @@ def _summary(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
 
 
 def test_four_ranks_with_the_consensus_check(tmp_path: Path) -> None:
-    proc = _sh(readme_line("hicache run --tp 2 --pp 2 --requests 48 --consensus-check"),
+    proc = run_line(readme_line("hicache run --tp 2 --pp 2 --requests 48 --consensus-check"),
                tmp_path)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
     text = " ".join(proc.stdout.split())
@@ -47,17 +42,17 @@ def test_four_ranks_on_a_file_store_read_it_back_on_the_next_run(tmp_path: Path)
     """Run twice in one folder: the first run fills ./l3 with what L2 could not hold, the
     second (new processes, empty L1 and L2) hits it; both give the cache-disabled outputs."""
     line = readme_line("hicache run --tp 2 --pp 2 --storage file")
-    first = _summary(_sh(line, tmp_path))
+    first = _summary(run_line(line, tmp_path))
     assert first["topology"] == {"tp": 2, "pp": 2}
     assert first["cached_tokens"]["device"] > 0
     assert first["cached_tokens"]["host"] > 0
     assert list((tmp_path / "l3").rglob("*")), "the first run stored pages"
-    again = _summary(_sh(line, tmp_path))
+    again = _summary(run_line(line, tmp_path))
     assert again["cached_tokens"]["storage"] > 0, again["cached_tokens"]
 
 
 def test_an_injected_crash_leaves_a_bundle_of_every_rank(tmp_path: Path) -> None:
-    proc = _sh(readme_line("hicache run --fault crash:rank=1"), tmp_path)
+    proc = run_line(readme_line("hicache run --fault crash:rank=1"), tmp_path)
     assert proc.returncode == 1, (proc.stdout[-2000:], proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr
     text = " ".join(proc.stdout.split())
@@ -72,7 +67,7 @@ def test_an_injected_crash_leaves_a_bundle_of_every_rank(tmp_path: Path) -> None
 
 
 def test_two_dp_groups_under_the_controller(tmp_path: Path) -> None:
-    summary = _summary(_sh(readme_line("hicache run --dp 2 --tp 2"), tmp_path))
+    summary = _summary(run_line(readme_line("hicache run --dp 2 --tp 2"), tmp_path))
     assert summary["topology"] == {"tp": 2, "pp": 1, "dp": 2}
     assert summary["completed"] == summary["requests"] > 0
     assert set(summary["cache_stats"]["ranks"]) == {"0", "1", "2", "3"}

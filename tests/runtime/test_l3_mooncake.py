@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 import socket
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,7 +27,7 @@ from hicache_runtime.l3.backend import StorageBackend
 from hicache_runtime.l3.backends import mooncake_client as mc
 from hicache_runtime.l3.backends.mooncake_master import LocalMooncakeStore, mooncake_binary
 from hicache_runtime.launch.run import run, run_single
-from tests.readme_blocks import bash_env, command, readme_block, readme_line
+from tests.readme_blocks import bash_env, command, port_free, readme_block, readme_line, run_line
 from tests.runtime.test_l3 import healthy, l3_config
 from tests.runtime.test_l3_redis import backend_stats, built_ranks, l3_backend, storage_ops
 
@@ -183,9 +182,7 @@ def test_crash_bundle_carries_the_client_log(store: LocalMooncakeStore,
 
 def test_cli_without_url_runs_on_a_private_store(tmp_path: Path) -> None:
     """The README's line, as written."""
-    res = subprocess.run(["bash", "-c", readme_line("hicache run --storage mooncake --host")],
-                         capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path,
-                         env=bash_env())
+    res = run_line(readme_line("hicache run --storage mooncake --host"), tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     summary = json.loads(res.stdout)
     assert (summary["outcome"], summary["output_match"]) == ("healthy", True)
@@ -196,26 +193,20 @@ def test_cli_without_url_runs_on_a_private_store(tmp_path: Path) -> None:
         socket.create_connection(("127.0.0.1", int(said.group(1))), timeout=1).close()
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) != 0
-
-
 def test_the_readme_store_that_outlives_runs(tmp_path: Path) -> None:
     """The README's lines for a store of one's own, as written: the master with its metadata
     server and a segment holder in the background, a run on them, then both stopped. The
     lines name their ports (50051, 50052, 8080): where one is taken here, the test skips."""
     lines = [command(ln) for ln in readme_block("pip install -e '.[mooncake]'")[2:]]
     assert [ln.split()[0] for ln in lines[:2]] == ["mooncake_master", "mooncake_client"]
-    taken = [p for p in (50051, 50052, 8080) if not _port_free(p)]
+    taken = [p for p in (50051, 50052, 8080) if not port_free(p)]
     if taken:
         pytest.skip(f"the README's ports {taken} are taken here")
     script = "set -e\n" + "\n".join(lines) + "\nstatus=$?; kill %1 %2; wait; exit $status"
     # Not MC_LOG_DIR, which this process set when it loaded the client library: with it the
     # segment holder initialises glog twice and aborts (LocalMooncakeStore drops it too).
     env = {k: v for k, v in bash_env().items() if k != "MC_LOG_DIR"}
-    proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600, check=False)
+    proc = run_line(script, tmp_path, env)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
     summary = json.loads(proc.stdout)
     assert (summary["outcome"], summary["output_match"]) == ("healthy", True)
