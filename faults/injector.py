@@ -94,8 +94,9 @@ class FaultInjector:
         fires only after that one); ``key`` names the object this visit acts on, and a
         probability is then drawn for that key, not for the thread's n-th visit. ``only``
         admits the specs this visit is for, where one point is visited from two places
-        (``copy.complete``: a lag in the copy thread, a hold at submission); the others are
-        neither fired nor counted."""
+        (``copy.complete``: a lag in the copy thread, a hold at submission) or a spec names
+        one visit of several (``prefetch.batch``: the batch a ``mid-prefetch-abort`` names);
+        the others are neither fired nor counted."""
         candidates = self._by_point.get(point)
         if not candidates:
             return []

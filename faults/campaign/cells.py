@@ -562,6 +562,10 @@ def _judge(cell: CellSpec, r: CellResult) -> None:
     elif HEALTHY in expected:
         r.detail = f"expected healthy, got {r.outcome}" + (f" ({r.observed})"
                                                             if r.verdict else "")
+    elif r.observed == HEALTHY and cell.faults and not r.faults_fired:
+        # not evidence that the switch is harmless: the run never met what exposes it
+        r.detail = (f"expected {cell.expect}, got healthy, but no fault fired: the workload "
+                    "never reached the fault's point")
     else:
         r.detail = f"expected {cell.expect}, got {r.outcome} / {r.observed}"
 

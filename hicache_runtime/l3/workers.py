@@ -363,8 +363,11 @@ class StorageWorkers:
         (``abort-frees-in-flight``; the caller disarms them), else []."""
         if self.faults is None or self.request_abort is None:
             return []
-        fired = self.faults.fire(FaultPoint.PREFETCH_BATCH, step=self.tracer.step, rid=op.rid)
-        if not any(KINDS[s.kind].aborts(s, batch=index) for s in fired):
+        # a spec for another batch is neither fired nor counted at this one: it stays armed
+        # for the op that reaches its batch (an op of fewer batches never does)
+        fired = self.faults.fire(FaultPoint.PREFETCH_BATCH, step=self.tracer.step, rid=op.rid,
+                                 only=lambda s: KINDS[s.kind].aborts(s, batch=index))
+        if not fired:
             return []
         if self.rendezvous is not None:  # the peers are past this op (faults.rendezvous)
             self.rendezvous.wait_for_peers(op.rid)

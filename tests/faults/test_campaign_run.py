@@ -29,6 +29,8 @@ cells:
   - expect: collective-order-deadlock
   - faults: ["crash:point=scheduler.step,step=3"]
     expect: healthy
+  - faults: ["crash:point=scheduler.step,step=99999"]
+    expect: collective-order-deadlock
 """
 
 
@@ -66,13 +68,18 @@ def test_cells_that_do_not_behave_fail(tmp_path: Path, bundle_root: Path) -> Non
     path = tmp_path / "wrong.yaml"
     path.write_text(BAD_EXPECTATIONS)
     result = run_campaign(load_campaign(path), bundle_root=bundle_root)
-    healthy_but_expected_sig, crashed_but_expected_healthy = result.cells
+    healthy_but_expected_sig, crashed_but_expected_healthy, never_fired = result.cells
     assert not healthy_but_expected_sig.passed
     assert healthy_but_expected_sig.observed == "healthy"
+    assert "no fault fired" not in healthy_but_expected_sig.detail  # it has none
     assert not crashed_but_expected_healthy.passed
     assert crashed_but_expected_healthy.outcome == "crash"
     assert "expected healthy, got crash" in crashed_but_expected_healthy.detail
-    assert result.failed == 2
+    # the run ended before step 99999: a healthy run that never met its fault
+    assert not never_fired.passed
+    assert never_fired.faults_fired == 0
+    assert "no fault fired" in never_fired.detail, never_fired.detail
+    assert result.failed == 3
 
 
 def test_cli_campaign_reports(spec_file: Path, tmp_path: Path) -> None:

@@ -27,7 +27,9 @@ def test_default_campaign_every_cell_behaves(tmp_path: Path) -> None:
                             "-c constraints/cpu.txt -e '.[runtime,capture]'")[0].split(" && ")[-1]
     assert main_job == readme_line("hicache campaign") == "hicache campaign"
     proc = run_line(main_job, tmp_path, timeout=1500)
-    assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-3000:])
+    # the cells that failed first: pytest cuts a long message, and the table comes before them
+    failed = [line for line in proc.stdout.splitlines() if line.startswith("FAIL ")]
+    assert proc.returncode == 0, (failed, proc.stdout[-3000:], proc.stderr[-2000:])
     n = len(load_campaign().expand())
     assert f"{n} of {n} cells behaved as expected" in proc.stdout, proc.stdout[-4000:]
     assert list((tmp_path / "hicache-bundles").iterdir())  # the signature cells' bundles
