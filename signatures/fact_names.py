@@ -40,7 +40,8 @@ class Fact(str, Enum):
     """Two or more ranks wait in the same collective (same sequence number and operation, or
     the same call site) and none is seen anywhere else."""
     BLOCKED_IN_PREFETCH_VOTE = "blocked-in-prefetch-vote"
-    """A prefetch hit/progress vote thread is blocked inside its collective."""
+    """A prefetch hit/progress vote thread is blocked inside its collective, or its flight
+    recorder shows ranks that entered a prefetch vote some rank never entered."""
     PEER_EXITED_FIRST = "peer-exited-first"
     """One rank died (signal, abort, exception) and its peers then lost their connection to it."""
     PROCESS_SEGFAULT = "process-segfault"

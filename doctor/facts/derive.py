@@ -34,7 +34,7 @@ from doctor.model.findings import (
     RankCondition,
     RankRow,
 )
-from doctor.model.frames import FrameClassifier, checks_configuration
+from doctor.model.frames import FrameClassifier, checks_configuration, is_prefetch_vote
 from doctor.ranks.collectives import watchdog_moments
 from doctor.ranks.table import failing_exception, is_comm_error, site_label
 from doctor.read.ingest import EMPTY
@@ -465,6 +465,12 @@ def _fact_collectives(findings: list[CollectiveFinding], facts: FactSet) -> None
         ev = f.evidence[0] if f.evidence else None
         facts.add(kinds[f.kind], Witness(f"group {f.group} {f.detail}", ev.file if ev else None,
                                          ev.line if ev else None, -1))
+        if f.kind == FindingKind.MISSING_RANKS and is_prefetch_vote(f.group, f.func):
+            # peers entered a prefetch vote a rank never joined: they wait in it, whether or
+            # not a stack still shows them there (the timeout may have unwound it first)
+            facts.add(Fact.BLOCKED_IN_PREFETCH_VOTE, Witness(
+                f"the prefetch vote of group {f.group}: {f.detail}",
+                ev.file if ev else None, ev.line if ev else None, -1))
         if f.kind == FindingKind.CROSSED:
             # each rank waits in a collective the others never entered: ranks are missing
             # from a collective, seen from every side at once

@@ -102,6 +102,9 @@ class CollectiveFinding(BaseModel):
     peer: int | None = None
     """A point-to-point finding's other end: the receiver a send never reached, the sender a
     receive waits for."""
+    func: str | None = Field(None, exclude=True)
+    """missing-ranks: the function that called the collective the ranks ahead entered (read
+    by the facts; not part of the report, whose ``detail`` names the call site)."""
 
 
 class Divergence(BaseModel):

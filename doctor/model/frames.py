@@ -31,6 +31,13 @@ _PREFETCH_ROLE = re.compile(
     r"backup_thread_func")
 
 
+def is_prefetch_vote(group: str, func: str | None) -> bool:
+    """Whether a collective is one of the prefetch threads' votes: its group is named for
+    prefetch (the runtime's ``prefetch_progress``), or the function that called it is one a
+    prefetch thread runs (upstream's ``_reduce_prefetch_ack`` in a Flight Recorder stack)."""
+    return "prefetch" in group.lower() or bool(func and _PREFETCH_ROLE.search(func))
+
+
 @dataclass(frozen=True)
 class _Rule:
     func: Any  # RE2 regexps (signatures.linear): catalog rules on untrusted frame names

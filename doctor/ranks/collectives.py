@@ -151,7 +151,8 @@ def _group_findings(group: str, per_rank: Rings) -> list[CollectiveFinding]:
                    + (f" ({example.op} from {site_label(example.site)})" if example else "")
                    + f"; ranks {behind} never did (their last is "
                    + ", ".join(f"{r}: #{lasts[r]}" for r in behind) + ")",
-            evidence=[_item(per_rank[r][lasts[r]], r) for r in behind][:4]))
+            evidence=[_item(per_rank[r][lasts[r]], r) for r in behind][:4],
+            func=example.site.func if example and example.site else None))
     seen: set[FindingKind] = set()
     for seq in range(window_start, min(lasts.values()) + 1):
         entries = {r: seqs[seq] for r, seqs in per_rank.items() if seq in seqs}

@@ -29,6 +29,7 @@ LEGACY = {
     "prefetch-abort-use-after-free/runtime-tp2-abort-frees-in-flight": "abort-frees-in-flight",
     "prefetch-gap-overcount/runtime-tp1-sum-hit-pages": "sum-hit-pages",
     "prefetch-abort-ack-starvation/runtime-tp2-abort-early-exit-divergence": "abort-early-exit",
+    "prefetch-abort-ack-starvation/runtime-tp2-abort-early-exit-unwound": "abort-early-exit",
 }
 
 
@@ -209,3 +210,20 @@ def test_sum_hit_pages_counts_sidecar_pages_past_a_hole() -> None:
     texts = [e.text for e in d.verdicts[0].evidence]
     assert any("counted" in t and "pool all_pages" in t and "only the first" in t
                for t in texts), texts
+
+
+def test_a_prefetch_vote_only_the_flight_recorders_show_names_the_ack_starvation() -> None:
+    """A run on a loaded machine: the peer's prefetch sync thread timed out in its vote and
+    died before the dumps, so no stack shows it there; both main threads wait in different
+    collectives, which alone reads as a collective-order deadlock (it was named so, tied at
+    0.75). The flight recorders still hold the mechanism: rank 1 entered vote #2 of the
+    prefetch progress group and rank 0 never did."""
+    d = _diagnose("prefetch-abort-ack-starvation/runtime-tp2-abort-early-exit-unwound")
+    assert [v.signature for v in d.verdicts][:2] == ["prefetch-abort-ack-starvation",
+                                                     "collective-order-deadlock"]
+    assert d.verdicts[0].confidence > d.verdicts[1].confidence
+    vote = [e for e in d.verdicts[0].evidence if "the prefetch vote of group" in e.text]
+    assert vote, d.verdicts[0].evidence
+    assert "prefetch_progress" in vote[0].text
+    assert "ranks [1] entered #2" in vote[0].text
+    assert not any(s.role == "prefetch" for s in d.blocked_sites)  # no stack shows it
