@@ -223,7 +223,8 @@ BUILTIN: tuple[Kind, ...] = (
                    "it); `p` is per page read.",
                    (_P.STORAGE_PAGE,)),
     ClientAbort(FaultKind.MID_PREFETCH_ABORT,
-                "Aborts the request while its prefetch IO reads batch `batch`; like any client "
+                "Aborts the request while its prefetch IO reads batch `batch` (an op of fewer "
+                "batches passes without it, the fault still armed); like any client "
                 "abort it enters through rank 0 (timed by rank 0's IO thread) and reaches the "
                 "other ranks with the next requests. Rank 0 asks for it once every other "
                 "rank's IO has finished the op, as when rank 0's storage is the slow one.",
