@@ -62,7 +62,7 @@ def test_mooncake_cells_need_the_client_and_say_why() -> None:
     spec = mooncake_campaign()
     cells = spec.expand()
     assert len(cells) == 6
-    assert {c.expect for c in cells} == {"healthy", "prefix-length-mismatch",
+    assert {c.expect for c in cells} == {"healthy", "prefix-length-mismatch|write-ack-pop-empty",
                                          "prefetch-abort-ack-starvation"}
     assert spec.defaults["storage.backend"] == "mooncake"
 
