@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +24,7 @@ from signatures.linear import linear
 from signatures.models import FrameRules
 
 #: Thread roles told apart by what their stack runs (names differ between SGLang and us).
-_PREFETCH_ROLE = re.compile(
+_PREFETCH_ROLE = linear(
     r"prefetch_sync_thread_func|_reduce_prefetch_ack|progress_vote|hit_vote|prefetch_thread_func|"
     r"prefetch_io_aux_func|_sync_storage_hit_count|_sync_prefetch_hit_query|_prefetch_\w+_loop|"
     r"backup_thread_func")
@@ -149,18 +148,18 @@ def classifier_for(rules: FrameRules) -> FrameClassifier:
 
 
 #: Process and thread entry points: the frames a stack starts with whatever it does.
-_ENTRY = re.compile(r"(?:^|\.)(?:run_scheduler_process|run_engine_core|run_worker_process|main|"
-                    r"<module>|run|_bootstrap|_bootstrap_inner|_run_module_as_main|_run_code|"
-                    r"wrapper|_wrapper|inner|worker_main|run_mp_engine|start_worker|"
-                    r"run_detokenizer_process|launch_server|_launch_subprocesses|"
-                    r"launch_engine|__call__|decorate_context|invoke|_process_worker)$")
+_ENTRY = linear(r"(?:^|\.)(?:run_scheduler_process|run_engine_core|run_worker_process|main|"
+                r"<module>|run|_bootstrap|_bootstrap_inner|_run_module_as_main|_run_code|"
+                r"wrapper|_wrapper|inner|worker_main|run_mp_engine|start_worker|"
+                r"run_detokenizer_process|launch_server|_launch_subprocesses|"
+                r"launch_engine|__call__|decorate_context|invoke|_process_worker)$")
 #: What a process does before it serves: construction, set-up and loading.
-_SETUP = re.compile(r"(?:^|\.)(?:__init__|__post_init__|__new__|init_\w+|_init_\w*|"
-                    r"initiali[sz]e\w*|_initiali[sz]e\w*|setup\w*|_setup\w*|load_model|"
-                    r"load_weights|from_pretrained|from_config|from_engine_args|"
-                    r"create_\w+|build_\w+|check_server_args|prepare_server_args|"
-                    r"profile_run|determine_available_memory|capture\w*|warmup\w*|"
-                    r"_warmup\w*|compile\w*)$")
+_SETUP = linear(r"(?:^|\.)(?:__init__|__post_init__|__new__|init_\w+|_init_\w*|"
+                r"initiali[sz]e\w*|_initiali[sz]e\w*|setup\w*|_setup\w*|load_model|"
+                r"load_weights|from_pretrained|from_config|from_engine_args|"
+                r"create_\w+|build_\w+|check_server_args|prepare_server_args|"
+                r"profile_run|determine_available_memory|capture\w*|warmup\w*|"
+                r"_warmup\w*|compile\w*)$")
 
 
 #: Words of a function name that say it works out a configuration: a spec, a plan, the
