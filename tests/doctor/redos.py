@@ -44,7 +44,10 @@ _CATEGORY = {C.CATEGORY_DIGIT: "7", C.CATEGORY_SPACE: " \t", C.CATEGORY_WORD: "a
              C.CATEGORY_NOT_SPACE: "x", C.CATEGORY_NOT_DIGIT: "x", C.CATEGORY_NOT_WORD: "-"}
 
 
-def _walk(parsed: Any, lits: set[str], chars: set[str], cur: list[str]) -> None:
+def _walk(parsed: Any, lits: set[str], chars: set[str], cur: list[str],
+          leads: set[str] | None = None) -> None:
+    """Collect the pattern's literals, the characters it can take, and (in ``leads``) the
+    literals that lead straight into a repetition."""
     for op, av in parsed:
         if op is C.LITERAL:
             cur.append(chr(av))
@@ -52,6 +55,8 @@ def _walk(parsed: Any, lits: set[str], chars: set[str], cur: list[str]) -> None:
             continue
         if len(cur) >= 2:
             lits.add("".join(cur))
+            if leads is not None and op in (C.MAX_REPEAT, C.MIN_REPEAT, C.POSSESSIVE_REPEAT):
+                leads.add("".join(cur))
         cur.clear()
         if op is C.IN:
             for o, a in av:
@@ -62,14 +67,14 @@ def _walk(parsed: Any, lits: set[str], chars: set[str], cur: list[str]) -> None:
                 elif o is C.CATEGORY:
                     chars.update(_CATEGORY.get(a, ""))
         elif op in (C.MAX_REPEAT, C.MIN_REPEAT, C.POSSESSIVE_REPEAT):
-            _walk(av[2], lits, chars, [])
+            _walk(av[2], lits, chars, [], leads)
         elif op is C.SUBPATTERN:
-            _walk(av[-1], lits, chars, [])
+            _walk(av[-1], lits, chars, [], leads)
         elif op is C.BRANCH:
             for b in av[1]:
-                _walk(b, lits, chars, [])
+                _walk(b, lits, chars, [], leads)
         elif op in (C.ASSERT, C.ASSERT_NOT):
-            _walk(av[1], lits, chars, [])
+            _walk(av[1], lits, chars, [], leads)
         elif op is C.ANY:
             chars.add("x")
     if len(cur) >= 2:
@@ -93,9 +98,10 @@ Shape = Callable[[int], str]
 def shapes(pattern: str, flags: int) -> list[Shape]:
     """The input shapes aimed at ``pattern``'s repetitions, in a fixed order."""
     lits: set[str] = set()
+    leads: set[str] = set()
     chars = set(" x-|.:/=")
     with contextlib.suppress(re.error, RecursionError, ValueError):
-        _walk(sp.parse(pattern, flags), lits, chars, [])
+        _walk(sp.parse(pattern, flags), lits, chars, [], leads)
     alphabet = sorted(c for c in chars if c.isprintable() or c == "\t")[:20]
     anchors = ["", *sorted(lits, key=len, reverse=True)[:3]]
     out: list[Shape] = []
@@ -110,6 +116,10 @@ def shapes(pattern: str, flags: int) -> list[Shape]:
             out += [functools.partial(_pairs, anchor, c1 + c2) for c1 in alphabet[:8]
                     for c2 in alphabet[:8] if c1 != c2]
         out.append(functools.partial(_pairs, anchor, "| " + " " * 60))
+    # a literal that leads into a repetition, over and over: where the repetition can also
+    # take it (`_prefetch_\w+_loop` on "_prefetch_" * n) every occurrence starts a match
+    # that runs to the end before it fails (quadratic)
+    out += [functools.partial(_pairs, "", lead) for lead in sorted(leads, key=len)[-4:]]
     return out
 
 

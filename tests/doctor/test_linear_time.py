@@ -117,6 +117,12 @@ def test_the_measure_tells_a_quadratic_pattern_from_a_linear_one() -> None:
     assert superlinear(quadratic, quadratic.pattern, 0, False) is not None
     plain = re.compile(r"x\s*y")
     assert superlinear(plain, plain.pattern, 0, False) is None
+    # a literal that leads into a repetition which can also take it, on that literal over
+    # and over: the shape of doctor.model.frames' old thread-role pattern (`_prefetch_\w+_loop`
+    # on a frame name of "_prefetch_" repeated: 1.75 s at 60 KB), with a short literal so
+    # that 8000 characters hold enough starts to time it well above the floor
+    lead_in = re.compile(r"_p\w+_loop")
+    assert superlinear(lead_in, lead_in.pattern, 0, False) is not None
 
 
 def test_a_pattern_that_cannot_run_in_linear_time_is_refused() -> None:
