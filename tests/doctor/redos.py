@@ -45,7 +45,7 @@ _CATEGORY = {C.CATEGORY_DIGIT: "7", C.CATEGORY_SPACE: " \t", C.CATEGORY_WORD: "a
 
 
 def _walk(parsed: Any, lits: set[str], chars: set[str], cur: list[str],
-          leads: set[str] | None = None) -> None:
+          leads: set[str]) -> None:
     """Collect the pattern's literals, the characters it can take, and (in ``leads``) the
     literals that lead straight into a repetition."""
     for op, av in parsed:
@@ -55,7 +55,7 @@ def _walk(parsed: Any, lits: set[str], chars: set[str], cur: list[str],
             continue
         if len(cur) >= 2:
             lits.add("".join(cur))
-            if leads is not None and op in (C.MAX_REPEAT, C.MIN_REPEAT, C.POSSESSIVE_REPEAT):
+            if op in (C.MAX_REPEAT, C.MIN_REPEAT, C.POSSESSIVE_REPEAT):
                 leads.add("".join(cur))
         cur.clear()
         if op is C.IN:
