@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -23,5 +24,8 @@ def main(argv: list[str]) -> int:
     if what == "print":
         print("to stdout", flush=True)
         print("to stderr", file=sys.stderr, flush=True)
+        return 0
+    if what == "gc":  # objects the collector walks here, and those it leaves frozen
+        print(len(gc.get_objects()), gc.get_freeze_count(), flush=True)
         return 0
     raise SystemExit(f"unknown: {what}")
