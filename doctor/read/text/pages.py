@@ -21,9 +21,17 @@ from typing import Any, BinaryIO
 
 _FENCE = re.compile(r"^\s{0,3}(?:```|~~~)[\w+.-]*\s*$")
 _QUOTE = re.compile(r"^(?:> ?){1,4}")
+# Repetitions of a group are possessive ("++", "*+") wherever giving an iteration back cannot
+# make a match: Python's engine otherwise keeps a backtracking frame for every iteration, tens
+# of bytes of memory per character of the line. Each parse here is unique (a tag ends at its
+# first ">", blanks run to the next "<"), so the possessive forms match exactly the same lines.
 _MARKUP_ONLY = re.compile(r"^\s*(?:</?(?:details|summary|pre|code|p|div|br|span|kbd|sub|sup|"
-                          r"blockquote|tt)\b[^>]{0,200}>\s*)+$|^\s*(?:<[^<>]{1,200}>\s*)*"
-                          r"<summary>[^<]{0,200}</summary>\s*$", re.IGNORECASE)
+                          r"blockquote|tt)\b[^>]{0,200}>\s*)++$", re.IGNORECASE)
+#: Any tags, then ``<summary>text</summary>`` to end the line: the summary is found first
+#: (it can only start at the line's second-to-last "<") and the tags before it checked after,
+#: since a possessive run of tags would take the ``<summary>`` too.
+_SUMMARY_LAST = re.compile(r"<summary>[^<]{0,200}</summary>\s*$", re.IGNORECASE)
+_TAGS = re.compile(r"\s*(?:<[^<>]{1,200}>\s*)*+")
 # The row's head only; its text is the rest of the line, trailing blanks and pipe stripped in
 # code (".*?\s*\|?\s*$" took cubic time on a long row of blanks)
 _TABLE_ROW = re.compile(r"^[\s|]*(?P<ts>\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?Z?)\s*\| ?")
@@ -42,7 +50,7 @@ def clean_line(text: str) -> str:
     if first == ">":
         text = _QUOTE.sub("", text, count=1)
         first = text.lstrip()[:1]
-    if first == "<" and _MARKUP_ONLY.match(text):
+    if first == "<" and _markup_only(text):
         return ""
     if "|" in text:
         m = _TABLE_ROW.match(text)
@@ -52,6 +60,13 @@ def clean_line(text: str) -> str:
         if _TABLE_RULE.match(text):
             return ""
     return text
+
+
+def _markup_only(text: str) -> bool:
+    if _MARKUP_ONLY.match(text):
+        return True
+    summary = _SUMMARY_LAST.search(text)
+    return summary is not None and _TAGS.fullmatch(text, 0, summary.start()) is not None
 
 
 _HTML_MARKERS = (b"<html", b"<!doctype html", b"<body", b"<div", b"<pre", b"<details",

@@ -36,12 +36,15 @@ _FRAME = re.compile(r'^\s*File \\?"(?P<file>[^"\\]*)\\?", line (?P<line>\d{1,9})
 _EXC = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:::\w+)*)(?::\s?(?P<msg>.*))?$")
 #: A type that is an exception class on its face: a lone line of it is an exception.
 _STRONG = re.compile(
-    r"^(?:(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Exit|Interrupt|Warning|Failure|Fault|"
-    r"Timeout|NotMet|Stalled|Divergence|Unavailable|Violation|Detected)|(?:[A-Za-z_]\w*::)+"
+    r"^(?:(?:[A-Za-z_]\w*\.)*+[A-Z]\w*(?:Error|Exception|Exit|Interrupt|Warning|Failure|Fault|"
+    r"Timeout|NotMet|Stalled|Divergence|Unavailable|Violation|Detected)|(?:[A-Za-z_]\w*::)++"
     r"[A-Za-z_]\w*|StopIteration|DoubleFree|DoubleAllocation)$")
 # [|+] then dashes and pluses up to a space: one way to split any line ("(?:-+\+?)*" had
-# exponentially many for a run of dashes with no space after it)
-_BOX = re.compile(r"^\s*(?:[|+](?:-[-+]*)?(?: |$))+")
+# exponentially many for a run of dashes with no space after it). The repetitions of groups
+# here are possessive: each split is unique (a dotted or "::" part ends at its separator, which
+# the type's last part cannot hold), and Python's engine keeps a backtracking frame for every
+# iteration of a plain one (150 MB on a megabyte of "| | | ...").
+_BOX = re.compile(r"^\s*(?:[|+](?:-[-+]*)?(?: |$))++")
 _SEPARATOR = re.compile(r"^-+(?: \d+ -+| \.\.\.)?-*$|^\.\.\. and \d+ more exception")
 _CONTEXT = "During handling of the above exception, another exception occurred:"
 _CAUSE = "The above exception was the direct cause of the following exception:"
