@@ -275,7 +275,7 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert "'.[runtime,capture]'" in install
     assert install.endswith("hicache campaign")
     assert "'.[dev]'" in tests
-    assert tests.endswith("python -m pytest -n 2")
+    assert tests.endswith("python -m pytest -n 4")
     ci = _shell_command((ROOT / ".ci" / "run").read_text())
     assert _shell_command(tests) in ci
 
