@@ -62,8 +62,10 @@ class Span:
 
 @dataclass(frozen=True)
 class Increment:
-    """CPU one process used since the last reading, with its ancestors (nearest first)."""
+    """CPU one process used between two readings (``since``, ``at``), with its ancestors
+    (nearest first)."""
 
+    since: float
     at: float
     seconds: float
     lineage: tuple[int, ...]
@@ -102,6 +104,7 @@ class Sampler(threading.Thread):
 
     def run(self) -> None:
         last = _read_proc()  # what ran before the suite is not the suite's
+        then = time.monotonic()
         while not self._stop_event.wait(self.interval):
             now, seen = time.monotonic(), _read_proc()
             parent = {pid: ppid for (pid, _), (ppid, _) in seen.items()}
@@ -114,16 +117,15 @@ class Sampler(threading.Thread):
                 while pid in parent and pid > 1 and len(lineage) < 32:
                     lineage.append(pid)
                     pid = parent[pid]
-                self.increments.append(Increment(now, used, tuple(lineage)))
-            last = seen
+                self.increments.append(Increment(then, now, used, tuple(lineage)))
+            last, then = seen, now
 
     def stop(self) -> None:
         self._stop_event.set()
         self.join()
 
 
-def attribute(spans: list[Span], increments: list[Increment],
-              interval: float) -> tuple[dict[str, float], float]:
+def attribute(spans: list[Span], increments: list[Increment]) -> tuple[dict[str, float], float]:
     """CPU seconds per test (and per test process between tests), and what no test process
     started."""
     by_pid: dict[int, list[Span]] = {}
@@ -138,8 +140,8 @@ def attribute(spans: list[Span], increments: list[Increment],
             elsewhere += inc.seconds
             continue
         i = bisect.bisect_right(starts[worker], inc.at) - 1
-        # a reading just after a test ended still holds that test's last interval
-        if i >= 0 and inc.at <= by_pid[worker][i].end + 2 * interval:
+        # the last test to start before the reading, if it still ran after the one before
+        if i >= 0 and by_pid[worker][i].end >= inc.since:
             per_test[by_pid[worker][i].test] += inc.seconds
         else:
             per_test[f"(test process {worker}, between tests)"] += inc.seconds
@@ -181,7 +183,7 @@ def main() -> int:
                  ] if spans_path.exists() else []
     cpu = (after.children_user - before.children_user) + \
         (after.children_system - before.children_system)
-    per_test, elsewhere = attribute(spans, sampler.increments, args.interval)
+    per_test, elsewhere = attribute(spans, sampler.increments)
     per_file: defaultdict[str, float] = defaultdict(float)
     for test, seconds in per_test.items():
         per_file[test.split("::")[0]] += seconds
