@@ -8,6 +8,8 @@ installed; the URL tests need nothing.
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import threading
 import time
@@ -444,3 +446,25 @@ def test_upstream_mooncake_needs_a_page_major_host_pool() -> None:
     with pytest.raises(ConfigError, match="refuses layer_first"):
         load_config({"storage.backend": "mooncake", "storage.url": URL,
                      "storage.format": "upstream", "cache.mem_layout": "layer_first"})
+
+
+def test_a_master_that_exits_while_the_holder_rejoins_is_named_at_once(
+        tmp_path: Path) -> None:
+    """Waiting for the holder to join ends as soon as the master is gone, with the master's
+    log, not after the whole wait; and the store's ports, which a restart reuses, lie below
+    the kernel's ephemeral range."""
+    from hicache_runtime.l3.backends.redis_server import _ephemeral_low
+
+    if MISSING is not None:
+        pytest.skip(MISSING)
+    with LocalMooncakeStore(segment_mib=16, workdir=tmp_path / "mc") as running:
+        low = _ephemeral_low()
+        ports = (running.rpc_port, running.http_port, running.admin_port, running.holder_port)
+        assert low <= 10001 or max(ports) < low, (ports, low)
+        pid = running.master_pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)  # dies on its own, as far as the store object knows
+        t0 = time.monotonic()
+        with pytest.raises(StorageUnavailable, match="mooncake_master exited"):
+            running.wait_ready(30.0)
+        assert time.monotonic() - t0 < 5.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -204,3 +205,21 @@ def test_outage_with_concurrent_callers(make_redis_backend: MakeBackend,
     assert s.outages >= 1
     assert s.reconnects == s.outages
     assert s.corrupt == 0
+
+
+def test_a_restartable_server_s_port_is_below_the_ephemeral_range() -> None:
+    """The port a throwaway server is started again on is one the kernel never hands out by
+    itself (port-0 binds and outgoing connections take theirs from the ephemeral range), so
+    nothing on the machine takes it while the server is down."""
+    from hicache_runtime.l3.backends.redis_server import _ephemeral_low, stable_port
+
+    low = _ephemeral_low()
+    if low <= 10001:
+        pytest.skip(f"the ephemeral range starts at {low}: no room below it")
+    ports = [stable_port() for _ in range(50)]
+    assert all(10000 <= p < low for p in ports), ports
+    assert len(set(ports)) > 40  # drawn anew by each process, not from a seeded generator
+    assert LocalRedisServer().port < low
+    with socket.socket() as s:  # an ephemeral port stays in its range: the premise above
+        s.bind(("127.0.0.1", 0))
+        assert s.getsockname()[1] >= low

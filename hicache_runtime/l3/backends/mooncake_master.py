@@ -30,7 +30,7 @@ from pathlib import Path
 
 from hicache_runtime.contracts.errors import StorageUnavailable, ToolUnavailable
 from hicache_runtime.l3.backends.mooncake_client import INSTALL_HINT
-from hicache_runtime.l3.backends.redis_server import free_port
+from hicache_runtime.l3.backends.redis_server import stable_port
 
 DEFAULT_SEGMENT_MIB = 256
 _PORT_TRIES = 8
@@ -73,7 +73,7 @@ class LocalMooncakeStore:
 
     def _pick_ports(self) -> None:
         self.rpc_port, self.http_port, self.admin_port, self.holder_port = (
-            free_port() for _ in range(4))
+            stable_port() for _ in range(4))
 
     @property
     def url(self) -> str:
@@ -154,6 +154,9 @@ class LocalMooncakeStore:
         after a master restart)."""
         deadline = time.monotonic() + timeout_s
         while not (self._admin("/get_all_segments") or "").strip():
+            if self._master is not None and not self.master_running:
+                tail = self.master_log.read_text(errors="replace")[-300:].strip()
+                raise StorageUnavailable(f"mooncake_master exited: {tail}")
             if self._holder is not None and self._holder.poll() is not None:
                 tail = self.holder_log.read_text(errors="replace")[-300:].strip()
                 raise StorageUnavailable(f"mooncake_client (segment holder) exited: {tail}")

@@ -9,6 +9,7 @@ Not thread-safe: one owner starts and stops it.
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -35,6 +36,42 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_STABLE_LOW = 10000
+"""The lowest port :func:`stable_port` picks."""
+
+
+def stable_port() -> int:
+    """A free TCP port on 127.0.0.1 for a server that is started again on the same port (an
+    outage and its end): one below the kernel's ephemeral range (``ip_local_port_range``),
+    from which the kernel hands out every port-0 bind and the local port of every outgoing
+    connection. A port from that range, free when picked, can be taken by any connection on
+    the machine while its server is down (it was, under four test processes: the restarted
+    Mooncake master exited and its holder never rejoined). Below the range only another
+    explicit bind can take it. :func:`free_port` when the range leaves no room below it."""
+    low = _ephemeral_low()
+    pick = random.SystemRandom()  # not the seeded module generator: processes must differ
+    for _ in range(64):
+        if low <= _STABLE_LOW + 1:
+            break
+        port = pick.randrange(_STABLE_LOW, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    return free_port()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; elsewhere IANA's 49152)."""
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text(encoding="ascii")
+        return int(text.split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
+
+
 class _PortInUse(Exception):
     """redis-server could not bind its port (``Address already in use``)."""
 
@@ -48,7 +85,7 @@ class LocalRedisServer:
 
     def __init__(self, port: int | None = None, workdir: Path | None = None,
                  maxmemory: str | None = None) -> None:
-        self.port = port or free_port()
+        self.port = port or stable_port()
         self._port_chosen = port is None
         """The port was picked here: a first start that finds it taken may pick another."""
         self._own_dir = workdir is None
@@ -76,7 +113,7 @@ class LocalRedisServer:
                 if not self._port_chosen or attempt == _PORT_TRIES - 1:
                     raise StorageUnavailable(f"redis-server: port {self.port} is in use") \
                         from None
-                self.port = free_port()
+                self.port = stable_port()
                 continue
             self._port_chosen = False
             return self
