@@ -468,3 +468,23 @@ def test_a_master_that_exits_while_the_holder_rejoins_is_named_at_once(
         with pytest.raises(StorageUnavailable, match="mooncake_master exited"):
             running.wait_ready(30.0)
         assert time.monotonic() - t0 < 5.0
+
+
+def test_a_first_start_whose_rpc_port_a_connection_holds_moves_to_other_ports(
+        tmp_path: Path) -> None:
+    """The master answers on its admin port before it binds its RPC port, and exits when a
+    connection's local port holds that one: the start waits for the RPC port itself, sees
+    the master exit, and (a first start) tries other ports."""
+    if MISSING is not None:
+        pytest.skip(MISSING)
+    with socket.socket() as server, socket.socket() as conn:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        conn.connect(server.getsockname())
+        taken = conn.getsockname()[1]  # the kernel's pick, not a listener
+        store = LocalMooncakeStore(segment_mib=16, workdir=tmp_path / "mc")
+        store.rpc_port = taken
+        with store.start() as running:
+            assert running.rpc_port != taken
+            assert running.master_running
+        assert f"Master service started on port {taken}" in store.master_log.read_text()

@@ -21,6 +21,7 @@ import ctypes
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -139,7 +140,9 @@ class LocalMooncakeStore:
             "-enable_metric_reporting=false",
             *(["-client_ttl", str(self.client_ttl_s)] if self.client_ttl_s else [])])
         deadline = time.monotonic() + timeout_s
-        while self._admin("/get_all_segments") is None:
+        # The admin port answers before the RPC port is bound; a master whose RPC port is
+        # taken (by any connection's local port) answers there for a moment, then exits 1.
+        while self._admin("/get_all_segments") is None or not _accepts(self.rpc_port):
             if not self.master_running:
                 tail = self.master_log.read_text(errors="replace")[-300:].strip()
                 self._master = None
@@ -242,6 +245,15 @@ class LocalMooncakeStore:
                 return str(resp.read().decode(errors="replace"))
         except OSError:
             return None
+
+
+def _accepts(port: int) -> bool:
+    """Whether something listens on 127.0.0.1:``port``."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+            return True
+    except OSError:
+        return False
 
 
 def _die_with_owner() -> None:
