@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import redis
@@ -207,7 +208,7 @@ def test_outage_with_concurrent_callers(make_redis_backend: MakeBackend,
     assert s.corrupt == 0
 
 
-def test_a_restartable_server_s_port_is_below_the_ephemeral_range() -> None:
+def test_a_restartable_server_s_port_is_below_the_ephemeral_range(tmp_path: Path) -> None:
     """The port a throwaway server is started again on is one the kernel never hands out by
     itself (port-0 binds and outgoing connections take theirs from the ephemeral range), so
     nothing on the machine takes it while the server is down."""
@@ -219,7 +220,7 @@ def test_a_restartable_server_s_port_is_below_the_ephemeral_range() -> None:
     ports = [stable_port() for _ in range(50)]
     assert all(10000 <= p < low for p in ports), ports
     assert len(set(ports)) > 40  # drawn anew by each process, not from a seeded generator
-    assert LocalRedisServer().port < low
+    assert LocalRedisServer(workdir=tmp_path).port < low
     with socket.socket() as s:  # an ephemeral port stays in its range: the premise above
         s.bind(("127.0.0.1", 0))
         assert s.getsockname()[1] >= low
