@@ -144,7 +144,7 @@ class LocalMooncakeStore:
         # taken (by any connection's local port) answers there for a moment, then exits 1.
         while self._admin("/get_all_segments") is None or not _accepts(self.rpc_port):
             if not self.master_running:
-                tail = self.master_log.read_text(errors="replace")[-300:].strip()
+                tail = _tail(self.master_log)
                 self._master = None
                 raise StorageUnavailable(f"mooncake_master exited at start: {tail}")
             if time.monotonic() > deadline:
@@ -158,10 +158,10 @@ class LocalMooncakeStore:
         deadline = time.monotonic() + timeout_s
         while not (self._admin("/get_all_segments") or "").strip():
             if self._master is not None and not self.master_running:
-                tail = self.master_log.read_text(errors="replace")[-300:].strip()
+                tail = _tail(self.master_log)
                 raise StorageUnavailable(f"mooncake_master exited: {tail}")
             if self._holder is not None and self._holder.poll() is not None:
-                tail = self.holder_log.read_text(errors="replace")[-300:].strip()
+                tail = _tail(self.holder_log)
                 raise StorageUnavailable(f"mooncake_client (segment holder) exited: {tail}")
             if time.monotonic() > deadline:
                 raise StorageUnavailable(f"the Mooncake store was not ready in {timeout_s:g} s "
@@ -245,6 +245,11 @@ class LocalMooncakeStore:
                 return str(resp.read().decode(errors="replace"))
         except OSError:
             return None
+
+
+def _tail(log: Path) -> str:
+    """The last lines of a binary's log, for the one-line error that names why it stopped."""
+    return log.read_text(errors="replace")[-300:].strip()
 
 
 def _accepts(port: int) -> bool:

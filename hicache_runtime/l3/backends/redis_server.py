@@ -49,10 +49,10 @@ def stable_port() -> int:
     Mooncake master exited and its holder never rejoined). Below the range only another
     explicit bind can take it. :func:`free_port` when the range leaves no room below it."""
     low = _ephemeral_low()
+    if low <= _STABLE_LOW + 1:
+        return free_port()
     pick = random.SystemRandom()  # not the seeded module generator: processes must differ
     for _ in range(64):
-        if low <= _STABLE_LOW + 1:
-            break
         port = pick.randrange(_STABLE_LOW, low)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
