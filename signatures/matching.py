@@ -157,6 +157,11 @@ class Observation:
     mechanisms: list[MechanismHit] = field(default_factory=list)
     single_line: bool = False
     """The inputs hold one failure statement and nothing else (no stack, no second line)."""
+    names_matching: dict[tuple[MarkerKind, str, int], list[str]] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
+    """Memo of :func:`marker_hits`: the function or file names a code marker's pattern finds
+    (keyed by the table's size too, so a table that grew is searched again). Scoring asks
+    the same few hundred patterns of one observation once per signature."""
 
 
 @dataclass
@@ -331,9 +336,14 @@ def marker_hits(key: str, marker: Marker, obs: Observation,
     if kind is MarkerKind.EXCEPTION:
         return [e.witness for e in obs.exceptions if rx.search(f"{e.type}: {e.message}")][:3]
     table = obs.functions if kind is MarkerKind.FUNCTION else obs.files
-    return [Witness(f"{name} ({w.text})", w.file, w.line, w.rank)
-            for name, w in table.items() if rx.search(name)
-            and not (sig is not None and kind is MarkerKind.FILE and elsewhere(sig, name))][:3]
+    memo = (kind, marker.text, len(table))
+    names = obs.names_matching.get(memo)
+    if names is None:
+        names = obs.names_matching[memo] = [name for name in table if rx.search(name)]
+    return [Witness(f"{name} ({table[name].text})", table[name].file, table[name].line,
+                    table[name].rank)
+            for name in names
+            if not (sig is not None and kind is MarkerKind.FILE and elsewhere(sig, name))][:3]
 
 
 def elsewhere(sig: Signature, path: str) -> bool:

@@ -42,9 +42,14 @@ class _Rule:
     func: Any  # RE2 regexps (signatures.linear): catalog rules on untrusted frame names
     file: Any
 
-    def match(self, frame: Frame) -> bool:
-        return ((self.func is None or bool(self.func.search(frame.func)))
-                and (self.file is None or bool(self.file.search(frame.file))))
+    def match(self, func: str, file: str) -> bool:
+        return ((self.func is None or bool(self.func.search(func)))
+                and (self.file is None or bool(self.file.search(file))))
+
+
+#: Frames with longer names are classified afresh each time: a cache entry keeps its key alive,
+#: and a hostile dump's frame names can be megabytes long.
+_CACHED_NAME = 4096
 
 
 class FrameClassifier:
@@ -57,6 +62,11 @@ class FrameClassifier:
         self._wrappers = [_parse(r) for r in rules.comm_wrappers]
         self._idle = [_parse(r) for r in rules.idle_waits]
         self.in_app_file = functools.lru_cache(maxsize=4096)(self._in_app_file)
+        # the same few hundred frames recur on every rank and in every stack of a dump
+        self._is_collective = functools.lru_cache(maxsize=4096)(
+            lambda func, file: any(r.match(func, file) for r in self._collective))
+        self._is_wrapper = functools.lru_cache(maxsize=4096)(
+            lambda func, file: any(r.match(func, file) for r in self._wrappers))
 
     def _in_app_file(self, path: str) -> bool:
         for plus, rx in self._in_app:
@@ -68,10 +78,14 @@ class FrameClassifier:
         return self.in_app_file(frame.file)
 
     def is_collective(self, frame: Frame) -> bool:
-        return any(r.match(frame) for r in self._collective)
+        if len(frame.func) + len(frame.file) > _CACHED_NAME:
+            return any(r.match(frame.func, frame.file) for r in self._collective)
+        return self._is_collective(frame.func, frame.file)
 
     def is_wrapper(self, frame: Frame) -> bool:
-        return any(r.match(frame) for r in self._wrappers)
+        if len(frame.func) + len(frame.file) > _CACHED_NAME:
+            return any(r.match(frame.func, frame.file) for r in self._wrappers)
+        return self._is_wrapper(frame.func, frame.file)
 
     def in_app_frames(self, frames: list[Frame]) -> list[Frame]:
         return [f for f in frames if self.in_app(f)]
@@ -116,7 +130,7 @@ class FrameClassifier:
             # caught inside a collective, but seen elsewhere a moment later: running
             return ThreadState.ACTIVE if t.moved else ThreadState.BLOCKED
         py = [f for f in t.frames if f.line is not None]
-        if py and any(r.match(py[0]) for r in self._idle):
+        if py and any(r.match(py[0].func, py[0].file) for r in self._idle):
             return ThreadState.IDLE
         if t.idle:
             return ThreadState.IDLE

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_left
-from collections import defaultdict
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -42,7 +41,9 @@ class TriggerIndex:
         self._first, self._pairs, self._offset, self._span = (
             layout.first, layout.pairs, layout.offset, layout.span)
         self._table = np.zeros(65536, dtype=np.uint8)
-        self._owners: dict[int, list[tuple[bytes, int]]] = {}
+        self._codes = np.zeros(0, dtype=np.int64)  # each trigger's chosen pair
+        self._best: list[int] = []  # and its offset in the trigger
+        self._owners: dict[int, list[tuple[bytes, int]]] = {}  # filled as pairs are met
         self._any: Any = None  # the triggers as one RE2 alternation, built when first needed
         self.plan(b"")
 
@@ -53,19 +54,29 @@ class TriggerIndex:
         """Choose each trigger's rarest byte pair as seen in ``sample``. Returns how often
         the chosen pairs occur in (the first ``SAMPLE_BYTES`` of) it."""
         hist = _pair_histogram(sample[:SAMPLE_BYTES])
-        owners: dict[int, list[tuple[bytes, int]]] = defaultdict(list)
-        if self.triggers:
-            # each trigger's rarest pair, the last of equally rare ones: the smallest key of
-            # its segment, where a key orders by count, then by offset from the end
-            key = hist[self._pairs] * self._span + (self._span - 1 - self._offset)
-            best = self._span - 1 - np.minimum.reduceat(key, self._first) % self._span
-            codes = self._pairs[self._first + best]
-            for t, j, code in zip(self.triggers, best.tolist(), codes.tolist(), strict=True):
-                owners[code].append((t, j))
         table = np.zeros(65536, dtype=np.uint8)  # uint8 + take() beats bool fancy indexing
-        table[list(owners)] = 1
-        self._table, self._owners = table, dict(owners)
-        return int(hist[list(owners)].sum()) if owners else 0
+        self._owners = {}
+        if not self.triggers:
+            self._table = table
+            return 0
+        # each trigger's rarest pair, the last of equally rare ones: the smallest key of
+        # its segment, where a key orders by count, then by offset from the end
+        key = hist[self._pairs] * self._span + (self._span - 1 - self._offset)
+        best = self._span - 1 - np.minimum.reduceat(key, self._first) % self._span
+        self._codes = self._pairs[self._first + best]
+        self._best = best.tolist()
+        table[self._codes] = 1
+        self._table = table
+        return int(hist[np.flatnonzero(table)].sum())
+
+    def _owners_of(self, code: int) -> list[tuple[bytes, int]]:
+        """The triggers (in order) whose chosen pair is ``code``, each with the pair's offset
+        in it; worked out the first time a chunk holds that pair (a small input meets few)."""
+        owners = self._owners.get(code)
+        if owners is None:
+            owners = self._owners[code] = [(self.triggers[i], self._best[i]) for i in
+                                           np.flatnonzero(self._codes == code).tolist()]
+        return owners
 
     def lines(self, buf: bytes, end: int) -> list[int]:
         """Sorted start offsets of the lines in ``buf[:end]`` that contain a trigger."""
@@ -85,13 +96,13 @@ class TriggerIndex:
             return []
         cand.sort()
         starts: list[int] = []
-        owners, find, rfind = self._owners, buf.find, buf.rfind
+        owners_of, find, rfind = self._owners_of, buf.find, buf.rfind
         positions = cand.tolist()
         i, n = 0, len(positions)
         while i < n:
             p = positions[i]
             i += 1
-            for trig, off in owners[buf[p] | buf[p + 1] << 8]:
+            for trig, off in owners_of(buf[p] | buf[p + 1] << 8):
                 s = p - off
                 if s >= 0 and s + len(trig) <= end and buf.startswith(trig, s):
                     start = rfind(b"\n", 0, s) + 1

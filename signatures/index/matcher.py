@@ -135,6 +135,13 @@ class TemplateMatcher:
         self._post = pair_owner[keep][order]
         self._ptr = np.searchsorted(pair_tok[keep][order], np.arange(v + 1))
         self._cache: dict[str, list[Match]] = {}
+        # for the scorer's first test, done for all candidates at once: a template whose
+        # required literals (not optional words) are missing from the line more times than
+        # it may miss any is no match, wherever the others are
+        self._required = lit & ~self._optional[np.maximum(self._toks, 0)]
+        self._allowed = np.array([_allowed_misses(int(k)) for k in self._nlit.tolist()],
+                                 dtype=np.int64)
+        self._tok_lists: dict[int, list[int]] = {}
         # every vocabulary word of NEAR_MIN letters or more under each of its one-letter
         # deletions (-2 where two words share one): two words one edit apart share a deletion
         # or one is a deletion of the other (the symmetric-deletion scheme)
@@ -160,7 +167,23 @@ class TemplateMatcher:
         return found.pop() if len(found) == 1 else -1
 
     def tokens_of(self, tid: int) -> list[int]:
-        return self._toks[self._offs[tid]:self._offs[tid + 1]].tolist()
+        toks = self._tok_lists.get(tid)
+        if toks is None:
+            toks = self._tok_lists[tid] = self._toks[self._offs[tid]:self._offs[tid + 1]].tolist()
+        return toks
+
+    def _possible(self, cands: np.ndarray, present: np.ndarray) -> np.ndarray:
+        """The candidates that miss no more required literals than they may: a literal of the
+        template that is nowhere on the line is a miss wherever the others are, so any other
+        candidate scores 0 (exactly what :meth:`_score` would find, word by word)."""
+        starts = self._offs[cands]
+        lengths = self._offs[cands + 1] - starts
+        # every candidate's token positions, back to back, and whose each one is
+        owner = np.repeat(np.arange(len(cands)), lengths)
+        at = starts[owner] + np.arange(len(owner)) - (np.cumsum(lengths) - lengths)[owner]
+        absent = self._required[at] & ~present[np.maximum(self._toks[at], 0)]
+        misses = np.bincount(owner, weights=absent, minlength=len(cands))
+        return cands[misses <= self._allowed[cands]]
 
     def match(self, text: str, limit: int = 3) -> list[Match]:
         """The templates ``text`` was most likely printed from, best first (ties within 0.05
@@ -207,7 +230,9 @@ class TemplateMatcher:
         scored: list[tuple[float, float, int]] = []
         anchored: dict[int, bool] = {}
         says_assert = "assert" in text.lower() or any(op in text for op in _COMPARISONS)
-        for tid in cands.tolist():
+        present = np.zeros(len(self._weight), dtype=bool)
+        present[list(positions)] = True
+        for tid in self._possible(cands, present).tolist():
             if not says_assert and self._bare_assert[tid]:
                 continue
             s, explained, first = self._score(tid, positions, len(ids), near)
