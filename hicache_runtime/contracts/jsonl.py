@@ -11,6 +11,8 @@ socket), checked on the open descriptor, so a symlink swapped in between cannot 
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
 import stat
@@ -55,7 +57,10 @@ def line_blocks(stream: BinaryIO, max_line: int = MAX_LINE, chunk: int = CHUNK,
     ``max_line`` inside one chunk is left in its block (the caller bounds what it keeps)."""
     carry = b""
     skipping = False  # inside the rest of an over-long line
+    fd = _plain_file(stream) if endings is None else None
     while True:
+        if skipping and fd is not None:
+            _past_hole(stream, fd)
         raw = stream.read(chunk)
         data = raw if endings is None else (endings(raw) if raw else endings.flush())
         if not data:
@@ -77,6 +82,38 @@ def line_blocks(stream: BinaryIO, max_line: int = MAX_LINE, chunk: int = CHUNK,
             carry, skipping = b"", True
     if carry:
         yield carry + b"\n"
+
+
+def _plain_file(stream: BinaryIO) -> int | None:
+    """The descriptor of ``stream`` when it reads a file on disk directly (not through a
+    decompressor or an archive member, whose positions are not the file's)."""
+    raw = getattr(stream, "raw", stream)
+    if not isinstance(raw, io.FileIO) or not hasattr(os, "SEEK_DATA"):
+        return None
+    try:
+        return stream.fileno() if stream.seekable() else None
+    except (OSError, ValueError):
+        return None
+
+
+def _past_hole(stream: BinaryIO, fd: int) -> None:
+    """Move a stream that is skipping an over-long line past the hole it is in, if any: a
+    hole of a sparse file reads as NUL bytes, which hold no line end, so reading them would
+    only cost time (a 2 GiB hole, such as a log truncated under a writer that kept its
+    offset, took seconds to read). Only where nothing but a newline ends the skip: with no
+    line-ending rewrite."""
+    pos = stream.tell()
+    raw = os.lseek(fd, 0, os.SEEK_CUR)  # past what the stream has buffered already
+    try:
+        data = os.lseek(fd, pos, os.SEEK_DATA)
+    except OSError as exc:
+        data = -1
+        if exc.errno == errno.ENXIO:  # nothing but a hole from here to the end
+            data = os.fstat(fd).st_size
+    if data > pos:
+        stream.seek(data)  # drops the stream's buffer: it held NULs of the hole only
+    else:  # no hole here (or a file system that cannot say): read on where it was
+        os.lseek(fd, raw, os.SEEK_SET)
 
 
 def iter_lines(stream: BinaryIO, max_line: int = MAX_LINE,

@@ -46,6 +46,32 @@ def test_iter_lines_skips_over_long_lines_without_holding_them() -> None:
     assert list(iter_lines(io.BytesIO(line + b"\n"), max_line=100, chunk=7)) == [(1, line)]
 
 
+@pytest.mark.parametrize("layout", [
+    # (what comes before, hole size, what comes after): a hole inside the over-long line's
+    # skipped rest, one that ends where a line does, one that runs to the end of the file
+    (b"a\n" + b"x" * 300, 1 << 20, b"y\nb\nc\n"),
+    (b"x" * 300, 3 << 16, b"\nd\n"),
+    (b"a\n" + b"x" * 300, 1 << 20, b""),
+    (b"a\n", 1 << 16, b"q\nr\n"),  # a hole shorter than the limit is a line of NULs
+], ids=["mid-line", "before-a-newline", "to-the-end", "short"])
+def test_a_sparse_file_reads_as_its_dense_copy(tmp_path: Path,
+                                               layout: tuple[bytes, int, bytes]) -> None:
+    """A reader that jumps over the holes of a sparse file while it skips an over-long line
+    gives exactly what reading every NUL byte gives."""
+    head, hole, tail = layout
+    sparse = tmp_path / "sparse"
+    with open(sparse, "wb") as fh:
+        fh.write(head)
+        fh.seek(len(head) + hole)
+        fh.write(tail)
+        fh.truncate(len(head) + hole + len(tail))
+    dense = sparse.read_bytes()
+    for max_line, chunk in ((100, 64), (5000, 4096), (1 << 20, 1 << 20)):
+        with open(sparse, "rb") as fh:
+            got = list(iter_lines(fh, max_line=max_line, chunk=chunk))
+        assert got == list(iter_lines(io.BytesIO(dense), max_line=max_line, chunk=chunk))
+
+
 def test_rank_list_is_parsed_never_evaluated() -> None:
     assert parse_rank_list("[0, 1, 2]") == [0, 1, 2]
     assert parse_rank_list("(3,)") == [3]
