@@ -25,6 +25,18 @@ backoff. The client reconnects by itself when the master is back (a restarted ma
 its objects: misses until backups refill it). A master that was unreachable when the backend
 was built (``required=False``) is joined by the first probe that finds it up.
 
+Waiting threads. The client waits for each transfer by polling its status in a loop, without
+sleeping (Mooncake 0.3.13's ``mooncake-store/src/transfer_task.cpp``,
+``TransferEngineOperationState::wait_for_completion``: the polling branch, built unless
+``USE_EVENT_DRIVEN_COMPLETION``), so a thread inside a put or get keeps a core busy until the
+segment holder's side of the TCP transfer is done; on a machine with fewer cores than busy
+threads that spin takes the CPU from the very processes it waits for. A worker thread that
+calls the client therefore runs at a lower CPU priority (``os.setpriority`` of that thread,
+``CLIENT_THREAD_NICE``): it gets the CPU whenever it is idle, and gives way to the holder and
+the transport otherwise. Measured on two cores, two ``hicache run --tp 2 --pp 2 --storage
+mooncake`` at once: 33% less CPU per run (8 pairs). The scheduler's own thread is never
+lowered.
+
 Buffers are per thread (the query, IO and backup threads call concurrently); they are kept in a
 dict owned by the backend, registered once and unregistered at ``close``. Client calls are
 thread-safe. The client's own log lines are what the doctor reads in a bundle
@@ -33,9 +45,11 @@ thread-safe. The client's own log lines are what the doctor reads in a bundle
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import mmap
+import os
 import threading
 import uuid
 from collections.abc import Callable
@@ -58,6 +72,29 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+CLIENT_THREAD_NICE = 15
+"""How much lower a worker thread that calls the client runs (module docstring: the client
+spins while it waits); 0 leaves it as it is."""
+_lowered = threading.local()
+
+
+def _lower_this_thread() -> None:
+    """Lower the calling thread's CPU priority once, unless it is the main thread (the
+    scheduler: its steps are the run's progress). Linux applies a nice value to one thread;
+    elsewhere, or where it is refused, nothing changes."""
+    if getattr(_lowered, "done", False):
+        return
+    _lowered.done = True
+    if CLIENT_THREAD_NICE <= 0 or threading.current_thread() is threading.main_thread() \
+            or not hasattr(os, "setpriority"):
+        return
+    tid = threading.get_native_id()
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid)
+                       + CLIENT_THREAD_NICE)
+
+
 _MIN_ARENA_BYTES = 4 << 20
 """Smallest per-thread buffer: a few batches of ordinary pages, so it rarely grows."""
 _CLOSE_WAIT_S = 10.0
@@ -445,6 +482,8 @@ class MooncakeBackend(StorageBackend):
         if client is None:
             self._count(errors=1)
             return fallback
+        # after the client is open: the threads a (re)opened client starts keep their priority
+        _lower_this_thread()
         try:
             result = run(client)
         except (RuntimeError, OSError, ValueError, TypeError) as exc:
