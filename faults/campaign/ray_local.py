@@ -54,7 +54,10 @@ class LocalRayCluster:
     def wait_for(self, cpus: int, timeout_s: float = 90.0) -> None:
         """Until the cluster counts ``cpus`` CPUs on live nodes (asked by a short-lived
         driver, so this process keeps no connection a later ``ray.init`` would reuse)."""
-        probe = (f"import ray, time\nray.init(address={self.address!r}, log_to_driver=False)\n"
+        # the probe's own node is 127.0.0.1 too: left to itself a driver takes the machine's
+        # outward address for its node, where no raylet of this cluster is
+        probe = (f"import ray, time\nray.init(address={self.address!r}, log_to_driver=False, "
+                 "_node_ip_address='127.0.0.1')\n"
                  f"deadline = time.time() + {timeout_s}\n"
                  f"while ray.cluster_resources().get('CPU', 0) != {cpus}:\n"
                  "    if time.time() > deadline:\n"
@@ -62,12 +65,17 @@ class LocalRayCluster:
                  "    time.sleep(0.2)\n")
         deadline = time.monotonic() + timeout_s
         while True:  # the head's GCS takes a few seconds before a driver can join
-            done = subprocess.run([sys.executable, "-c", probe], env=self.env, cwd=self.workdir,
-                                  timeout=timeout_s + 30, capture_output=True, check=False)
-            if done.returncode == 0:
+            try:
+                done = subprocess.run([sys.executable, "-c", probe], env=self.env,
+                                      cwd=self.workdir, timeout=timeout_s + 30,
+                                      capture_output=True, check=False)
+                code, err = done.returncode, done.stderr
+            except subprocess.TimeoutExpired as exc:  # a driver stuck joining: another try
+                code, err = -1, exc.stderr or b""
+            if code == 0:
                 return
             if time.monotonic() > deadline:
-                tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:]
+                tail = err.decode(errors="replace").strip().splitlines()[-1:]
                 raise StorageUnavailable(f"the local Ray cluster at {self.address} did not "
                                          f"come up: {' '.join(tail)[:300]}")
             time.sleep(1.0)
