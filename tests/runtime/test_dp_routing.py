@@ -110,6 +110,35 @@ def test_load_board_is_shared_across_processes() -> None:
         board.close()
 
 
+def _hammer(name: str, writes: int) -> None:
+    board = LoadBoard(1, name)
+    for n in range(1, writes + 1):  # every field of a write holds the same number
+        board.publish(0, n, step=n, received=n)
+    board.close()
+
+
+def test_a_slot_read_while_its_leader_writes_it_is_never_half_old() -> None:
+    """A slot is read by the controller while the group's leader, another process, writes it:
+    a read sees one whole write, never the load of one and the received count of another (a
+    torn read once made a group that had received a request count as holding none, and the
+    burst went to it)."""
+    board = LoadBoard(1, create=True)
+    try:
+        proc = mp.get_context("spawn").Process(target=_hammer, args=(board.name, 300_000))
+        proc.start()
+        torn = seen = 0
+        while proc.is_alive() or seen == 0:
+            slot = board.snapshot()[0]
+            seen += 1
+            torn += not (slot.load == slot.step == slot.received)
+        proc.join(30)
+        assert proc.exitcode == 0
+        assert torn == 0, f"{torn} of {seen} reads mixed two writes"
+        assert board.snapshot()[0].load == 300_000
+    finally:
+        board.close()
+
+
 def test_recipients_by_message_kind() -> None:
     # dp=2, pp=2, tp=2: ranks 0..7, group g holds g*4..g*4+3, PP stage p at +p*2. A control
     # message reaches each group's entry rank once: later stages get it from PP0's exchange.
