@@ -149,43 +149,6 @@ def test_objects_are_suffixed_sealed_and_outlive_the_client(
 
 
 @needs_mooncake
-def test_the_thread_that_writes_gives_way_readers_and_the_scheduler_do_not(
-        backend: StorageBackend) -> None:
-    """The client spins while a transfer is under way (see the backend's docstring): a worker
-    thread that writes (the backup thread) runs at a lower CPU priority from its first put; a
-    thread that only reads (prefetch: its latency is the run's hit rate) and the main thread
-    (the scheduler) keep theirs."""
-    from hicache_runtime.l3.backends.mooncake import CLIENT_THREAD_NICE
-
-    keys = hashes(2, seed=5)
-    main_before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    backend.batch_set(keys, [payload_for(k) for k in keys])  # the main thread writes
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_before
-    seen: dict[str, tuple[int, int]] = {}
-
-    def reader() -> None:
-        tid = threading.get_native_id()
-        before = os.getpriority(os.PRIO_PROCESS, tid)
-        assert backend.batch_exists(keys) == 2
-        assert backend.batch_get(keys) == [payload_for(k) for k in keys]
-        seen["reader"] = (before, os.getpriority(os.PRIO_PROCESS, tid))
-
-    def writer() -> None:
-        tid = threading.get_native_id()
-        before = os.getpriority(os.PRIO_PROCESS, tid)
-        more = hashes(2, seed=6)
-        assert backend.batch_set(more, [payload_for(k) for k in more]) == [True, True]
-        seen["writer"] = (before, os.getpriority(os.PRIO_PROCESS, tid))
-
-    for fn in (reader, writer):
-        t = threading.Thread(target=fn)
-        t.start()
-        t.join(30)
-    assert seen == {"reader": (main_before, main_before),
-                    "writer": (main_before, min(19, main_before + CLIENT_THREAD_NICE))}
-
-
-@needs_mooncake
 def test_clear_removes_only_this_ranks_objects(make: Callable[..., StorageBackend]) -> None:
     keys = hashes(4)
     mine = make()

@@ -25,20 +25,6 @@ backoff. The client reconnects by itself when the master is back (a restarted ma
 its objects: misses until backups refill it). A master that was unreachable when the backend
 was built (``required=False``) is joined by the first probe that finds it up.
 
-Waiting threads. The client waits for each transfer by polling its status in a loop, without
-sleeping (Mooncake 0.3.13's ``mooncake-store/src/transfer_task.cpp``,
-``TransferEngineOperationState::wait_for_completion``: the polling branch, built unless
-``USE_EVENT_DRIVEN_COMPLETION``), so a thread inside a put or get keeps a core busy until the
-segment holder's side of the TCP transfer is done; on a machine with fewer cores than busy
-threads that spin takes the CPU from the very processes it waits for. A worker thread that
-writes (the backup thread) therefore runs at a lower CPU priority from its first put
-(``os.setpriority`` of that thread, ``CLIENT_THREAD_NICE``): it gets the CPU whenever a core
-is idle, and gives way to the holder and the transport otherwise. Readers keep theirs: a
-prefetch slowed so has its pages come too late, and a second run found no L3 hit under load.
-The scheduler's own thread is never lowered. Measured on two cores, two ``hicache run --tp 2
---pp 2 --storage mooncake`` at once: 24% less CPU per run (3 pairs; 33% with readers lowered
-too, 5 pairs).
-
 Buffers are per thread (the query, IO and backup threads call concurrently); they are kept in a
 dict owned by the backend, registered once and unregistered at ``close``. Client calls are
 thread-safe. The client's own log lines are what the doctor reads in a bundle
@@ -47,11 +33,9 @@ thread-safe. The client's own log lines are what the doctor reads in a bundle
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import mmap
-import os
 import threading
 import uuid
 from collections.abc import Callable
@@ -74,29 +58,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-CLIENT_THREAD_NICE = 15
-"""How much lower a worker thread that calls the client runs (module docstring: the client
-spins while it waits); 0 leaves it as it is."""
-_lowered = threading.local()
-
-
-def _lower_this_thread() -> None:
-    """Lower the calling thread's CPU priority once, unless it is the main thread (the
-    scheduler: its steps are the run's progress). Linux applies a nice value to one thread;
-    elsewhere, or where it is refused, nothing changes."""
-    if getattr(_lowered, "done", False):
-        return
-    _lowered.done = True
-    if CLIENT_THREAD_NICE <= 0 or threading.current_thread() is threading.main_thread() \
-            or not hasattr(os, "setpriority"):
-        return
-    tid = threading.get_native_id()
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid)
-                       + CLIENT_THREAD_NICE)
-
-
 _MIN_ARENA_BYTES = 4 << 20
 """Smallest per-thread buffer: a few batches of ordinary pages, so it rarely grows."""
 _CLOSE_WAIT_S = 10.0
@@ -484,8 +445,6 @@ class MooncakeBackend(StorageBackend):
         if client is None:
             self._count(errors=1)
             return fallback
-        if op == "set":  # after the open: the threads a (re)opened client starts keep theirs
-            _lower_this_thread()
         try:
             result = run(client)
         except (RuntimeError, OSError, ValueError, TypeError) as exc:
