@@ -340,9 +340,8 @@ def marker_hits(key: str, marker: Marker, obs: Observation,
     names = obs.names_matching.get(memo)
     if names is None:
         names = obs.names_matching[memo] = [name for name in table if rx.search(name)]
-    return [Witness(f"{name} ({table[name].text})", table[name].file, table[name].line,
-                    table[name].rank)
-            for name in names
+    return [Witness(f"{name} ({w.text})", w.file, w.line, w.rank)
+            for name, w in ((n, table[n]) for n in names)
             if not (sig is not None and kind is MarkerKind.FILE and elsewhere(sig, name))][:3]
 
 

@@ -63,10 +63,7 @@ class FrameClassifier:
         self._idle = [_parse(r) for r in rules.idle_waits]
         self.in_app_file = functools.lru_cache(maxsize=4096)(self._in_app_file)
         # the same few hundred frames recur on every rank and in every stack of a dump
-        self._is_collective = functools.lru_cache(maxsize=4096)(
-            lambda func, file: any(r.match(func, file) for r in self._collective))
-        self._is_wrapper = functools.lru_cache(maxsize=4096)(
-            lambda func, file: any(r.match(func, file) for r in self._wrappers))
+        self._matches_cached = functools.lru_cache(maxsize=8192)(self._matches)
 
     def _in_app_file(self, path: str) -> bool:
         for plus, rx in self._in_app:
@@ -77,15 +74,20 @@ class FrameClassifier:
     def in_app(self, frame: Frame) -> bool:
         return self.in_app_file(frame.file)
 
-    def is_collective(self, frame: Frame) -> bool:
+    def _matches(self, wrappers: bool, func: str, file: str) -> bool:
+        return any(r.match(func, file) for r in (self._wrappers if wrappers
+                                                 else self._collective))
+
+    def _matches_frame(self, wrappers: bool, frame: Frame) -> bool:
         if len(frame.func) + len(frame.file) > _CACHED_NAME:
-            return any(r.match(frame.func, frame.file) for r in self._collective)
-        return self._is_collective(frame.func, frame.file)
+            return self._matches(wrappers, frame.func, frame.file)
+        return self._matches_cached(wrappers, frame.func, frame.file)
+
+    def is_collective(self, frame: Frame) -> bool:
+        return self._matches_frame(False, frame)
 
     def is_wrapper(self, frame: Frame) -> bool:
-        if len(frame.func) + len(frame.file) > _CACHED_NAME:
-            return any(r.match(frame.func, frame.file) for r in self._wrappers)
-        return self._is_wrapper(frame.func, frame.file)
+        return self._matches_frame(True, frame)
 
     def in_app_frames(self, frames: list[Frame]) -> list[Frame]:
         return [f for f in frames if self.in_app(f)]
