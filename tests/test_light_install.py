@@ -275,9 +275,17 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert "'.[runtime,capture]'" in install
     assert install.endswith("hicache campaign")
     assert "'.[dev]'" in tests
-    assert tests.endswith("python -m pytest -n 4")
+    assert tests.endswith(" && python -m pytest -n 4")
+    # CI runs the command's installs, waits for the system packages it installs meanwhile
+    # (and nothing else), then the command's tests.
+    installs, run_tests = _shell_command(tests).rsplit(" && ", 1)
     ci = _shell_command((ROOT / ".ci" / "run").read_text())
-    assert _shell_command(tests) in ci
+    assert ci.count(installs) == 1
+    assert ci.count(run_tests) == 1
+    between = ci[ci.index(installs) + len(installs):ci.index(run_tests)]
+    assert between.split() == ['if', '[', '-n', '"$apt_pid"', '];', 'then', 'wait',
+                               '"$apt_pid"', '||', 'true;', 'cat', '"$apt_log";', 'fi'], between
+    assert ci.endswith(run_tests)
 
 
 def test_a_generic_import_name_taken_by_another_distribution_stops_hicache(

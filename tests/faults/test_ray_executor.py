@@ -35,16 +35,27 @@ CELLS = "tp2/*/host-alloc-fail:tp=1"
 legacy twin that hangs and leaves a bundle (collective-order-deadlock)."""
 
 
-@pytest.fixture
-def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalRayCluster]:
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    c = LocalRayCluster(tmp_path)
-    try:
-        yield c.start()
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        c.stop()
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayCluster]:
+    """One cluster for the module's tests (starting one takes about 5 s of CPU); the test that
+    kills a worker node adds another, so every test finds a node with 2 CPUs."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_AUTH_MODE", "disabled")
+        c = LocalRayCluster(tmp_path_factory.mktemp("ray"))
+        try:
+            yield c.start()
+        finally:
+            if ray.is_initialized():
+                ray.shutdown()
+            c.stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_driver_left(cluster: LocalRayCluster) -> Iterator[None]:
+    """A test that joined the cluster from this process leaves it before the next one."""
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 def test_cells_on_the_cluster_get_the_local_verdicts(cluster: LocalRayCluster,
