@@ -152,7 +152,11 @@ def test_a_rank_s_collections_leave_the_imported_objects_alone(zyg: zygote.Zygot
     assert walked < frozen / 10, (walked, frozen)
 
 
-def test_no_rank_outlives_the_zygote(tmp_path: Path) -> None:
+def test_no_rank_outlives_the_zygote(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The target must be importable (as in the fixture): without it the rank failed on its
+    # import within a millisecond, and when that beat the kill below it reported exit 1
+    # (seen once under load).
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
     z = zygote.Zygote()
     p = z.spawn(_argv("sleep", "60"), dict(os.environ), tmp_path / "s.log")
     z.proc.kill()  # the zygote dies (as it does when its launcher dies: its socket closes)
