@@ -196,10 +196,14 @@ def test_cli_without_url_runs_on_a_private_store(tmp_path: Path) -> None:
 def test_the_readme_store_that_outlives_runs(tmp_path: Path) -> None:
     """The README's lines for a store of one's own, as written: the master with its metadata
     server and a segment holder in the background, a run on them, then both stopped. The
-    lines name their ports (50051, 50052, 8080): where one is taken here, the test skips."""
+    lines name their ports (50051, 50052, 8080, and the master's admin port 9003, which the
+    line that waits for the holder's segment asks): where one is taken here, the test skips.
+    Without that wait, a full run once had the run store nothing (the holder or the master
+    not ready yet on a loaded machine)."""
     lines = [command(ln) for ln in readme_block("pip install -e '.[mooncake]'")[2:]]
-    assert [ln.split()[0] for ln in lines[:2]] == ["mooncake_master", "mooncake_client"]
-    taken = [p for p in (50051, 50052, 8080) if not port_free(p)]
+    assert [ln.split()[:2] for ln in lines[:3]] == [
+        ["mooncake_master", "-rpc_port"], ["mooncake_client", "-host"], ["timeout", "60"]]
+    taken = [p for p in (50051, 50052, 8080, 9003) if not port_free(p)]
     if taken:
         pytest.skip(f"the README's ports {taken} are taken here")
     script = "set -e\n" + "\n".join(lines) + "\nstatus=$?; kill %1 %2; wait; exit $status"
@@ -211,7 +215,7 @@ def test_the_readme_store_that_outlives_runs(tmp_path: Path) -> None:
     summary = json.loads(proc.stdout)
     assert (summary["outcome"], summary["output_match"]) == ("healthy", True)
     l3 = summary["cache_stats"]["ranks"]["0"]["l3"]
-    assert l3["backend"]["stored"] > 0, (l3, proc.stderr[-3000:])
+    assert l3["backend"]["stored"] > 0, (json.dumps(l3), proc.stderr[-3000:])
     assert "private" not in proc.stderr  # the run used the store the lines started
 
 
