@@ -340,9 +340,15 @@ def marker_hits(key: str, marker: Marker, obs: Observation,
     names = obs.names_matching.get(memo)
     if names is None:
         names = obs.names_matching[memo] = [name for name in table if rx.search(name)]
-    return [Witness(f"{name} ({w.text})", w.file, w.line, w.rank)
-            for name, w in ((n, table[n]) for n in names)
-            if not (sig is not None and kind is MarkerKind.FILE and elsewhere(sig, name))][:3]
+    hits: list[Witness] = []
+    for name in names:
+        if sig is not None and kind is MarkerKind.FILE and elsewhere(sig, name):
+            continue
+        w = table[name]
+        hits.append(Witness(f"{name} ({w.text})", w.file, w.line, w.rank))
+        if len(hits) == 3:
+            break
+    return hits
 
 
 def elsewhere(sig: Signature, path: str) -> bool:
