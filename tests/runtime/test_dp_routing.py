@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import time
 from collections import Counter
 
 import pytest
@@ -135,6 +137,79 @@ def test_a_slot_read_while_its_leader_writes_it_is_never_half_old() -> None:
         assert proc.exitcode == 0
         assert torn == 0, f"{torn} of {seen} reads mixed two writes"
         assert board.snapshot()[0].load == 300_000
+    finally:
+        board.close()
+
+
+def test_a_slots_count_never_reads_lower_than_it_was() -> None:
+    """The sequence lock's premise: a reader never sees a count go back. A count written with
+    ``struct.pack_into`` read as 0 mid-write (it zeroes its bytes before filling them), an even
+    count a reader took for a whole slot; each word is now a single aligned store."""
+    board = LoadBoard(1, create=True)
+    try:
+        proc = mp.get_context("spawn").Process(target=_hammer, args=(board.name, 100_000))
+        proc.start()
+        words, seen, backwards, last = board._view(), 0, 0, 0
+        while proc.is_alive():
+            count = words[0]
+            seen += 1
+            backwards += count < last
+            last = max(last, count)
+        proc.join(30)
+        assert proc.exitcode == 0
+        assert seen > 1000
+        assert backwards == 0, f"{backwards} of {seen} counts went back"
+    finally:
+        board.close()
+
+
+def _die_inside_a_write(name: str) -> None:
+    board = LoadBoard(1, name)
+    board.publish(0, 5, step=6, received=7)
+    words = board._view()  # a crash between the words of a write, as _write lays them down
+    words[0] |= 1
+    words[1] = 99
+    os._exit(0)
+
+
+def test_a_writer_that_died_inside_a_write_leaves_its_last_whole_write() -> None:
+    """The leader died between its count going odd and its fields: the reader gives up after
+    its bounded tries and shows the last whole write it read, never the half-written one."""
+    board = LoadBoard(1, create=True)
+    try:
+        assert board.snapshot()[0] == (0, 0, 0, 0)  # whole and never written
+        proc = mp.get_context("spawn").Process(target=_die_inside_a_write, args=(board.name,))
+        proc.start()
+        proc.join(30)
+        assert proc.exitcode == 0
+        reader = LoadBoard(1, board.name)  # a reader that never saw a whole write of it
+        try:
+            assert reader.snapshot()[0] == (0, 0, 0, 0)
+        finally:
+            reader.close()
+        board.publish(0, 8, step=9, received=10)  # the group's next leader writes it whole
+        slot = board.snapshot()[0]
+        assert (slot.load, slot.step, slot.received) == (8, 9, 10)
+        board._view()[0] |= 1  # and dies inside its next write
+        assert board.snapshot()[0] == slot
+        started = time.monotonic()  # the reader waited once for that count, not at every read
+        assert [board.snapshot()[0] for _ in range(100)] == [slot] * 100
+        assert time.monotonic() - started < 0.5
+        board.publish(0, 11, step=12, received=13)  # a new leader: the count moves on
+        assert board.snapshot()[0].load == 11
+    finally:
+        board.close()
+
+
+def test_fields_that_disagree_with_their_check_word_are_not_taken() -> None:
+    """What a weakly ordered CPU can show a reader: an even, unchanged count around fields of
+    another write. The check word over count and fields rejects it."""
+    board = LoadBoard(1, create=True)
+    try:
+        board.publish(0, 3, step=3, received=3)
+        whole = board.snapshot()[0]
+        board._view()[2] = 4  # one field of a later write, count untouched
+        assert board.snapshot()[0] == whole
     finally:
         board.close()
 
