@@ -1377,11 +1377,11 @@ def entry() -> None:
     handlers (weakref finalizers included: temporary directories, shared memory, logging's
     flush) run, and the standard streams are flushed. Where a non-daemon thread is still
     running, or the exit status is no plain code, the ordinary exit takes over."""
+    code: str | int | None = EXIT_OK
     try:
         main()
-        code: object = EXIT_OK
     except SystemExit as done:
-        code = EXIT_OK if done.code is None else done.code
+        code = done.code
     import threading
 
     if (not isinstance(code, int) or not 0 <= code <= 255

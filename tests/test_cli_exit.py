@@ -1,7 +1,8 @@
 """How the ``hicache`` console script ends: the interpreter's teardown is skipped (with torch
 loaded it cost 0.3-0.4 s of CPU per command), what an exit owes is not: ``atexit`` handlers
 run, the standard streams are flushed, the status is the command's, and a non-daemon thread
-still running gets the ordinary exit, which waits for it."""
+still running gets the ordinary exit, which waits for it. (Whether the ordinary teardown calls
+an object's ``__del__`` is not promised, so no test here relies on it.)"""
 
 from __future__ import annotations
 
@@ -64,5 +65,5 @@ def test_the_command_s_status_is_the_exit_status(tmp_path: Path) -> None:
 def test_a_running_thread_gets_the_ordinary_exit(tmp_path: Path) -> None:
     proc = _probe(tmp_path, "thread", "--version")
     assert proc.returncode == 0, proc.stderr
-    assert (tmp_path / "thread").read_text() == "ran"
-    assert (tmp_path / "teardown").read_text() == "ran"
+    assert (tmp_path / "thread").read_text() == "ran"  # os._exit would have cut it short
+    assert (tmp_path / "atexit").read_text() == "ran"
