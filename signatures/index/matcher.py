@@ -93,7 +93,7 @@ class TemplateMatcher:
         owner = np.repeat(np.arange(len(offsets) - 1, dtype=np.int64), np.diff(self._offs))
         lit = self._toks >= 0
         lit_owner, lit_tok = owner[lit], self._toks[lit].astype(np.int64)
-        pairs = np.unique(lit_owner * v + lit_tok)  # each (template, token) once
+        pairs = _sorted_unique(lit_owner * v + lit_tok)  # each (template, token) once
         pair_owner, pair_tok = pairs // v, pairs % v
         df = np.bincount(pair_tok, minlength=v)
         with np.errstate(divide="ignore"):
@@ -377,3 +377,15 @@ def _without_call_site(text: str) -> str:
         if start >= 0 and 1 <= len(inside) <= 200 and ")" not in inside:
             return body[:start].rstrip()
     return body
+
+
+def _sorted_unique(x: np.ndarray) -> np.ndarray:
+    """``np.unique(x)`` for a flat integer array, by a sort and a mask. numpy 2.4's
+    ``np.unique`` takes a hash table for integers and sorts its result afterwards: over the
+    index's literal (template, token) pairs it took 0.21 s of the matcher's 0.44 s build,
+    which every ``hicache doctor`` command pays; the sort takes about a tenth of that."""
+    s = np.sort(x, kind="stable")
+    keep = np.empty(len(s), dtype=bool)
+    keep[:1] = True
+    np.not_equal(s[1:], s[:-1], out=keep[1:])
+    return s[keep]

@@ -15,11 +15,13 @@ import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from signatures.index import DATA, load_index
 from signatures.index.components import normalise
 from signatures.index.failures import FailureKind, classify
+from signatures.index.matcher import _sorted_unique
 from signatures.index.model import Level, Provenance, read_system
 from signatures.index.tokens import pieces, template_words, to_regex
 from signatures.mine import cpp_src, python_src
@@ -409,3 +411,17 @@ def test_a_line_that_is_a_message_s_opening_sentence_matches_it_lower(index) -> 
     assert index.match("No eviction candidates found in remote cpu backend.") == []
     # nor a short opening, which names too little
     assert index.match("No eviction candidates.") == []
+
+
+def test_the_matcher_s_unique_is_numpy_s() -> None:
+    """The sort-and-mask unique the matcher builds with gives ``np.unique``'s answer: empty,
+    one element, negatives, repeats, and large random arrays."""
+    rng = np.random.default_rng(7)
+    cases = [np.zeros(0, dtype=np.int64), np.array([5], dtype=np.int64),
+             np.array([3, -1, 3, 2, -1, 3], dtype=np.int64),
+             *(rng.integers(-50, 10**12 if big else 40, n, dtype=np.int64)
+               for n in (10, 1000, 200_000) for big in (False, True))]
+    for x in cases:
+        got, want = _sorted_unique(x), np.unique(x)
+        assert got.dtype == want.dtype
+        assert np.array_equal(got, want)
