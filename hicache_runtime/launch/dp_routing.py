@@ -75,6 +75,10 @@ class Slot(NamedTuple):
     received: int = 0
 
 
+#: What a group shows before its leader's first whole write.
+_NEVER_WRITTEN = Slot(0, 0, 0, 0)
+
+
 class LoadBoard:
     """Per-DP-group load in shared memory: group leaders write, the controller reads.
 
@@ -143,7 +147,7 @@ class LoadBoard:
     def _read(self, group: int) -> Slot:
         words, at = self._view(), group * _WORDS
         if words[at] == self._stuck.get(group):  # still the count a dead writer left
-            return self._last.get(group, Slot(0, 0, 0, 0))
+            return self._last.get(group, _NEVER_WRITTEN)
         for _ in range(_READ_TRIES):
             before = words[at]
             load, step, written_ns, received, check = words[at + 1: at + _WORDS].tolist()
@@ -156,7 +160,7 @@ class LoadBoard:
         # the group shows the last whole write this reader took (or the never-written slot),
         # and later reads do not wait again until the count moves
         self._stuck[group] = before
-        return self._last.get(group, Slot(0, 0, 0, 0))
+        return self._last.get(group, _NEVER_WRITTEN)
 
     def loads(self) -> list[int]:
         """Every group's load."""
